@@ -1,0 +1,41 @@
+"""moejax: dropless Mixture-of-Experts layers for JAX on device meshes.
+
+Public surface (everything else is private and may change):
+
+>>> import jax, jax.numpy as jnp, moejax
+>>> cfg = moejax.MoEConfig(d_model=16, d_ff=32, num_experts=4, top_k=2)
+>>> params = moejax.init_moe_params(cfg, jax.random.key(0))
+>>> y, aux = moejax.moe_apply(params, jnp.ones((4, 16)), cfg)
+"""
+
+from moejax import presets as presets
+from moejax._config import MoEConfig as MoEConfig
+from moejax._layer import IMPLEMENTATIONS as IMPLEMENTATIONS
+from moejax._layer import moe_apply as moe_apply
+from moejax._layer import resolve_implementation as resolve_implementation
+from moejax._params import init_moe_params as init_moe_params
+from moejax._params import param_specs as param_specs
+from moejax._routing import load_balance_loss as load_balance_loss
+from moejax._routing import route as route
+from moejax._routing import update_correction_bias as update_correction_bias
+from moejax._routing import z_loss as z_loss
+from moejax._types import MoEAux as MoEAux
+from moejax._types import Routing as Routing
+from moejax.nnx import MoE as MoE
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "MoE",
+    "MoEAux",
+    "MoEConfig",
+    "Routing",
+    "init_moe_params",
+    "load_balance_loss",
+    "moe_apply",
+    "param_specs",
+    "presets",
+    "resolve_implementation",
+    "route",
+    "update_correction_bias",
+    "z_loss",
+]

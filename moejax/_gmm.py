@@ -1,0 +1,111 @@
+"""Grouped matmuls for phase 3, one per `implementation=`, all with the same contract.
+
+`gmm(lhs [R, K], rhs [E, K, N], group_sizes [E]) -> [R, N]`: rows `[start_e, start_e + size_e)`
+multiply `rhs[e]`; rows past `sum(group_sizes)` give zeros. Each implementation states the row
+alignment it wants the permute phase to pad groups to.
+
+- `ragged_dot`: `jax.lax.ragged_dot` (alignment 1). Correct everywhere; on XLA:CPU it lowers to a
+  masked dense matmul with E times the FLOPs.
+- `blocked`: the XLA path for CPU. Groups are padded to `block` rows, and a `while` loop runs one
+  `[block, K] @ [K, N]` matmul per used block (loop trip count = used blocks, so unused capacity
+  costs nothing). Custom VJP: dlhs by the same loop with `rhs` transposed, drhs by a loop that
+  accumulates `lhs_b^T @ dout_b` into the block's group (tgmm).
+- `pallas`: `pallas_kernels.grouped_matmul` (Triton on GPU, Mosaic on TPU, interpret on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_DOT_T = (((1,), (1,)), ((), ()))  # contract lhs dim 1 with rhs dim 1: lhs @ rhs.T
+
+
+def ragged_dot_gmm(lhs, rhs, group_sizes):
+    """`jax.lax.ragged_dot` with an fp32 accumulator for low-precision inputs."""
+    return jax.lax.ragged_dot(
+        lhs, rhs, group_sizes, preferred_element_type=jnp.promote_types(lhs.dtype, jnp.float32)
+    ).astype(lhs.dtype)
+
+
+def _block_groups(group_sizes, block, num_blocks):
+    """Group of each block and the count of used blocks (group sizes are multiples of block)."""
+    ends = jnp.cumsum(group_sizes) // block  # [E] block index where each group ends
+    groups = jnp.searchsorted(ends, jnp.arange(num_blocks), side="right")
+    return jnp.minimum(groups, group_sizes.shape[0] - 1), ends[-1]
+
+
+def _blocked_matmul(lhs, rhs, group_sizes, block, transpose_rhs):
+    r, _ = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    num_blocks = r // block
+    groups, used = _block_groups(group_sizes, block, num_blocks)
+    acc_dtype = jnp.promote_types(lhs.dtype, jnp.float32)
+
+    def body(b, out):
+        x = jax.lax.dynamic_slice_in_dim(lhs, b * block, block)
+        w = rhs[groups[b]]
+        if transpose_rhs:
+            y = jax.lax.dot_general(x, w, _DOT_T, preferred_element_type=acc_dtype)
+        else:
+            y = jnp.dot(x, w, preferred_element_type=acc_dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), b * block, 0)
+
+    return jax.lax.fori_loop(0, used, body, jnp.zeros((r, n), lhs.dtype))
+
+
+def _blocked_tgmm(lhs, dout, group_sizes, block):
+    """`[E, K, N]`: per group, `lhs_g^T @ dout_g` (zeros for empty groups)."""
+    r, k = lhs.shape
+    n = dout.shape[1]
+    e = group_sizes.shape[0]
+    groups, used = _block_groups(group_sizes, block, r // block)
+    acc_dtype = jnp.promote_types(lhs.dtype, jnp.float32)
+
+    def body(b, acc):
+        x = jax.lax.dynamic_slice_in_dim(lhs, b * block, block)
+        g = jax.lax.dynamic_slice_in_dim(dout, b * block, block)
+        upd = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+        return acc.at[groups[b]].add(upd)
+
+    acc = jax.lax.fori_loop(0, used, body, jnp.zeros((e, k, n), acc_dtype))
+    return acc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def blocked_gmm(lhs, rhs, group_sizes, block):
+    """Grouped matmul over block-aligned groups (see module docstring).
+
+    Args:
+      lhs: `[R, K]` rows sorted by group, R a multiple of `block`.
+      rhs: `[E, K, N]`.
+      group_sizes: `[E]` int32, multiples of `block`, sum <= R.
+      block: rows per block.
+
+    Returns:
+      `[R, N]` in `lhs.dtype` (fp32 accumulation).
+    """
+    return _blocked_matmul(lhs, rhs, group_sizes, block, transpose_rhs=False)
+
+
+def _blocked_gmm_fwd(lhs, rhs, group_sizes, block):
+    return blocked_gmm(lhs, rhs, group_sizes, block), (lhs, rhs, group_sizes)
+
+
+def _blocked_gmm_bwd(block, res, dout):
+    lhs, rhs, group_sizes = res
+    dlhs = _blocked_matmul(dout, rhs, group_sizes, block, transpose_rhs=True)
+    drhs = _blocked_tgmm(lhs, dout, group_sizes, block).astype(rhs.dtype)
+    return dlhs, drhs, None
+
+
+blocked_gmm.defvjp(_blocked_gmm_fwd, _blocked_gmm_bwd)
+
+
+def pallas_gmm(lhs, rhs, group_sizes, *, interpret: bool):
+    """`pallas_kernels.grouped_matmul` (imported lazily: the kernel package is optional here)."""
+    import pallas_kernels
+
+    return pallas_kernels.grouped_matmul(lhs, rhs, group_sizes, interpret=interpret)

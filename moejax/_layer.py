@@ -1,0 +1,140 @@
+"""`moe_apply`: the functional MoE layer, as four phases — route, permute, experts, unpermute."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from moejax import _gmm, _routing
+from moejax._config import MoEConfig
+from moejax._experts import grouped_ffn, reference_experts, shared_mlp
+from moejax._permute import combine, dispatch, make_layout
+from moejax._types import MoEAux, Routing
+
+Implementation = Literal["auto", "reference", "ragged_dot", "blocked", "pallas"]
+IMPLEMENTATIONS: tuple[str, ...] = Implementation.__args__
+
+
+def resolve_implementation(implementation: str, backend: str | None = None) -> str:
+    """Map `"auto"` to a concrete implementation for the backend.
+
+    Fallback order for `"auto"`: `pallas` on GPU and TPU (the block-sparse kernels), `blocked`
+    (the XLA block loop) everywhere else. `"reference"` is never picked automatically.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: must be one of {IMPLEMENTATIONS}")
+    if implementation != "auto":
+        return implementation
+    backend = backend or jax.default_backend()
+    return "pallas" if backend in ("gpu", "cuda", "rocm", "tpu") else "blocked"
+
+
+def _gmm_for(implementation: str, config: MoEConfig):
+    """The grouped matmul and the row alignment it wants."""
+    if implementation == "ragged_dot":
+        return _gmm.ragged_dot_gmm, 1
+    if implementation == "blocked":
+        return functools.partial(_gmm.blocked_gmm, block=config.block_size), config.block_size
+    if implementation == "pallas":
+        interpret = jax.default_backend() == "cpu"
+        return functools.partial(_gmm.pallas_gmm, interpret=interpret), 1
+    raise ValueError(f"no grouped matmul for implementation={implementation!r}")
+
+
+def moe_apply(
+    params: dict,
+    x: jax.Array,
+    config: MoEConfig,
+    *,
+    implementation: Implementation = "auto",
+) -> tuple[jax.Array, MoEAux]:
+    """Apply one MoE layer.
+
+    Args:
+      params: the tree from `init_moe_params` (or the NNX/Linen modules).
+      x: `[..., D]` tokens. With 3 or more dims, the second-to-last axis is the sequence: capacity
+        (capacity mode, expert choice) is counted per sequence.
+      config: the layer config.
+      implementation: `"reference"` (per-expert loop, the oracle), `"ragged_dot"`, `"blocked"`
+        (fast XLA path for CPU), `"pallas"` (block-sparse kernels), or `"auto"`.
+
+    Returns:
+      `(y, aux)`: `y` of the shape and dtype of `x`, `aux` a `MoEAux` of routing statistics and
+      auxiliary losses (over the T flattened tokens).
+
+    >>> import jax, jax.numpy as jnp, moejax
+    >>> cfg = moejax.MoEConfig(d_model=8, d_ff=16, num_experts=4, top_k=2)
+    >>> params = moejax.init_moe_params(cfg, jax.random.key(0))
+    >>> y, aux = moejax.moe_apply(params, jnp.ones((2, 3, 8)), cfg)
+    >>> y.shape, aux.expert_counts.sum().item(), aux.dropped_fraction.item()
+    ((2, 3, 8), 12, 0.0)
+    """
+    if x.shape[-1] != config.d_model:
+        raise ValueError(f"x has last dim {x.shape[-1]}, config.d_model={config.d_model}")
+    implementation = resolve_implementation(implementation)
+    shape = x.shape
+    num_sequences = math.prod(shape[:-2]) if x.ndim >= 3 else 1
+    xt = x.reshape(-1, config.d_model)
+
+    with jax.named_scope("route"):
+        routing = _routing.route(params["router"], xt, config, num_sequences=num_sequences)
+        if config.dispatch == "capacity" and config.router != "expert_choice":
+            routing = _routing.apply_capacity(routing, config, num_sequences)
+
+    if implementation == "reference":
+        with jax.named_scope("experts"):
+            y = reference_experts(params["experts"], xt, routing, config)
+    else:
+        gmm, alignment = _gmm_for(implementation, config)
+        with jax.named_scope("permute"):
+            layout = make_layout(
+                routing, config.num_experts, alignment, _max_kept(xt, config, num_sequences)
+            )
+            rows = dispatch(xt, layout)
+        with jax.named_scope("experts"):
+            out = grouped_ffn(
+                rows, layout.group_sizes, layout.group_of_row, params["experts"], config, gmm
+            )
+        with jax.named_scope("unpermute"):
+            y = combine(out, routing.weight, layout)
+
+    if config.shared_width:
+        with jax.named_scope("shared_experts"):
+            y = y + shared_mlp(params["shared"], xt, config)
+    return y.reshape(shape), make_aux(routing, config)
+
+
+def _max_kept(xt, config, num_sequences) -> int | None:
+    """Static bound on kept assignments (smaller R for capacity mode and expert choice)."""
+    if config.dispatch == "capacity" or config.router == "expert_choice":
+        s = xt.shape[0] // num_sequences
+        cap = min(config.capacity(s), s) if config.router == "expert_choice" else config.capacity(s)
+        return num_sequences * config.num_experts * cap
+    return None
+
+
+def make_aux(routing: Routing, config: MoEConfig) -> MoEAux:
+    """Routing statistics and auxiliary losses of one call."""
+    e = config.num_experts
+    dropped = ~routing.kept
+    if config.router == "expert_choice":
+        dropped_fraction = jnp.mean(~routing.kept.any(-1))
+        counts = _routing.expert_counts(routing.expert_index, e, routing.kept)
+    else:
+        dropped_fraction = jnp.mean(dropped)
+        counts = _routing.expert_counts(routing.expert_index, e)
+    return MoEAux(
+        router_logits=routing.logits,
+        topk_indices=routing.expert_index,
+        topk_weights=routing.weight,
+        dropped_mask=dropped if config.router != "expert_choice" else jnp.zeros_like(dropped),
+        expert_counts=counts,
+        kept_counts=_routing.expert_counts(routing.expert_index, e, routing.kept),
+        dropped_fraction=dropped_fraction.astype(jnp.float32),
+        load_balance_loss=_routing.load_balance_loss(routing, e),
+        z_loss=_routing.z_loss(routing.logits),
+    )

@@ -1,0 +1,195 @@
+"""Phase 1, route: `x [T, D]` -> `Routing` (experts, weights, kept mask) and auxiliary losses.
+
+Every router computes in fp32 (``config.router_dtype``) whatever the activation dtype. The
+functions here are pure: parameters and activations in, records out.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax._config import MoEConfig
+from moejax._types import Routing
+
+
+def router_logits(router_params: dict, x: jax.Array, config: MoEConfig) -> jax.Array:
+    """Router logits in fp32.
+
+    Args:
+      router_params: `{"kernel": [D, E], "bias": [E] (optional)}`.
+      x: `[T, D]` tokens, any float dtype.
+      config: the layer config.
+
+    Returns:
+      `[T, E]` logits in `config.router_dtype`.
+    """
+    dtype = jnp.dtype(config.router_dtype)
+    logits = jnp.dot(x.astype(dtype), router_params["kernel"].astype(dtype))
+    if config.router_bias:
+        logits = logits + router_params["bias"].astype(dtype)
+    return logits
+
+
+def route(
+    router_params: dict, x: jax.Array, config: MoEConfig, *, num_sequences: int = 1
+) -> Routing:
+    """Choose experts and combine weights for every token.
+
+    Args:
+      router_params: `router/...` parameters (see `router_logits`).
+      x: `[T, D]` tokens; when `num_sequences > 1`, T = num_sequences * S in sequence-major order.
+      config: the layer config.
+      num_sequences: capacity groups for expert choice (each sequence chooses separately).
+
+    Returns:
+      A `Routing` with `K = config.top_k` slots per token (`K = E` for expert choice). All slots
+      are kept; capacity dropping is a later phase (`apply_capacity`).
+    """
+    logits = router_logits(router_params, x, config)
+    kind = config.router
+    if kind == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        weight, index = jax.lax.top_k(probs, config.top_k)
+        if config.norm_topk_prob:
+            weight = weight / weight.sum(-1, keepdims=True)
+    elif kind == "sigmoid":
+        index, weight, probs = _sigmoid_route(router_params, logits, config)
+    elif kind == "topk_softmax":
+        top_logits, index = jax.lax.top_k(logits, config.top_k)
+        weight = jax.nn.softmax(top_logits, axis=-1)
+        probs = jax.nn.softmax(logits, axis=-1)
+    elif kind == "expert_choice":
+        return _expert_choice(logits, config, num_sequences)
+    else:  # unreachable: MoEConfig validates `router`
+        raise ValueError(f"unknown router {kind!r}")
+    return Routing(
+        logits=logits,
+        probs=probs,
+        expert_index=index.astype(jnp.int32),
+        weight=weight,
+        kept=jnp.ones(index.shape, bool),
+    )
+
+
+def _sigmoid_route(router_params, logits, config):
+    """DeepSeek-V3: choose on sigmoid scores + correction bias, weigh by the unbiased scores."""
+    t, e = logits.shape
+    scores = jax.nn.sigmoid(logits)
+    choice = scores
+    if config.score_correction_bias:
+        choice = scores + router_params["score_correction_bias"].astype(scores.dtype)
+    if config.num_groups > 1:
+        grouped = choice.reshape(t, config.num_groups, e // config.num_groups)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, groups]
+        _, keep_groups = jax.lax.top_k(group_scores, config.topk_groups)
+        group_mask = jnp.zeros((t, config.num_groups), bool)
+        group_mask = group_mask.at[jnp.arange(t)[:, None], keep_groups].set(True)
+        choice = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(t, e)
+    _, index = jax.lax.top_k(choice, config.top_k)
+    weight = jnp.take_along_axis(scores, index, axis=-1)
+    if config.norm_topk_prob:
+        weight = weight / (weight.sum(-1, keepdims=True) + 1e-20)
+    weight = weight * config.routed_scaling_factor
+    probs = scores / scores.sum(-1, keepdims=True)
+    return index, weight, probs
+
+
+def _expert_choice(logits, config, num_sequences):
+    """Each expert takes its top-C tokens (per sequence) by softmax probability."""
+    t, e = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    s = t // num_sequences
+    c = min(config.capacity(s), s)
+    per_seq = probs.reshape(num_sequences, s, e).transpose(0, 2, 1)  # [B, E, S]
+    _, chosen = jax.lax.top_k(per_seq, c)  # [B, E, C] token positions within the sequence
+    kept = jnp.zeros((num_sequences, e, s), bool)
+    b_idx = jnp.arange(num_sequences)[:, None, None]
+    e_idx = jnp.arange(e)[None, :, None]
+    kept = kept.at[b_idx, e_idx, chosen].set(True).transpose(0, 2, 1).reshape(t, e)
+    return Routing(
+        logits=logits,
+        probs=probs,
+        expert_index=jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (t, e)),
+        weight=jnp.where(kept, probs, 0.0),
+        kept=kept,
+    )
+
+
+def apply_capacity(routing: Routing, config: MoEConfig, num_sequences: int = 1) -> Routing:
+    """Drop assignments past each expert's capacity, counted per sequence.
+
+    Priority inside a sequence is slot-major, then position: every token's first choice is served
+    before any second choice (GShard, Switch), and earlier tokens before later ones.
+
+    Args:
+      routing: a token-choice `Routing` over `T = num_sequences * S` tokens.
+      config: the layer config (capacity from `capacity_factor` or `expert_capacity`).
+      num_sequences: capacity groups.
+
+    Returns:
+      `routing` with `kept` set, and zero weight on dropped assignments.
+    """
+    t, k = routing.expert_index.shape
+    e = config.num_experts
+    s = t // num_sequences
+    cap = config.capacity(s)
+    # [B, K, S] expert ids in priority order; position of each assignment within its expert.
+    ids = routing.expert_index.reshape(num_sequences, s, k).transpose(0, 2, 1)
+    onehot = jax.nn.one_hot(ids.reshape(num_sequences, k * s), e, dtype=jnp.int32)
+    position = (jnp.cumsum(onehot, axis=1) - 1) * onehot  # [B, K*S, E]
+    position = position.sum(-1).reshape(num_sequences, k, s).transpose(0, 2, 1).reshape(t, k)
+    kept = routing.kept & (position < cap)
+    return Routing(
+        logits=routing.logits,
+        probs=routing.probs,
+        expert_index=routing.expert_index,
+        weight=jnp.where(kept, routing.weight, 0.0),
+        kept=kept,
+    )
+
+
+def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
+    """Switch/GShard load-balancing loss `E * sum_e f_e * P_e` (1.0 at perfect balance).
+
+    `f_e` is the fraction of the T*K routed assignments that chose expert e, `P_e` the mean router
+    probability of e. (Hugging Face's `load_balancing_loss_func` sums f over the K slots and so
+    returns K times this value.)
+    """
+    counts = expert_counts(routing.expert_index, num_experts)
+    f = counts.astype(jnp.float32) / routing.expert_index.size
+    p = routing.probs.mean(0)
+    return num_experts * jnp.sum(f * p)
+
+
+def z_loss(logits: jax.Array) -> jax.Array:
+    """Router z-loss `mean(logsumexp(logits)^2)` (ST-MoE)."""
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+
+def expert_counts(expert_index: jax.Array, num_experts: int, mask=None) -> jax.Array:
+    """`[E]` int32 count of assignments per expert (optionally only where `mask`)."""
+    w = None if mask is None else mask.reshape(-1).astype(jnp.int32)
+    return jnp.bincount(expert_index.reshape(-1), weights=w, length=num_experts).astype(jnp.int32)
+
+
+def update_correction_bias(bias: jax.Array, counts: jax.Array, rate: float = 1e-3) -> jax.Array:
+    """Aux-loss-free balancing (DeepSeek-V3): nudge each expert's score bias against its load.
+
+    Overloaded experts (count above the mean) lose `rate`, underloaded ones gain it. Applied
+    outside the optimizer, once per step, from the observed `expert_counts`.
+
+    Args:
+      bias: `[E]` current `router/score_correction_bias`.
+      counts: `[E]` observed assignments per expert (summed over layers' batch, any int/float).
+      rate: update speed (DeepSeek-V3 uses 1e-3).
+
+    Returns:
+      `[E]` the new bias, same dtype as `bias`.
+
+    >>> import jax.numpy as jnp
+    >>> update_correction_bias(jnp.zeros(3), jnp.array([5, 1, 3]), rate=0.1)
+    Array([-0.1,  0.1,  0. ], dtype=float32)
+    """
+    counts = counts.astype(jnp.float32)
+    return (bias + rate * jnp.sign(counts.mean() - counts)).astype(bias.dtype)
