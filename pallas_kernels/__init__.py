@@ -1,0 +1,30 @@
+"""Grouped matmul kernels for Mixture-of-Experts: Pallas TPU, Pallas Triton and a jnp reference.
+
+Depends on jax only. Shape letters: M rows, K contraction, N output columns, G groups.
+`grouped_matmul` is the differentiable op layers call; `gather_grouped_matmul` fuses the MoE
+row gather and routing weight into it (fused on Pallas-Triton, composed elsewhere).
+"""
+
+from pallas_kernels.autotune import autotune_gmm as autotune_gmm
+from pallas_kernels.config import BACKENDS as BACKENDS
+from pallas_kernels.config import DEFAULT_CONFIG as DEFAULT_CONFIG
+from pallas_kernels.config import Config as Config
+from pallas_kernels.fused import gather_grouped_matmul as gather_grouped_matmul
+from pallas_kernels.ops import gmm as gmm
+from pallas_kernels.ops import grouped_matmul as grouped_matmul
+from pallas_kernels.ops import tgmm as tgmm
+from pallas_kernels.reference import reference_gmm as reference_gmm
+from pallas_kernels.reference import reference_tgmm as reference_tgmm
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_CONFIG",
+    "Config",
+    "autotune_gmm",
+    "gather_grouped_matmul",
+    "gmm",
+    "grouped_matmul",
+    "reference_gmm",
+    "reference_tgmm",
+    "tgmm",
+]

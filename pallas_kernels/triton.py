@@ -1,0 +1,187 @@
+"""Pallas GPU (Triton lowering) grouped-matmul kernels: gmm and tgmm.
+
+Unlike the TPU kernels (one sequential walk over a visit list), GPU programs run concurrently,
+so two programs must never write the same output tile. Each program therefore owns one output
+tile and loops over what touches it:
+  * gmm: grid (m-tiles, n-tiles); program (i, j) loops over the groups whose rows lie in m-tile
+    i (`metadata.tile_group_ranges`) and, per group, over K; the masked revisit of a straddling
+    tile happens inside the program, in registers.
+  * tgmm: grid (G, k-tiles, n-tiles); program (g, a, b) loops over the m-tiles of group g
+    (`metadata.group_tile_ranges`); an empty group writes its zero accumulator.
+Operands are passed whole (no BlockSpec blocking) and sliced with `pl.ds` at tile offsets
+computed from the metadata, because the tile a program reads depends on data (the group).
+Callers pad M, K, N to tile multiples; tiles are powers of two (Triton's requirement).
+
+Status: correct in interpret mode on CPU (tests); not yet compiled or timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import metadata as md
+from pallas_kernels import vma
+from pallas_kernels.config import Config
+
+
+def _compiler_params(config: Config):
+    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    tiles: tuple[int, int, int],
+    config: Config,
+    transpose_rhs: bool,
+    out_dtype,
+    interpret: bool,
+    row_index: jax.Array | None = None,
+    row_weight: jax.Array | None = None,
+) -> jax.Array:
+    """out[rows of g] = lhs[rows of g] @ rhs[g] on GPU, optionally with MoE fusions.
+
+    Args:
+      lhs: [M, K], M % tm == 0, K % tk == 0; with row_index, any [T, K] (K % tk == 0).
+      rhs: [G, K, N] ([G, N, K] if transpose_rhs), N % tn == 0.
+      group_sizes: [G] int32, sum <= M.
+      tiles: (tm, tk, tn), powers of two.
+      config: supplies num_warps and num_stages.
+      transpose_rhs: contract with rhs's last axis.
+      out_dtype: output dtype (accumulation is fp32).
+      interpret: run with the Pallas interpreter (CPU).
+      row_index: optional [M] int32 in [0, T): row r of the grouped lhs is lhs[row_index[r]],
+        gathered inside the kernel (no [M, K] permuted copy in memory).
+      row_weight: optional [M] float32: row r of the output is scaled by it in the epilogue.
+
+    Returns:
+      [M, N] of out_dtype; rows past sum(group_sizes) are zero (their tiles have no groups).
+    """
+    tm, tk, tn = tiles
+    m = lhs.shape[0] if row_index is None else row_index.shape[0]
+    k = lhs.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tiles_k = k // tk
+    first, stop = md.tile_group_ranges(group_sizes, m=m, tm=tm)
+    offsets = md.group_offsets(group_sizes)
+    extras = [a for a in (row_index, row_weight) if a is not None]
+
+    def kernel(first_ref, stop_ref, offsets_ref, *refs):
+        *extra_refs, lhs_ref, rhs_ref, out_ref = refs
+        index_ref = extra_refs.pop(0) if row_index is not None else None
+        weight_ref = extra_refs.pop(0) if row_weight is not None else None
+        i, j = pl.program_id(0), pl.program_id(1)
+        rows = i * tm + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+        # Fused gather: this tile's lhs rows, read straight from the unpermuted [T, K] array.
+        lhs_rows = pl.ds(i * tm, tm) if index_ref is None else index_ref[pl.ds(i * tm, tm)]
+
+        def group_body(g, acc):
+            def k_body(kk, part):
+                x = lhs_ref[lhs_rows, pl.ds(kk * tk, tk)]
+                if transpose_rhs:
+                    w = rhs_ref[g, pl.ds(j * tn, tn), pl.ds(kk * tk, tk)].T
+                else:
+                    w = rhs_ref[g, pl.ds(kk * tk, tk), pl.ds(j * tn, tn)]
+                return part + jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+            part = lax.fori_loop(0, tiles_k, k_body, jnp.zeros((tm, tn), jnp.float32))
+            in_group = (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
+            return acc + jnp.where(in_group, part, 0.0)
+
+        acc = lax.fori_loop(first_ref[i], stop_ref[i], group_body, jnp.zeros((tm, tn), jnp.float32))
+        if weight_ref is not None:  # fused routing weight, applied once in the epilogue
+            acc = acc * weight_ref[pl.ds(i * tm, tm)][:, None]
+        out_ref[...] = acc.astype(out_ref.dtype)
+
+    whole = pl.BlockSpec(memory_space=pl.ANY)  # sliced in the kernel at data-dependent offsets
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=m * k * lhs.dtype.itemsize * (n // tn)
+        + rhs.size * rhs.dtype.itemsize * (m // tm)
+        + m * n * jnp.dtype(out_dtype).itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=vma.out_struct((m, n), out_dtype, lhs, vma.varying_axes(lhs)),
+        grid=(m // tm, n // tn),
+        in_specs=[whole] * (5 + len(extras)),
+        # Output tile (i, j) of [M, N] belongs to program (i, j) alone.
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        compiler_params=_compiler_params(config),
+        interpret=interpret,
+        cost_estimate=cost,
+    )(first, stop, offsets, *extras, lhs, rhs)
+
+
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    tiles: tuple[int, int, int],
+    config: Config,
+    out_dtype,
+    interpret: bool,
+) -> jax.Array:
+    """out[g] = lhs[rows of g]^T @ rhs[rows of g] on GPU.
+
+    Args:
+      lhs: [M, K], M % tm == 0, K % tk == 0.
+      rhs: [M, N], N % tn == 0.
+      group_sizes: [G] int32, sum <= M.
+      tiles: (tm, tk, tn), powers of two.
+      config: supplies num_warps and num_stages.
+      out_dtype: output dtype (accumulation is fp32).
+      interpret: run with the Pallas interpreter (CPU).
+
+    Returns:
+      [G, K, N] of out_dtype; empty groups are zero.
+    """
+    tm, tk, tn = tiles
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    num_groups = group_sizes.shape[0]
+    lo, hi = md.group_tile_ranges(group_sizes, tm=tm)
+    offsets = md.group_offsets(group_sizes)
+
+    def kernel(lo_ref, hi_ref, offsets_ref, lhs_ref, rhs_ref, out_ref):
+        g, a, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        start, end = offsets_ref[g], offsets_ref[g + 1]
+
+        def body(t, acc):
+            rows = t * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+            in_group = (rows >= start) & (rows < end)
+            # Mask both operands: rows of other groups may hold anything, even inf.
+            x = jnp.where(in_group, lhs_ref[pl.ds(t * tm, tm), pl.ds(a * tk, tk)], 0)
+            y = jnp.where(in_group, rhs_ref[pl.ds(t * tm, tm), pl.ds(b * tn, tn)], 0)
+            return acc + jnp.dot(x.T, y, preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(lo_ref[g], hi_ref[g], body, jnp.zeros((tk, tn), jnp.float32))
+        out_ref[...] = acc.astype(out_ref.dtype)
+
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=lhs.size * lhs.dtype.itemsize * (n // tn)
+        + rhs.size * rhs.dtype.itemsize * (k // tk)
+        + num_groups * k * n * jnp.dtype(out_dtype).itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=vma.out_struct((num_groups, k, n), out_dtype, lhs, vma.varying_axes(lhs)),
+        grid=(num_groups, k // tk, n // tn),
+        in_specs=[whole] * 5,
+        # Output block (g, a, b) of [G, K, N] belongs to program (g, a, b) alone.
+        out_specs=pl.BlockSpec((None, tk, tn), lambda g, a, b: (g, a, b)),
+        compiler_params=_compiler_params(config),
+        interpret=interpret,
+        cost_estimate=cost,
+    )(lo, hi, offsets, lhs, rhs)

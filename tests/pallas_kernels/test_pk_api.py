@@ -1,0 +1,111 @@
+"""Public surface, argument validation, backend choice, autotune cache keys and named shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import autotune, config, shapes
+
+
+def test_public_names_import():
+    for name in pk.__all__:
+        assert getattr(pk, name) is not None, name
+    assert {"gmm", "tgmm", "grouped_matmul", "Config", "reference_gmm", "reference_tgmm"} <= set(
+        pk.__all__
+    )
+
+
+def test_package_does_not_import_moejax():
+    import pathlib
+
+    for path in pathlib.Path(pk.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "import moejax" not in text and "from moejax" not in text, path
+
+
+def test_config_is_frozen_and_validated():
+    cfg = pk.Config(tm=64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tm = 32
+    with pytest.raises(ValueError, match="tm"):
+        pk.Config(tm=96)
+    with pytest.raises(ValueError, match="num_warps"):
+        pk.Config(num_warps=0)
+    assert config.effective_tiles(pk.Config(128, 128, 128), 200, 24, 5) == (128, 32, 8)
+
+
+def test_auto_backend_on_cpu_is_reference():
+    assert jax.default_backend() == "cpu"
+    assert config.resolve_backend("auto") == "reference"
+    with pytest.raises(ValueError, match="backend"):
+        config.resolve_backend("cuda")
+
+
+@pytest.mark.parametrize(
+    "lhs_shape, rhs_shape, sizes, match",
+    [
+        ((4, 3), (2, 5, 6), [2, 2], "does not match"),
+        ((4, 3, 1), (2, 3, 6), [2, 2], "lhs"),
+        ((4, 3), (3, 6), [2, 2], "rhs"),
+        ((4, 3), (3, 3, 6), [2, 2], "does not match"),
+    ],
+)
+def test_gmm_validation(lhs_shape, rhs_shape, sizes, match):
+    with pytest.raises(ValueError, match=match):
+        pk.gmm(jnp.ones(lhs_shape), jnp.ones(rhs_shape), jnp.asarray(sizes, jnp.int32))
+
+
+def test_group_sizes_must_be_integer_and_num_groups_consistent():
+    with pytest.raises(ValueError, match="group_sizes"):
+        pk.gmm(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), jnp.asarray([2.0, 2.0]))
+    with pytest.raises(ValueError, match="num_groups"):
+        pk.tgmm(jnp.ones((4, 3)), jnp.ones((4, 5)), jnp.asarray([2, 2], jnp.int32), num_groups=3)
+
+
+def test_autotune_cache_key_buckets_rows():
+    key = autotune.cache_key(3000, 512, 1024, 8, jnp.bfloat16, device_kind="NVIDIA H100")
+    assert key == (4096, 512, 1024, 8, "bfloat16", "NVIDIA H100")
+    assert autotune.cache_key(2049, 512, 1024, 8, jnp.bfloat16, "NVIDIA H100") == key
+    assert autotune.cache_key(2048, 512, 1024, 8, jnp.bfloat16, "NVIDIA H100") != key
+    assert autotune.cache_key(3000, 512, 1024, 8, jnp.float32, "NVIDIA H100") != key
+    assert autotune.cache_key(1, 8, 8, 1, jnp.float32, "x")[0] == 64
+    assert autotune.cache_key(10, 8, 8, 1, jnp.float32)[-1] == jax.devices()[0].device_kind
+
+
+def test_autotune_cache_and_cpu_refusal():
+    key = autotune.cache_key(100, 8, 8, 2, jnp.float32, "x")
+    autotune.clear_cache()
+    assert autotune.cached_config(key) is None
+    autotune.store_config(key, pk.Config(tm=32))
+    assert autotune.cached_config(key) == pk.Config(tm=32)
+    autotune.clear_cache()
+    assert len(autotune.CANDIDATES) == len(set(autotune.CANDIDATES)) <= 32
+    with pytest.raises(RuntimeError, match="GPU"):
+        pk.autotune_gmm(jnp.ones((8, 8)), jnp.ones((2, 8, 8)), jnp.asarray([4, 4], jnp.int32))
+
+
+@pytest.mark.parametrize("name", sorted(shapes.SHAPES))
+def test_named_shapes(name):
+    spec = shapes.SHAPES[name]
+    sizes = spec.group_sizes()
+    assert sizes.dtype == np.int32 and sizes.shape == (spec.g,)
+    assert sizes.sum() == (spec.used or spec.m) and (sizes >= 0).all()
+    small = spec.scaled(m=256, k=64, n=64)
+    assert small.group_sizes().sum() <= 256 and small.routing == spec.routing
+
+
+def test_named_shape_patterns():
+    s = shapes.SHAPES
+    assert (s["all_in_one"].group_sizes() > 0).sum() == 1
+    assert (s["one_per_group"].group_sizes()[:-1] == 1).all()
+    assert (s["with_empty"].group_sizes() == 0).any()
+    assert s["mixtral_8x7b"] == shapes.ShapeSpec("mixtral_8x7b", 32768, 4096, 14336, 8)
+    assert (s["fine_grained"].g, s["fine_grained"].k, s["fine_grained"].n) == (128, 2048, 768)
+    zipf = np.sort(s["fine_grained_zipf"].group_sizes())
+    assert zipf[-1] > 10 * zipf[0]

@@ -1,0 +1,75 @@
+"""The kernels inside `jax.shard_map`, as the expert-parallel MoE layer calls them.
+
+With `check_vma=True` the Pallas kernels lower for cuda and tpu (the out_shape carries the
+varying axes, see pallas_kernels/vma.py). Interpret mode under `check_vma=True` fails inside
+jax's Pallas HLO interpreter (grid indices are not varying; jax 0.10.2), so the interpret-mode
+numerics are checked with `check_vma=False`; the reference backend works either way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _pk_testing import assert_close, numpy_gmm, numpy_tgmm, random_inputs
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels as pk
+
+SHARDS, M, K, N, G = 4, 64, 32, 48, 2
+SPECS = (P("x"), P("x"), P("x"))
+SMALL_TILES = pk.Config(64, 32, 64)  # interpret mode only: compiled Mosaic needs tk, tn >= 128
+
+
+def _layer(backend, interpret=True, config=SMALL_TILES):
+    def body(x, w, s):
+        def op(a, b):
+            return pk.grouped_matmul(a, b, s, backend=backend, interpret=interpret, config=config)
+
+        out, vjp = jax.vjp(op, x, w)
+        return out, *vjp(out)
+
+    return body
+
+
+@pytest.mark.parametrize(
+    "backend, check_vma",
+    [("reference", True), ("pallas_triton", False), ("pallas_tpu", False)],
+)
+def test_sharded_forward_and_vjp(backend, check_vma):
+    mesh = jax.make_mesh((SHARDS,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    lhs, rhs = random_inputs(SHARDS * M, K, N, SHARDS * G, jnp.float32)
+    sizes = np.array([[20, 30], [0, 64], [1, 0], [33, 31]], np.int32).reshape(-1)
+    f = jax.shard_map(
+        _layer(backend), mesh=mesh, in_specs=SPECS, out_specs=SPECS, check_vma=check_vma
+    )
+    out, dlhs, drhs = jax.jit(f)(lhs, rhs, jnp.asarray(sizes))
+    for shard in range(SHARDS):
+        rows, groups = slice(shard * M, (shard + 1) * M), slice(shard * G, (shard + 1) * G)
+        want = numpy_gmm(lhs[rows], rhs[groups], sizes[groups])
+        assert_close(out[rows], want, jnp.float32)
+        assert_close(dlhs[rows], numpy_gmm(want, rhs[groups], sizes[groups], True), jnp.float32)
+        assert_close(drhs[groups], numpy_tgmm(lhs[rows], want, sizes[groups]), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "backend, platform, marker",
+    [("pallas_triton", "cuda", "__gpu$xla.gpu.triton"), ("pallas_tpu", "tpu", "tpu_custom_call")],
+)
+def test_lowers_under_shard_map_with_check_vma(backend, platform, marker):
+    mesh = jax.sharding.AbstractMesh((SHARDS,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    args = (
+        jax.ShapeDtypeStruct((SHARDS * 256, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((SHARDS * G, 128, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((SHARDS * G,), jnp.int32),
+    )
+    f = jax.shard_map(
+        _layer(backend, interpret=False, config=None),
+        mesh=mesh,
+        in_specs=SPECS,
+        out_specs=SPECS,
+        check_vma=True,
+    )
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count(marker) == 3
