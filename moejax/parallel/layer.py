@@ -1,0 +1,167 @@
+"""`moe_apply_sharded`: the MoE layer under `jax.shard_map` on a `data`/`expert`/`model` mesh.
+
+Per device: route the local tokens (router replicated), apply capacity per sequence (exactly as
+on one device), build the expert-parameter view of the chosen mode, run dispatch -> experts ->
+combine on `chunks` token chunks, add the shared experts, `psum` the F-slice partial sums over
+`model`, and form the global aux (`psum` over the token axes).
+
+>>> import jax, jax.numpy as jnp, moejax
+>>> from moejax import parallel
+>>> cfg = moejax.MoEConfig(d_model=16, d_ff=32, num_experts=8, top_k=2, block_size=8)
+>>> mesh = parallel.make_mesh((2, 4), ("data", "expert"))
+>>> params = parallel.shard_params(moejax.init_moe_params(cfg, jax.random.key(0)), cfg, mesh)
+>>> x = parallel.shard_activations(jnp.ones((8, 4, 16)), mesh)
+>>> strategy = parallel.Strategy(mode="expert", dispatcher="dropless", chunks=2)
+>>> y, aux = jax.jit(parallel.moe_apply_sharded, static_argnums=(2, 3), static_argnames="strategy")(
+...     params, x, cfg, mesh, strategy=strategy)
+>>> y.shape, int(aux.expert_counts.sum()), float(aux.dropped_fraction)
+((8, 4, 16), 64, 0.0)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from moejax import _routing
+from moejax._config import MoEConfig
+from moejax._experts import shared_mlp
+from moejax._layer import resolve_implementation
+from moejax._types import MoEAux
+from moejax.parallel import _collectives as col
+from moejax.parallel import mesh as mesh_lib
+from moejax.parallel._aux import sharded_aux
+from moejax.parallel._local import local_moe
+from moejax.parallel.dispatch_allgather import allgather_reduce_scatter
+from moejax.parallel.dispatch_capacity import CapacityStages, capacity_all_to_all, slot_bound
+from moejax.parallel.dispatch_dropless import default_bucket, dropless_all_to_all
+from moejax.parallel.modes import experts_view
+from moejax.parallel.pipeline import chunk_slices, pipelined, staged
+from moejax.parallel.strategy import Strategy, resolve_strategy
+
+
+def moe_apply_sharded(
+    params: dict,
+    x: jax.Array,
+    config: MoEConfig,
+    mesh,
+    *,
+    strategy: Strategy | str = "auto",
+    implementation: str = "auto",
+    stagger: bool = False,
+) -> tuple[jax.Array, MoEAux]:
+    """Apply one MoE layer sharded over `mesh`; the same function as `moejax.moe_apply`.
+
+    Args:
+      params: the layer's parameter tree (any placement; `shard_params` puts it in the stored
+        layout, see `moejax.parallel.mesh`).
+      x: `[B, ..., D]` or `[T, D]` tokens; the leading axis is split over `("data", "expert")`.
+        With capacity routing or expert choice, capacity is per sequence (second-to-last axis),
+        so each sequence must sit on one device: x needs a sequence axis unless unsharded.
+      config: the layer config.
+      mesh: a mesh with any subset of the axes `data`, `expert`, `model` (`make_mesh`).
+      strategy: a `Strategy` (mode, dispatcher, pipeline degree, bucket) or `"auto"`.
+      implementation: grouped matmul, as in `moejax.moe_apply` (not `"reference"`).
+      stagger: staggered pipelining (`moejax.parallel.pipeline`): per-stage optimization
+        barriers for the capacity all-to-all, whole-chunk barriers otherwise (GPU scheduling aid;
+        the math is unchanged).
+
+    Returns:
+      `(y, aux)`: `y` like `x`; `aux` the single-device `MoEAux` over all tokens (per-token fields
+      sharded like the tokens, counts and losses global).
+    """
+    strategy = resolve_strategy(strategy, config)
+    implementation = resolve_implementation(implementation)
+    if implementation == "reference":
+        raise ValueError("implementation='reference': not supported sharded; use another one")
+    axes = col.MeshAxes.of(mesh)
+    _check(x, config, strategy, axes)
+    pspecs = mesh_lib.param_partition_specs(config, mesh)
+    xspec = mesh_lib.activation_spec(mesh, x.ndim)
+    tspec = P(axes.token or None)
+    aux_spec = MoEAux(tspec, tspec, tspec, tspec, P(), P(), P(), P(), P())
+    body = functools.partial(
+        _body,
+        config=config,
+        strategy=strategy,
+        axes=axes,
+        implementation=implementation,
+        stagger=stagger,
+    )
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(pspecs, xspec), out_specs=(xspec, aux_spec), check_vma=True
+    )(params, x)
+
+
+def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes) -> None:
+    if x.ndim < 2 or x.shape[-1] != config.d_model:
+        raise ValueError(f"x.shape={x.shape}: need [..., D] with D=config.d_model={config.d_model}")
+    if x.shape[0] % axes.token_shards:
+        raise ValueError(f"x.shape[0]={x.shape[0]}: not divisible by {axes.token_shards} shards")
+    per_sequence = config.dispatch == "capacity" or config.router == "expert_choice"
+    if per_sequence and x.ndim == 2 and axes.token_shards > 1:
+        raise ValueError(
+            f"x.shape={x.shape}: capacity is per sequence; give x a sequence axis [B, S, D] so "
+            "that no capacity group straddles devices"
+        )
+    if strategy.mode == "tensor" and (config.d_ff // axes.m) % axes.n:
+        raise ValueError(
+            f"Strategy.mode='tensor': d_ff/model={config.d_ff // axes.m} not divisible by expert="
+            f"{axes.n}"
+        )
+
+
+def _body(params, x, *, config, strategy, axes, implementation, stagger):
+    shape = x.shape
+    seqs = math.prod(shape[:-2]) if x.ndim >= 3 else 1
+    xt = x.reshape(-1, config.d_model)
+    with jax.named_scope("route"):
+        routing = _routing.route(params["router"], xt, config, num_sequences=seqs)
+        if config.dispatch == "capacity" and config.router != "expert_choice":
+            routing = _routing.apply_capacity(routing, config, seqs)
+    experts = experts_view(params["experts"], strategy.mode, axes)
+    chunk_tokens = xt.shape[0] // strategy.chunks
+    chunk_slices(xt.shape[0], strategy.chunks)  # validates divisibility
+    routed = functools.partial(
+        _routed,
+        experts=experts,
+        config=config,
+        strategy=strategy,
+        axes=axes,
+        implementation=implementation,
+        sizes=(chunk_tokens, xt.shape[0] // seqs, seqs),
+    )
+    if stagger and strategy.mode == "expert" and strategy.dispatcher == "capacity":
+        slots = slot_bound(config, chunk_tokens, xt.shape[0] // seqs, seqs)
+        stages = CapacityStages(experts, config, implementation, axes, slots)
+        y = staged(stages, xt, routing, strategy.chunks)
+    else:
+        y = pipelined(routed, xt, routing, strategy.chunks, stagger=stagger)
+    if config.shared_width:
+        with jax.named_scope("shared_experts"):
+            y = y + shared_mlp(params["shared"], xt, config)
+    y = col.psum(y, axes.model)
+    return y.reshape(shape), sharded_aux(routing, config, axes)
+
+
+def _routed(xc, rc, *, experts, config, strategy, axes, implementation, sizes):
+    """Routed output of one chunk `[Tc, D]` (partial over `model`)."""
+    chunk_tokens, seq_len, seqs = sizes
+    if strategy.mode == "data":
+        with jax.named_scope("experts"):
+            args = (rc.expert_index, rc.weight, rc.kept)
+            return local_moe(xc, *args, experts, config, implementation)
+    if strategy.mode == "tensor" or strategy.dispatcher == "allgather":
+        return allgather_reduce_scatter(xc, rc, experts, config, implementation, axes)
+    if strategy.dispatcher == "capacity":
+        slots = slot_bound(config, chunk_tokens, seq_len, seqs)
+        return capacity_all_to_all(xc, rc, experts, config, implementation, axes, slots)
+    k = rc.expert_index.shape[1]
+    if strategy.bucket is None:
+        bucket = default_bucket(chunk_tokens, k, axes.n)
+    else:
+        bucket = -(-strategy.bucket // strategy.chunks)
+    return dropless_all_to_all(xc, rc, experts, config, implementation, axes, bucket)

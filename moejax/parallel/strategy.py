@@ -1,0 +1,79 @@
+"""`Strategy`: how one sharded MoE call moves tokens and weights (never what it computes).
+
+Fields: the parallel mode (`moejax.parallel.modes`), the dispatcher (expert mode only), the
+pipeline degree, and the dropless bucket. Every strategy computes the same function as the
+single-device layer; the autotuner (`moejax.parallel.autotune`) picks the fastest.
+
+>>> Strategy(mode="expert", dispatcher="dropless", chunks=2, bucket=16)
+Strategy(mode='expert', dispatcher='dropless', chunks=2, bucket=16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from moejax._config import MoEConfig
+from moejax.parallel.modes import MODES, Mode
+
+Dispatcher = Literal["capacity", "dropless", "allgather"]
+DISPATCHERS: tuple[str, ...] = Dispatcher.__args__
+PIPELINE_DEGREES = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One way to run a sharded MoE call.
+
+    Args:
+      mode: `"expert"` (send tokens to experts), `"data"` (all-gather expert weights, no token
+        exchange) or `"tensor"` (re-slice weights over F, all-gather tokens, reduce-scatter).
+      dispatcher: how tokens travel in expert mode: `"capacity"` (GShard all-to-all, fixed
+        per-(device, expert) buffers; needs `config.dispatch == "capacity"`), `"dropless"`
+        (bounded all-to-all in rounds), `"allgather"` (all-gather + reduce-scatter). Ignored by
+        the other modes.
+      chunks: pipeline degree: dispatch, experts and combine run on this many token chunks
+        (1, 2, 4 or 8), so one chunk's exchange can overlap another's compute.
+      bucket: dropless rows per (source, destination) pair per round, for the whole local batch
+        (each chunk gets `ceil(bucket / chunks)`); None = the balanced share `ceil(T K / N)`.
+    """
+
+    mode: Mode = "expert"
+    dispatcher: Dispatcher = "dropless"
+    chunks: int = 1
+    bucket: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"Strategy.mode={self.mode!r}: must be one of {MODES}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(
+                f"Strategy.dispatcher={self.dispatcher!r}: must be one of {DISPATCHERS}"
+            )
+        if self.chunks not in PIPELINE_DEGREES:
+            raise ValueError(f"Strategy.chunks={self.chunks!r}: must be one of {PIPELINE_DEGREES}")
+        if self.bucket is not None and (isinstance(self.bucket, bool) or self.bucket < 1):
+            raise ValueError(f"Strategy.bucket={self.bucket!r}: must be a positive int or None")
+
+    def replace(self, **changes) -> Strategy:
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_strategy(strategy: Strategy | str, config: MoEConfig) -> Strategy:
+    """`"auto"` -> expert parallel with the capacity dispatcher for capacity configs, the bounded
+    dropless one otherwise; a `Strategy` is checked against `config`."""
+    if isinstance(strategy, str):
+        if strategy != "auto":
+            raise ValueError(f"strategy={strategy!r}: must be a Strategy or 'auto'")
+        capacity = config.dispatch == "capacity" and config.router != "expert_choice"
+        return Strategy(dispatcher="capacity" if capacity else "dropless")
+    if not isinstance(strategy, Strategy):
+        raise ValueError(f"strategy={strategy!r}: must be a Strategy or 'auto'")
+    capacity_routing = config.dispatch == "capacity" or config.router == "expert_choice"
+    if strategy.mode == "expert" and strategy.dispatcher == "capacity" and not capacity_routing:
+        raise ValueError(
+            "Strategy.dispatcher='capacity': needs MoEConfig.dispatch='capacity' (a dropless "
+            f"layer would drop past the buffers), got dispatch={config.dispatch!r}"
+        )
+    return strategy
