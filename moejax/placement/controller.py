@@ -1,0 +1,276 @@
+"""Host-side placement controller: watches routing counts, decides when to re-place experts.
+
+Shape letters: ``L`` MoE layers, ``E`` experts, ``N`` devices, ``P`` slots.
+
+The training loop calls ``observe(step, counts)`` with the per-layer expert counts ``[L, E]`` of
+a step, read back one step late and asynchronously (the controller never touches device
+arrays, never blocks on them, and never imports jax). The controller keeps an exponential moving
+average of the counts per layer; every ``decide_every`` observed steps it checks each layer.
+The planner runs only when the layer's imbalance (busiest device / mean, on the EMA) exceeds
+``(1 + min_relative_gain)`` times what the last plan left (1.0 at the start), so a settled
+layer costs almost no host time. A candidate is accepted only when
+
+* the predicted per-step gain (cost model, on the EMA counts) is at least
+  ``min_relative_gain`` of the current predicted step time,
+* the gain summed over ``horizon_steps`` exceeds the modeled migration time,
+* both held for ``patience`` consecutive checks (hysteresis; skipped when the gain is at least
+  ``urgent_gain`` of the step time), and
+* at least ``min_interval`` steps passed since this layer's last re-placement.
+
+Every check is logged as a ``Decision`` (accepted or not, with the reason). Accepted decisions
+are returned by ``observe``; the training loop applies them.
+
+Applying a decision (done by the JAX side): the physical expert weights of a layer are
+``w_phys = w[new.slot_to_expert]`` with shape ``[P, ...]``, slot ``p`` on device ``p // S``;
+optimizer state is gathered the same way (or kept per logical expert ``[E, ...]`` and only the
+``[P, ...]`` copies re-gathered). Tokens routed to expert ``e`` are split evenly over
+``new.replicas_of(e)`` (``Placement.slot_rows``); replica gradients are summed back per expert
+(``segment_sum`` over ``slot_to_expert``) before the optimizer update, so the math is unchanged.
+The step compiled for the old table is swapped for one compiled for the new table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from moejax.placement.cost_model import HardwareModel, Workload, migration_bytes, migration_s
+from moejax.placement.cost_model import step_cost as _step_cost
+from moejax.placement.planner import plan as _plan
+from moejax.placement.table import Placement
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    """Controller knobs.
+
+    Attributes:
+      decide_every: observed steps between planner calls.
+      ema_decay: weight of the old average per observation (window ~ 1 / (1 - decay) steps).
+      horizon_steps: steps over which a re-placement must repay its migration time.
+      min_relative_gain: smallest predicted per-step gain, as a fraction of the current step
+        time, that counts as an improvement (noise guard).
+      patience: consecutive passing checks required before accepting a marginal gain.
+      urgent_gain: a predicted gain of at least this fraction of the step time is accepted at
+        the first passing check (noise does not produce such gains; waiting would cost more).
+      min_interval: fewest steps between two re-placements of one layer.
+      max_moves: move budget handed to the planner (None: the planner's default).
+    """
+
+    decide_every: int = 5
+    ema_decay: float = 0.8
+    horizon_steps: int = 200
+    min_relative_gain: float = 0.05
+    patience: int = 2
+    urgent_gain: float = 0.25
+    min_interval: int = 10
+    max_moves: int | None = None
+
+    def __post_init__(self):
+        for name in ("decide_every", "horizon_steps", "patience"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.min_interval < 0:
+            raise ValueError(f"min_interval must be >= 0, got {self.min_interval!r}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must lie in [0, 1), got {self.ema_decay!r}")
+        if self.urgent_gain < self.min_relative_gain:
+            raise ValueError(
+                f"urgent_gain must be >= min_relative_gain={self.min_relative_gain}, "
+                f"got {self.urgent_gain!r}"
+            )
+        if self.min_relative_gain < 0:
+            raise ValueError(f"min_relative_gain must be >= 0, got {self.min_relative_gain!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One controller check of one layer.
+
+    Attributes:
+      step: training step of the last observed counts.
+      layer: MoE layer index in ``[0, L)``.
+      old: placement before the check.
+      new: planner candidate (``old`` when the planner found nothing).
+      gain_s: predicted per-step time saved by ``new`` on the EMA counts (seconds).
+      bytes_moved: expert-state bytes the migration sends.
+      migration_s: modeled migration time (seconds).
+      accepted: whether the training loop should switch to ``new``.
+      reason: why it was accepted or not.
+    """
+
+    step: int
+    layer: int
+    old: Placement
+    new: Placement
+    gain_s: float
+    bytes_moved: int
+    migration_s: float
+    accepted: bool
+    reason: str
+
+
+class PlacementController:
+    """Decides per-layer re-placements from asynchronously observed expert counts.
+
+    Args:
+      placements: the initial placement of each of the ``L`` layers (or one, for ``L = 1``).
+      hardware: hardware figures for the cost model.
+      workload: layer shape for the cost model.
+      config: thresholds and intervals.
+      planner: ``(placement, counts [E], max_moves=) -> Placement``; default ``plan``.
+
+    >>> p = Placement.identity(num_experts=4, num_devices=2, slots_per_device=3)
+    >>> from moejax.placement.cost_model import H100_NVLINK, Workload
+    >>> ctl = PlacementController(p, H100_NVLINK, Workload(), ControllerConfig(decide_every=1,
+    ...     patience=1, min_interval=0))
+    >>> [d.accepted for d in ctl.observe(0, np.array([9000, 100, 400, 500]))]
+    [True]
+    """
+
+    def __init__(
+        self,
+        placements: Placement | Sequence[Placement],
+        hardware: HardwareModel,
+        workload: Workload,
+        config: ControllerConfig = ControllerConfig(),
+        planner: Callable[..., Placement] = _plan,
+    ):
+        if isinstance(placements, Placement):
+            placements = [placements]
+        self.placements: list[Placement] = list(placements)  # [L] current placements
+        if not self.placements:
+            raise ValueError("placements must hold at least one layer, got 0")
+        self.hardware, self.workload, self.config, self.planner = (
+            hardware,
+            workload,
+            config,
+            planner,
+        )
+        num_layers = len(self.placements)
+        self.log: list[Decision] = []
+        self.decision_wall_s = 0.0  # host time spent in checks (planner + cost model)
+        self.migration_s = 0.0  # modeled migration time of accepted decisions
+        self.bytes_moved = 0
+        self._ema: np.ndarray | None = None  # [L, E] float64
+        self._since_check = 0
+        self._streak = [0] * num_layers
+        self._last_change = [None] * num_layers
+        self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.placements)
+
+    @property
+    def accepted(self) -> list[Decision]:
+        """Accepted decisions (re-placements), oldest first."""
+        return [d for d in self.log if d.accepted]
+
+    @property
+    def ema(self) -> np.ndarray | None:
+        """``[L, E]`` smoothed counts, or None before the first observation."""
+        return None if self._ema is None else self._ema.copy()
+
+    def observe(self, step: int, counts: np.ndarray) -> list[Decision]:
+        """Feeds the expert counts of ``step``; returns the decisions accepted now.
+
+        Args:
+          step: the training step the counts belong to (may lag the current step).
+          counts: ``[L, E]`` (or ``[E]`` when ``L = 1``) rows routed to each expert, a host
+            numpy array.
+
+        Returns:
+          Accepted ``Decision``s (at most one per layer); the caller applies each
+          ``decision.new`` to ``decision.layer``.
+        """
+        counts = np.asarray(counts, np.float64)
+        if counts.ndim == 1:
+            counts = counts[None]
+        expected = (self.num_layers, self.placements[0].num_experts)
+        if counts.shape != expected:
+            raise ValueError(f"counts must have shape [L, E] = {expected}, got {counts.shape}")
+        if not np.all(np.isfinite(counts)) or np.any(counts < 0):
+            raise ValueError("counts must be finite and >= 0")
+        decay = self.config.ema_decay
+        self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
+        self._since_check += 1
+        if self._since_check < self.config.decide_every:
+            return []
+        self._since_check = 0
+        start = time.perf_counter()
+        decisions = [self._check(step, layer) for layer in range(self.num_layers)]
+        self.decision_wall_s += time.perf_counter() - start
+        self.log.extend(decisions)
+        accepted = [d for d in decisions if d.accepted]
+        for d in accepted:
+            self.placements[d.layer] = d.new
+            self.migration_s += d.migration_s
+            self.bytes_moved += d.bytes_moved
+            self._last_change[d.layer] = step
+        return accepted
+
+    def _check(self, step: int, layer: int) -> Decision:
+        cfg, hw, wl = self.config, self.hardware, self.workload
+        old, ema = self.placements[layer], self._ema[layer]
+        last = self._last_change[layer]
+        record = dict(step=step, layer=layer, old=old, new=old, gain_s=0.0)
+        if last is not None and step - last < cfg.min_interval:
+            self._streak[layer] = 0
+            return Decision(
+                **record,
+                bytes_moved=0,
+                migration_s=0.0,
+                accepted=False,
+                reason=f"min_interval: {step - last} < {cfg.min_interval} steps",
+            )
+        imbalance = old.imbalance(ema)
+        floor = max(1.0, self._settled[layer]) * (1.0 + cfg.min_relative_gain)
+        if imbalance < floor:
+            # Cheap trigger: the planner only runs once balance degraded noticeably since the
+            # last plan for this layer (or is far from perfect), which keeps host time small.
+            self._streak[layer] = 0
+            return Decision(
+                **record,
+                bytes_moved=0,
+                migration_s=0.0,
+                accepted=False,
+                reason=f"imbalance {imbalance:.3f} below re-plan trigger {floor:.3f}",
+            )
+        new = self.planner(old, ema, max_moves=cfg.max_moves)
+        if new == old:
+            self._streak[layer] = 0
+            self._settled[layer] = imbalance
+            return Decision(
+                **record,
+                bytes_moved=0,
+                migration_s=0.0,
+                accepted=False,
+                reason="planner found no better placement",
+            )
+        now = _step_cost(old, ema, hw, wl).total_s
+        gain = now - _step_cost(new, ema, hw, wl).total_s
+        move_s = migration_s(old, new, hw, wl)
+        record.update(
+            new=new, gain_s=gain, bytes_moved=migration_bytes(old, new, wl), migration_s=move_s
+        )
+        if gain < cfg.min_relative_gain * now:
+            self._streak[layer] = 0
+            self._settled[layer] = imbalance
+            reason = f"gain {gain / now:.1%} of step < min_relative_gain {cfg.min_relative_gain}"
+            return Decision(**record, accepted=False, reason=reason)
+        if gain * cfg.horizon_steps <= move_s:
+            self._streak[layer] = 0
+            reason = f"gain over {cfg.horizon_steps} steps {gain * cfg.horizon_steps:.3g}s"
+            return Decision(**record, accepted=False, reason=f"{reason} <= migration {move_s:.3g}s")
+        self._streak[layer] += 1
+        if self._streak[layer] < cfg.patience and gain < cfg.urgent_gain * now:
+            reason = f"patience {self._streak[layer]}/{cfg.patience}"
+            return Decision(**record, accepted=False, reason=reason)
+        self._streak[layer] = 0
+        self._settled[layer] = new.imbalance(ema)
+        reason = f"gain {gain / now:.1%} per step repays migration {move_s:.3g}s"
+        return Decision(**record, accepted=True, reason=reason)

@@ -1,0 +1,248 @@
+"""Analytic cost model: predicted MoE-layer step time of a placement for observed expert counts.
+
+Shape letters: ``E`` experts, ``N`` devices, ``P`` slots, ``D`` d_model, ``F`` d_ff, ``T`` tokens
+per device, ``K`` top-k.
+
+One layer's step (forward + backward) is modeled as
+
+* compute: the busiest device's rows x ``flops_per_row`` / device FLOP/s (peak, so a lower bound);
+* all-to-all: ``passes`` exchanges (dispatch + combine, forward + backward) of ``D``-wide rows;
+  each device's time is ``max(rows sent, rows received)`` x ``D`` x bytes / link bandwidth, split
+  between the in-node and the cross-node link, and the slowest device sets the time;
+* no overlap between the two (the Lancet overlap is modeled elsewhere; placement only changes
+  how big each part is).
+
+Token sources are assumed uniform over devices: each device produces ``total/N`` rows, and the
+rows of an expert that has a replica on the source device stay there (``n_e/N`` per device
+holding ``e``). Migration from placement A to B sends one copy of an expert's parameters and
+optimizer state to every slot whose new expert was not already on that device.
+
+Plain numpy; no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moejax.placement.table import Placement, check_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareModel:
+    """Per-device compute and interconnect figures.
+
+    Attributes:
+      name: label used in tables.
+      flops_per_s: dense bf16 peak FLOP/s of one device.
+      link_bytes_per_s: bytes/s per device per direction on the link used between nodes (or
+        between all devices when ``devices_per_node == 1``).
+      devices_per_node: devices sharing the faster in-node link (1: one flat network).
+      node_link_bytes_per_s: bytes/s per device per direction inside a node (ignored when
+        ``devices_per_node == 1``).
+    """
+
+    name: str
+    flops_per_s: float
+    link_bytes_per_s: float
+    devices_per_node: int = 1
+    node_link_bytes_per_s: float = 0.0
+
+    def __post_init__(self):
+        for field in ("flops_per_s", "link_bytes_per_s"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"{field} must be > 0, got {getattr(self, field)!r}")
+        if self.devices_per_node < 1:
+            raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node!r}")
+        if self.devices_per_node > 1 and not self.node_link_bytes_per_s > 0:
+            raise ValueError(
+                f"node_link_bytes_per_s must be > 0 when devices_per_node > 1, "
+                f"got {self.node_link_bytes_per_s!r}"
+            )
+
+    def transfer_s(self, nbytes: np.ndarray, num_devices: int) -> np.ndarray:
+        """Seconds for each device to move ``nbytes`` spread uniformly over its ``N - 1`` peers."""
+        nbytes = np.asarray(nbytes, np.float64)
+        group = min(self.devices_per_node, num_devices)
+        if group <= 1 or num_devices <= 1:
+            return nbytes / self.link_bytes_per_s
+        in_node = (group - 1) / (num_devices - 1)
+        return np.maximum(
+            nbytes * in_node / self.node_link_bytes_per_s,
+            nbytes * (1.0 - in_node) / self.link_bytes_per_s,
+        )
+
+
+# NVIDIA H100 SXM5: 989 TFLOP/s dense BF16 (datasheet lists 1,979 with 2:4 sparsity; 989.4 dense
+# per glennklockwood.com/garden/processors/h100 citing the Hopper whitepaper). NVLink 4: 900 GB/s
+# total bidirectional per GPU (H100 datasheet), i.e. 450 GB/s per direction. Flat model: all
+# devices in one NVLink/NVSwitch domain (exact for one 8-GPU HGX node).
+H100_NVLINK = HardwareModel("h100-nvlink", flops_per_s=989e12, link_bytes_per_s=450e9)
+
+# H100 cluster: NVLink inside 8-GPU nodes as above; between nodes one NDR InfiniBand
+# ConnectX-7 port of 400 Gb/s per GPU (NVIDIA DGX H100 User Guide, "Network Modules": eight
+# ConnectX-7 ports, one mapped to each GPU; ConnectX-7 NDR = 400 Gb/s) = 50 GB/s per direction.
+H100_IB = HardwareModel(
+    "h100-ib",
+    flops_per_s=989e12,
+    link_bytes_per_s=50e9,
+    devices_per_node=8,
+    node_link_bytes_per_s=450e9,
+)
+
+# Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s BF16 per chip; inter-chip
+# interconnect 4800 Gbps per chip (newer revision of the page: 1200 GB/s bidirectional), i.e.
+# 600 GB/s per direction. Flat model: ignores the 3D-torus bisection limit, so all-to-all at
+# thousands of chips is optimistic.
+TPU_V5P_ICI = HardwareModel("tpu-v5p-ici", flops_per_s=459e12, link_bytes_per_s=600e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Shape of one MoE layer's expert work, per device and per step.
+
+    Attributes:
+      tokens_per_device: ``T`` tokens each device routes per step.
+      top_k: ``K`` experts per token.
+      d_model: ``D``.
+      d_ff: ``F`` of one expert.
+      matmuls_per_expert: weight matrices of ``D x F`` per expert (3 for SwiGLU).
+      activation_bytes: bytes per exchanged activation element (2 for bf16).
+      param_bytes: bytes per parameter as used in the step (2 for bf16).
+      state_bytes_per_param: bytes per parameter moved on migration: bf16 params (2) + fp32
+        master copy (4) + Adam moments (8) = 14.
+      all_to_all_passes: exchanges per step (dispatch + combine, forward + backward = 4).
+    """
+
+    tokens_per_device: int = 8192
+    top_k: int = 8
+    d_model: int = 4096
+    d_ff: int = 2048
+    matmuls_per_expert: int = 3
+    activation_bytes: int = 2
+    param_bytes: int = 2
+    state_bytes_per_param: int = 14
+    all_to_all_passes: int = 4
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field.name} must be a positive int, got {value!r}")
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert."""
+        return self.matmuls_per_expert * self.d_model * self.d_ff
+
+    @property
+    def flops_per_row(self) -> float:
+        """Forward + backward FLOPs of one routed row (backward = 2x forward)."""
+        return 3.0 * 2.0 * self.expert_params
+
+    @property
+    def expert_state_bytes(self) -> int:
+        """Bytes sent to migrate one expert copy (parameters + optimizer state)."""
+        return self.expert_params * self.state_bytes_per_param
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows routed per device per step, ``T·K``."""
+        return self.tokens_per_device * self.top_k
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Modeled time of one layer step, in seconds."""
+
+    compute_s: float
+    all_to_all_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.all_to_all_s
+
+
+def _a2a_s(load, local, total, num_devices, hw, wl) -> float:
+    sent = total / num_devices - local  # [N]
+    received = load - local  # [N]
+    nbytes = np.maximum(sent, received) * wl.d_model * wl.activation_bytes
+    return float(wl.all_to_all_passes * hw.transfer_s(nbytes, num_devices).max())
+
+
+def step_cost(
+    placement: Placement, counts: np.ndarray, hw: HardwareModel, wl: Workload
+) -> StepCost:
+    """Modeled compute + all-to-all time of one layer step.
+
+    Args:
+      placement: the layer's placement (``N`` devices, ``P`` slots).
+      counts: ``[E]`` rows routed to each expert in this step, summed over all devices.
+      hw: hardware figures.
+      wl: layer shape.
+
+    Returns:
+      The ``StepCost``.
+    """
+    counts = np.asarray(check_counts(counts, placement.num_experts), np.float64)
+    n = placement.num_devices
+    load = placement.device_load(counts)  # [N]
+    keys = placement.device_expert_keys()
+    e = placement.num_experts
+    # [N] rows whose source device holds a replica of their expert stay local.
+    local = np.bincount(keys // e, weights=counts[keys % e], minlength=n) / n
+    compute = float(load.max()) * wl.flops_per_row / hw.flops_per_s
+    return StepCost(compute, _a2a_s(load, local, counts.sum(), n, hw, wl))
+
+
+def perfect_cost(counts: np.ndarray, num_devices: int, hw: HardwareModel, wl: Workload) -> StepCost:
+    """Perfect-balance bound: every device computes ``total/N`` rows, ``1/N`` of them local.
+
+    Args:
+      counts: ``[E]`` rows per expert in this step.
+      num_devices: ``N``.
+      hw: hardware figures.
+      wl: layer shape.
+
+    Returns:
+      The ``StepCost`` of a perfectly balanced step.
+    """
+    total = float(np.sum(counts))
+    load = np.full(num_devices, total / num_devices)
+    local = load / num_devices
+    compute = total / num_devices * wl.flops_per_row / hw.flops_per_s
+    return StepCost(compute, _a2a_s(load, local, total, num_devices, hw, wl))
+
+
+def copies_needed(old: Placement, new: Placement) -> np.ndarray:
+    """``[P]`` bool: slots of ``new`` whose expert must be sent from another device.
+
+    A slot needs a copy when its expert changed and the device held no replica of the new
+    expert before (a local duplicate is copied in device memory, which is free here).
+    """
+    if (old.num_experts, old.num_devices, old.slots_per_device) != (
+        new.num_experts,
+        new.num_devices,
+        new.slots_per_device,
+    ):
+        raise ValueError(f"placements differ in shape: old={old!r}, new={new!r}")
+    changed = old.slot_to_expert != new.slot_to_expert
+    new_keys = new.slot_devices() * new.num_experts + new.slot_to_expert
+    had = np.isin(new_keys, old.device_expert_keys())
+    return changed & ~had
+
+
+def migration_bytes(old: Placement, new: Placement, wl: Workload) -> int:
+    """Total bytes sent to go from ``old`` to ``new`` (0 for identical placements)."""
+    return int(copies_needed(old, new).sum()) * wl.expert_state_bytes
+
+
+def migration_s(old: Placement, new: Placement, hw: HardwareModel, wl: Workload) -> float:
+    """Modeled seconds to migrate: the device receiving the most expert copies sets the time.
+
+    Copies to different devices go in parallel; a device receives its copies back to back.
+    """
+    received = copies_needed(old, new).reshape(new.num_devices, -1).sum(axis=1)
+    nbytes = received.astype(np.float64) * wl.expert_state_bytes
+    return float(hw.transfer_s(nbytes, new.num_devices).max())

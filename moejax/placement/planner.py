@@ -1,0 +1,334 @@
+"""Greedy placement planner (after FlexMoE's expand / shrink / migrate operations).
+
+Shape letters: ``E`` experts, ``N`` devices, ``S`` slots per device, ``P = N·S`` slots.
+
+The planner balances *compute*: it minimises the busiest device's rows, where an expert's rows
+``n_e`` are split evenly over its ``r_e`` replicas (weight ``n_e / r_e`` per slot).
+
+**Greedy pass** (migration-light; starts from the current placement), up to ``max_moves`` moves:
+
+1. Take the busiest device ``d`` (load ``L``).
+2. **Expand + shrink**: for each expert ``h`` on ``d``, hottest replica first, try to add a
+   replica of ``h`` on a device that does not hold it yet, in a slot freed by *shrinking* an
+   expert ``c`` that has ``r_c >= 2`` replicas (over-replicated, usually cold). Candidate donor
+   slots are ranked by ``load(dev) - w_c + w_h' + (n_c/(r_c-1) - w_c)`` (the receiving device's
+   new load plus what ``c``'s other replicas gain); the best few are checked exactly.
+3. **Migrate (swap)**: otherwise swap one expert of ``d`` with one of a lightly loaded device.
+4. A move is applied only if ``d``'s load drops and every device it touches stays strictly
+   below ``L``; so the maximum never rises and the number of devices at the maximum falls,
+   which makes the loop terminate. It stops early once ``L <= (1 + tolerance) · mean``.
+
+**Re-pack** (when the greedy pass gets stuck above tolerance, or the input is more than
+``_REPACK_FIRST`` x the mean): replica counts by highest-averages apportionment, packed
+heaviest-first onto the least-loaded device with a free slot, preferring devices that already
+held the expert (to save migration), then refined by another greedy pass. It is used only if
+it beats the greedy result by ``_GLOBAL_MARGIN``.
+
+Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
+``S`` slots, and the returned placement's busiest-device rows are strictly lower than the
+input's, or the input object itself is returned.
+
+Plain numpy; no jax.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from moejax.placement.table import Placement, check_counts
+
+_CANDIDATES = 8  # donor slots / light devices checked exactly per move
+_LIGHT = 64  # least-loaded devices searched first for donor slots
+_DEFAULT_MAX_MOVES = 256  # greedy moves per pass; bounds planner time at thousands of slots
+_REPACK_FIRST = 1.5  # above this imbalance the greedy pass from the input is skipped
+_GLOBAL_MARGIN = 0.02  # a full re-pack must beat the greedy result by 2% to be chosen
+_REL_TOL = 1e-12  # relative tolerance on "strictly lower" for float loads
+
+
+class _State:
+    """Mutable working copy of a placement with incrementally updated loads and indexes."""
+
+    def __init__(self, placement: Placement, counts: np.ndarray):
+        self.s = placement.slots_per_device
+        self.n_dev = placement.num_devices
+        self.table = placement.slot_to_expert.copy()  # [P]
+        self.dev = placement.slot_devices()  # [P]
+        self.n = counts  # [E] float64
+        self.r = placement.expert_replica_counts().astype(np.int64)  # [E]
+        self.r_slot = self.r[self.table]  # [P] replica count of each slot's expert
+        self.slots_of: dict[int, list[int]] = {}  # expert -> its slots
+        for slot, e in enumerate(self.table.tolist()):
+            self.slots_of.setdefault(e, []).append(slot)
+        weights = self.n[self.table] / self.r_slot
+        self.loads = weights.reshape(self.n_dev, self.s).sum(axis=1)  # [N]
+        self.tol = _REL_TOL * max(float(counts.sum()), 1.0)
+
+    def weights_on(self, devices: np.ndarray) -> np.ndarray:
+        """``[len(devices), S]`` rows of every slot of ``devices``."""
+        slots = devices[:, None] * self.s + np.arange(self.s)
+        return self.n[self.table[slots]] / self.r_slot[slots]
+
+    def _set_replicas(self, expert: int, count: int) -> None:
+        self.r[expert] = count
+        self.r_slot[self.slots_of[expert]] = count
+
+    # -- expand + shrink --------------------------------------------------------------------------
+
+    def try_expand(self, busiest: int, limit: float) -> bool:
+        weights = self.weights_on(np.array([busiest]))[0]
+        slots = busiest * self.s + np.argsort(-weights)
+        for hot in dict.fromkeys(self.table[slots].tolist()):
+            if self.n[hot] > 0 and self._expand(hot, limit):
+                return True
+        return False
+
+    def _expand(self, hot: int, limit: float) -> bool:
+        table, dev, n, r = self.table, self.dev, self.n, self.r
+        hot_devs = dev[self.slots_of[hot]]
+        has_hot = np.zeros(self.n_dev, bool)
+        has_hot[hot_devs] = True
+        donors = self._donors(has_hot)
+        if donors.size == 0:
+            return False
+        w_new = n[hot] / (r[hot] + 1)
+        c = table[donors]
+        w_c = n[c] / r[c]
+        gain_c = n[c] / (r[c] - 1) - w_c  # what each other replica of c gains
+        score = self.loads[dev[donors]] - w_c + w_new + gain_c
+        if donors.size > _CANDIDATES:
+            keep = np.argpartition(score, _CANDIDATES)[:_CANDIDATES]
+            donors, score = donors[keep], score[keep]
+        # The hot expert's current replicas shed rows to the new one.
+        after_hot = self.loads.copy()
+        np.add.at(after_hot, hot_devs, w_new - n[hot] / r[hot])
+        hot_worst = float(after_hot[hot_devs].max())
+        best, best_max = None, limit - self.tol
+        for j in donors[np.argsort(score)].tolist():
+            worst, change = self._shrink(j, w_new, after_hot)
+            worst = max(worst, hot_worst)
+            if worst < best_max:
+                best, best_max, best_change = j, worst, change
+        if best is None:
+            return False
+        for device, delta in best_change.items():
+            after_hot[device] += delta
+        self.loads = after_hot
+        donor = int(table[best])
+        self.slots_of[donor].remove(best)
+        self.slots_of[hot].append(best)
+        table[best] = hot
+        self._set_replicas(donor, r[donor] - 1)
+        self._set_replicas(hot, r[hot] + 1)
+        return True
+
+    def _donors(self, has_hot: np.ndarray) -> np.ndarray:
+        """Slots whose expert has ``r >= 2`` on devices without the hot expert; looked for on
+        the ``_LIGHT`` least-loaded devices first (where the best donors are), then everywhere."""
+        if self.n_dev > 2 * _LIGHT:
+            light = np.argpartition(self.loads, _LIGHT)[:_LIGHT]
+            light = light[~has_hot[light]]
+            slots = (light[:, None] * self.s + np.arange(self.s)).reshape(-1)
+            slots = slots[self.r_slot[slots] >= 2]
+            if slots.size:
+                return slots
+        return np.flatnonzero((self.r_slot >= 2) & ~has_hot[self.dev])
+
+    def _shrink(self, j: int, w_new: float, loads: np.ndarray) -> tuple[float, dict[int, float]]:
+        """Slot ``j`` gives its expert ``c`` (``r_c >= 2``) up for a new replica of weight
+        ``w_new``: returns the largest resulting load among touched devices and the per-device
+        load changes (pure Python: ``c`` has few replicas, numpy calls would cost more)."""
+        c = int(self.table[j])
+        w_c = self.n[c] / self.r[c]
+        gain = self.n[c] / (self.r[c] - 1) - w_c
+        change = {j // self.s: w_new - w_c}
+        for slot in self.slots_of[c]:
+            if slot != j:
+                device = slot // self.s
+                change[device] = change.get(device, 0.0) + gain
+        return max(float(loads[d]) + v for d, v in change.items()), change
+
+    # -- migrate (swap) ---------------------------------------------------------------------------
+
+    def try_swap(self, busiest: int, limit: float) -> bool:
+        k = min(_CANDIDATES, self.n_dev - 1)
+        if k < 1:
+            return False
+        order = np.argpartition(self.loads, k)[: k + 1]
+        targets = order[order != busiest][:k]
+        w_a = self.weights_on(np.array([busiest]))[0][:, None]  # [S, 1] leaves the busiest
+        w_b = self.weights_on(targets)[:, None, :]  # [k, 1, S] comes back
+        new_busy = self.loads[busiest] - w_a + w_b  # [k, S, S]
+        new_target = self.loads[targets][:, None, None] + w_a - w_b
+        worst = np.maximum(new_busy, new_target)
+        t, a, b = np.unravel_index(np.argmin(worst), worst.shape)
+        if not worst[t, a, b] < limit - self.tol:
+            return False
+        slot_a, slot_b = busiest * self.s + int(a), int(targets[t]) * self.s + int(b)
+        e_a, e_b = int(self.table[slot_a]), int(self.table[slot_b])
+        self.slots_of[e_a].remove(slot_a)
+        self.slots_of[e_b].remove(slot_b)
+        self.slots_of[e_a].append(slot_b)
+        self.slots_of[e_b].append(slot_a)
+        self.table[slot_a], self.table[slot_b] = e_b, e_a
+        self.r_slot[slot_a], self.r_slot[slot_b] = self.r[e_b], self.r[e_a]
+        self.loads[busiest] = new_busy[t, a, b]
+        self.loads[targets[t]] = new_target[t, a, b]
+        return True
+
+
+def apportion(counts: np.ndarray, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
+    """Replica counts ``[E]`` (each >= 1, summing to ``P``) minimising the largest ``n_e / r_e``.
+
+    Greedy highest-averages (D'Hondt) apportionment: every spare slot goes to the expert with the
+    largest current rows per replica, which is optimal for that objective. With
+    ``max_replicas`` (the planner passes ``N``: more replicas than devices cannot all sit on
+    distinct devices), experts at the cap get no more slots unless every expert is capped.
+
+    Args:
+      counts: ``[E]`` rows per expert.
+      num_slots: ``P >= E``.
+      max_replicas: optional cap on any ``r_e``.
+
+    Returns:
+      ``[E]`` int64 replica counts.
+    """
+    num_experts = counts.shape[0]
+    if num_slots < num_experts:
+        raise ValueError(f"num_slots must be >= E={num_experts}, got {num_slots}")
+    cap = num_slots if max_replicas is None else max_replicas
+    r = np.ones(num_experts, np.int64)
+    heap = [(-float(c), e) for e, c in enumerate(counts)]
+    heapq.heapify(heap)
+    for _ in range(num_slots - num_experts):
+        while heap and r[heap[0][1]] >= cap:
+            heapq.heappop(heap)
+        e = heapq.heappop(heap)[1] if heap else int(np.argmin(r))
+        r[e] += 1
+        heapq.heappush(heap, (-float(counts[e]) / r[e], e))
+    return r
+
+
+def _sticky_lpt(placement: Placement, counts: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Packs ``r_e`` replicas per expert into ``S`` slots per device; returns a ``[P]`` table.
+
+    Longest-processing-time order (heaviest replica first) onto the least-loaded device with a
+    free slot, except that a replica stays on a device that already held its expert when that
+    keeps the device under ``cap`` (so that balance costs little migration). Replicas of one
+    expert go to distinct devices whenever the least-loaded choice allows.
+    """
+    n_dev, s = placement.num_devices, placement.slots_per_device
+    weight = counts / r  # [E]
+    cap = max(counts.sum() / n_dev * 1.02, float(weight.max()))
+    old_holders: dict[int, list[int]] = {}
+    for slot, e in enumerate(placement.slot_to_expert.tolist()):
+        old_holders.setdefault(e, []).append(slot // s)
+    loads, free = np.zeros(n_dev), np.full(n_dev, s)
+    table = np.empty(n_dev * s, np.int64)
+    heap = [(0.0, d) for d in range(n_dev)]
+    order = np.argsort(-weight, kind="stable")
+    for e in order.tolist():
+        w = float(weight[e])
+        used: set[int] = set()
+        sticky = [d for d in dict.fromkeys(old_holders.get(e, [])) if free[d] > 0]
+        for _ in range(int(r[e])):
+            d = next((d for d in sticky if d not in used and free[d] and loads[d] + w <= cap), None)
+            if d is None:
+                d = _pop_least_loaded(heap, loads, free, used)
+            used.add(d)
+            table[d * s + s - free[d]] = e
+            free[d] -= 1
+            loads[d] += w
+            if free[d]:
+                heapq.heappush(heap, (loads[d], d))
+    return table
+
+
+def _pop_least_loaded(heap, loads, free, avoid) -> int:
+    """Least-loaded device with a free slot, not in ``avoid`` if any other exists (lazy heap)."""
+    skipped, found = [], None
+    while heap:
+        load, d = heapq.heappop(heap)
+        if not free[d] or load != loads[d]:
+            continue  # stale entry
+        if d in avoid:
+            skipped.append((load, d))
+            continue
+        found = d
+        break
+    for item in skipped:
+        heapq.heappush(heap, item)
+    if found is None:
+        found = skipped[0][1]
+        heap.remove(skipped[0])
+        heapq.heapify(heap)
+    return found
+
+
+def plan(
+    placement: Placement,
+    counts: np.ndarray,
+    *,
+    max_moves: int | None = None,
+    tolerance: float = 0.01,
+) -> Placement:
+    """Greedy re-placement that lowers the busiest device's rows for ``counts``.
+
+    Args:
+      placement: the current placement (``N`` devices, ``S`` slots each).
+      counts: ``[E]`` expected rows per expert (e.g. an EMA of observed counts); float or int.
+      max_moves: most expand/swap moves per greedy pass (default 256). Each expand sends one expert
+        copy, each swap two.
+      tolerance: stop once the busiest device is within ``1 + tolerance`` of the mean load
+        (further moves would buy almost nothing and cost migration).
+
+    Returns:
+      A placement whose busiest device computes strictly fewer rows than in ``placement``, or
+      ``placement`` itself when no move helps.
+
+    >>> p = Placement.identity(num_experts=4, num_devices=2, slots_per_device=3)
+    >>> counts = np.array([90.0, 2.0, 4.0, 4.0])
+    >>> p.device_load(counts).tolist(), plan(p, counts).device_load(counts).tolist()
+    ([92.0, 8.0], [49.0, 51.0])
+    """
+    counts = np.asarray(check_counts(counts, placement.num_experts), np.float64)
+    max_moves = _DEFAULT_MAX_MOVES if max_moves is None else max_moves
+    if max_moves < 0:
+        raise ValueError(f"max_moves must be >= 0, got {max_moves!r}")
+    if counts.sum() <= 0 or placement.num_devices == 1:
+        return placement
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+    good_enough = (1.0 + tolerance) * counts.sum() / placement.num_devices
+    before = placement.device_load(counts).max()
+    if before <= good_enough:
+        return placement
+    n_dev = placement.num_devices
+    if before > _REPACK_FIRST * counts.sum() / placement.num_devices:
+        candidate, after = placement, before  # far off balance: go straight to the re-pack
+    else:
+        candidate = _greedy(placement, counts, max_moves, good_enough)
+        after = candidate.device_load(counts).max()
+    if after > good_enough:  # greedy got stuck: re-pack from scratch, then refine greedily
+        repacked = placement.with_table(
+            _sticky_lpt(placement, counts, apportion(counts, placement.num_slots, n_dev))
+        )
+        repacked = _greedy(repacked, counts, max_moves, good_enough)
+        if repacked.device_load(counts).max() < after * (1.0 - _GLOBAL_MARGIN):
+            candidate, after = repacked, repacked.device_load(counts).max()
+    tol = _REL_TOL * counts.sum()
+    return candidate if after < before - tol else placement
+
+
+def _greedy(placement: Placement, counts: np.ndarray, max_moves: int, good_enough: float):
+    """Applies up to ``max_moves`` expand/swap moves (module docstring); returns the placement."""
+    state = _State(placement, counts)
+    for _ in range(max_moves):
+        busiest = int(np.argmax(state.loads))
+        limit = float(state.loads[busiest])
+        if limit <= good_enough:
+            break
+        if not (state.try_expand(busiest, limit) or state.try_swap(busiest, limit)):
+            break
+    return placement.with_table(state.table)

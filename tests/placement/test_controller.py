@@ -1,0 +1,139 @@
+"""Controller: hysteresis (no flapping), reaction to drift, per-layer state, bookkeeping."""
+
+import numpy as np
+import pytest
+
+from moejax.placement import (
+    H100_IB,
+    ControllerConfig,
+    Placement,
+    PlacementController,
+    Workload,
+    balanced,
+    drifting_zipf,
+    migration_bytes,
+    migration_s,
+    zipf,
+)
+from moejax.placement.traces import zipf_exponent_for
+
+N, E, S = 8, 16, 3
+WL = Workload(tokens_per_device=512, top_k=2, d_model=1024, d_ff=1024)
+# Small batches (8192 rows over 16 experts per step) make the per-step noise large (~5%).
+TOKENS = N * WL.rows_per_step
+
+
+def _run(trace, config=None):
+    config = ControllerConfig() if config is None else config
+    base = Placement.identity(E, N, S)
+    ctl = PlacementController([base] * trace.shape[1], H100_IB, WL, config)
+    for t in range(1, trace.shape[0]):
+        ctl.observe(t - 1, trace[t - 1])  # one step late, as the training loop feeds it
+    return ctl
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_flapping_on_noisy_balanced_trace(seed):
+    ctl = _run(balanced(500, E, TOKENS, seed=seed))
+    assert len(ctl.accepted) == 0
+    # One check every decide_every = 5 observed steps, none accepted.
+    assert len(ctl.log) == 99 and all(d.step % 5 == 4 for d in ctl.log)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_replacement_on_noisy_stationary_zipf(seed):
+    trace = zipf(500, E, TOKENS, s=zipf_exponent_for(E, 4.0), seed=seed)
+    ctl = _run(trace)
+    # The first check fixes the skew; noise must not trigger any further re-placement.
+    assert len(ctl.accepted) == 1
+    first = ctl.accepted[0]
+    assert first.step < 50
+    mean_counts = trace.mean(axis=(0, 1))
+    assert first.new.imbalance(mean_counts) < 1.1 < first.old.imbalance(mean_counts)
+
+
+def test_no_flapping_even_with_patience_one_and_no_interval():
+    config = ControllerConfig(patience=1, min_interval=0, decide_every=5)
+    trace = zipf(500, E, TOKENS, s=zipf_exponent_for(E, 4.0), seed=3)
+    assert len(_run(trace, config).accepted) <= 2
+
+
+def test_replaces_on_drift_and_reduces_modeled_imbalance():
+    s = zipf_exponent_for(E, 4.0)
+    trace = drifting_zipf(600, E, TOKENS, s=s, shift_every=150, seed=0)
+    ctl = _run(trace)
+    accepted = ctl.accepted
+    assert len(accepted) >= 4  # at least once after each of the 3 rotations, plus the first
+    assert {d.step // 150 for d in accepted} == {0, 1, 2, 3}
+    for d in accepted:
+        window = trace[max(0, d.step - 4) : d.step + 1, 0].mean(axis=0)
+        assert d.new.imbalance(window) < d.old.imbalance(window)
+        assert d.gain_s > 0 and d.accepted and "repays" in d.reason
+    # Modeled imbalance at the end of each phase is close to balanced.
+    for phase_end in (149, 299, 449, 599):
+        current = [d.new for d in accepted if d.step < phase_end][-1]
+        assert current.imbalance(trace[phase_end - 20 : phase_end, 0].mean(axis=0)) < 1.15
+
+
+def test_bookkeeping_matches_accepted_decisions():
+    s = zipf_exponent_for(E, 4.0)
+    ctl = _run(drifting_zipf(300, E, TOKENS, s=s, shift_every=100, seed=1))
+    accepted = ctl.accepted
+    assert accepted
+    assert ctl.migration_s == pytest.approx(sum(d.migration_s for d in accepted))
+    assert ctl.bytes_moved == sum(d.bytes_moved for d in accepted)
+    for d in accepted:
+        assert d.bytes_moved == migration_bytes(d.old, d.new, WL) > 0
+        assert d.migration_s == pytest.approx(migration_s(d.old, d.new, H100_IB, WL))
+    assert ctl.decision_wall_s > 0
+    assert ctl.placements[0] == accepted[-1].new
+    # Rejected checks are logged with a reason and move nothing.
+    rejected = [d for d in ctl.log if not d.accepted]
+    assert rejected and all(d.reason for d in rejected)
+    assert all(d.new == d.old or d.bytes_moved >= 0 for d in rejected)
+
+
+def test_migration_must_repay_within_horizon():
+    # A one-step horizon cannot repay moving 1 GB-sized experts over InfiniBand.
+    config = ControllerConfig(horizon_steps=1, patience=1, min_interval=0)
+    trace = zipf(100, E, TOKENS, s=zipf_exponent_for(E, 4.0), seed=0)
+    ctl = _run(trace, config)
+    assert not ctl.accepted
+    assert any("migration" in d.reason for d in ctl.log)
+
+
+def test_layers_are_independent():
+    s = zipf_exponent_for(E, 4.0)
+    skewed = zipf(200, E, TOKENS, s=s, seed=0)
+    even = balanced(200, E, TOKENS, seed=1)
+    trace = np.concatenate([even, skewed], axis=1)  # [steps, 2, E]: only layer 1 is skewed
+    ctl = _run(trace)
+    assert ctl.num_layers == 2
+    assert [d.layer for d in ctl.accepted] == [1]
+    assert ctl.placements[0] == Placement.identity(E, N, S)
+    assert ctl.ema.shape == (2, E)
+
+
+def test_observe_accepts_1d_counts_and_validates():
+    ctl = PlacementController(Placement.identity(E, N, S), H100_IB, WL)
+    assert ctl.observe(0, np.ones(E)) == []
+    with pytest.raises(ValueError, match=r"shape \[L, E\] = \(1, 16\), got \(2, 16\)"):
+        ctl.observe(1, np.ones((2, E)))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        ctl.observe(1, -np.ones(E))
+    with pytest.raises(ValueError, match="at least one layer"):
+        PlacementController([], H100_IB, WL)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(decide_every=0), "decide_every must be >= 1, got 0"),
+        (dict(ema_decay=1.0), "ema_decay must lie in \\[0, 1\\), got 1.0"),
+        (dict(min_interval=-1), "min_interval must be >= 0, got -1"),
+        (dict(urgent_gain=0.01), "urgent_gain must be >= min_relative_gain"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ControllerConfig(**kwargs)

@@ -1,0 +1,107 @@
+"""Cost model sanity: compute, all-to-all, migration, hardware figures."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moejax.placement import (
+    H100_IB,
+    H100_NVLINK,
+    TPU_V5P_ICI,
+    HardwareModel,
+    Placement,
+    Workload,
+    copies_needed,
+    migration_bytes,
+    migration_s,
+    perfect_cost,
+    step_cost,
+)
+
+WL = Workload(tokens_per_device=1024, top_k=2, d_model=512, d_ff=1024)
+
+
+def test_hardware_figures_match_spec_sheets():
+    assert H100_NVLINK.flops_per_s == H100_IB.flops_per_s == 989e12
+    assert H100_NVLINK.link_bytes_per_s == 450e9  # 900 GB/s bidirectional
+    assert H100_IB.link_bytes_per_s == 50e9  # 400 Gb/s NDR
+    assert H100_IB.devices_per_node == 8
+    assert TPU_V5P_ICI.flops_per_s == 459e12
+    assert TPU_V5P_ICI.link_bytes_per_s == 4800e9 / 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        H100_IB.flops_per_s = 1.0
+
+
+def test_hardware_validation():
+    with pytest.raises(ValueError, match="flops_per_s must be > 0, got 0"):
+        HardwareModel("x", flops_per_s=0, link_bytes_per_s=1)
+    with pytest.raises(ValueError, match="node_link_bytes_per_s"):
+        HardwareModel("x", flops_per_s=1, link_bytes_per_s=1, devices_per_node=8)
+    with pytest.raises(ValueError, match="top_k must be a positive int, got 0"):
+        Workload(top_k=0)
+
+
+def test_hierarchical_transfer():
+    # Inside one node everything goes over NVLink; across nodes IB dominates.
+    nbytes = 1e9
+    assert H100_IB.transfer_s(nbytes, 8) == pytest.approx(nbytes / 450e9)
+    slow = H100_IB.transfer_s(nbytes, 64)
+    assert slow == pytest.approx(nbytes * (56 / 63) / 50e9)
+
+
+def test_compute_time_follows_busiest_device():
+    p = Placement.identity(4, 2, 2)
+    balanced = step_cost(p, np.array([100, 100, 100, 100]), H100_NVLINK, WL)
+    skewed = step_cost(p, np.array([300, 100, 0, 0]), H100_NVLINK, WL)
+    assert skewed.compute_s == pytest.approx(2 * balanced.compute_s)
+    assert balanced.compute_s == pytest.approx(200 * WL.flops_per_row / 989e12)
+    assert skewed.total_s == skewed.compute_s + skewed.all_to_all_s
+
+
+def test_all_to_all_counts_only_rows_leaving_their_device():
+    counts = np.array([100, 100, 100, 100])
+    one_device = step_cost(Placement.identity(4, 1, 4), counts, H100_NVLINK, WL)
+    assert one_device.all_to_all_s == 0.0
+    p = Placement.identity(4, 2, 2)
+    cost = step_cost(p, counts, H100_NVLINK, WL)
+    # Each device sends half of its 200 source rows and receives 100 rows, 4 passes.
+    expected = 4 * 100 * WL.d_model * WL.activation_bytes / 450e9
+    assert cost.all_to_all_s == pytest.approx(expected)
+    # Replicating experts 0 and 2 on both devices keeps their rows local: half the traffic.
+    spare = Placement.identity(4, 2, 3)  # [[0, 1, 0], [2, 3, 2]]: same traffic as above
+    assert step_cost(spare, counts, H100_NVLINK, WL).all_to_all_s == pytest.approx(expected)
+    shadow = spare.with_table(np.array([0, 1, 2, 2, 3, 0]))
+    assert step_cost(shadow, counts, H100_NVLINK, WL).all_to_all_s == pytest.approx(expected / 2)
+
+
+def test_perfect_bound_is_below_static_on_skew():
+    p = Placement.identity(8, 4, 2)
+    counts = np.array([800, 10, 10, 10, 10, 10, 10, 10])
+    assert perfect_cost(counts, 4, H100_IB, WL).total_s < step_cost(p, counts, H100_IB, WL).total_s
+    even = np.full(8, 100)
+    assert perfect_cost(even, 4, H100_IB, WL).total_s == pytest.approx(
+        step_cost(p, even, H100_IB, WL).total_s
+    )
+
+
+def test_migration_zero_for_identical_placements():
+    p = Placement.identity(8, 4, 3)
+    assert migration_bytes(p, p, WL) == 0
+    assert migration_s(p, p, H100_IB, WL) == 0.0
+    assert not copies_needed(p, p).any()
+
+
+def test_migration_counts_remote_copies_only():
+    old = Placement.identity(4, 2, 3)  # [[0, 1, 0], [2, 3, 2]]
+    # Slot 2 takes expert 2 (remote: one copy); slot 5 takes expert 3 (already local: free).
+    new = old.with_table(np.array([0, 1, 2, 2, 3, 3]))
+    assert copies_needed(old, new).tolist() == [False, False, True, False, False, False]
+    assert migration_bytes(old, new, WL) == WL.expert_state_bytes
+    assert migration_s(old, new, H100_NVLINK, WL) == pytest.approx(WL.expert_state_bytes / 450e9)
+    assert WL.expert_state_bytes == 3 * 512 * 1024 * 14
+
+
+def test_migration_shape_mismatch():
+    with pytest.raises(ValueError, match="differ in shape"):
+        migration_bytes(Placement.identity(4, 2, 2), Placement.identity(4, 2, 3), WL)

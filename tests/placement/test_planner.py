@@ -1,0 +1,119 @@
+"""Planner properties (hypothesis) and examples."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moejax.placement import Placement, apportion, plan
+
+
+@st.composite
+def placements_and_counts(draw):
+    n = draw(st.integers(1, 6))
+    g = draw(st.integers(1, 3))
+    s = g + draw(st.integers(0, 2))
+    e = n * g
+    base = Placement.identity(e, n, s)
+    # Start from a random valid placement: identity, shuffled across slots.
+    perm = draw(st.permutations(range(n * s)))
+    start = base.with_table(base.slot_to_expert[np.array(perm)])
+    kind = draw(st.sampled_from(["int", "float", "one_hot", "zeros"]))
+    if kind == "int":
+        counts = np.array(draw(st.lists(st.integers(0, 10_000), min_size=e, max_size=e)))
+    elif kind == "float":
+        counts = np.array(draw(st.lists(st.floats(0, 1e6), min_size=e, max_size=e)))
+    elif kind == "one_hot":
+        counts = np.zeros(e)
+        counts[draw(st.integers(0, e - 1))] = 1e5
+    else:
+        counts = np.zeros(e)
+    return start, counts, draw(st.sampled_from([None, 0, 1, 3]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(placements_and_counts())
+def test_plan_properties(case):
+    start, counts, max_moves = case
+    new = plan(start, counts, max_moves=max_moves)
+    # Same shape, every expert keeps >= 1 replica (Placement validates), slot limits respected.
+    assert (new.num_experts, new.num_devices, new.slots_per_device) == (
+        start.num_experts,
+        start.num_devices,
+        start.slots_per_device,
+    )
+    assert new.expert_replica_counts().min() >= 1
+    assert new.expert_replica_counts().sum() == start.num_slots
+    assert new.device_table().shape == (start.num_devices, start.slots_per_device)
+    before = start.device_load(counts.astype(float)).max()
+    after = new.device_load(counts.astype(float)).max()
+    if new is start:
+        return
+    # When the planner acts, the busiest device gets strictly less work.
+    assert after < before
+    assert new != start
+
+
+def test_plan_replicates_hot_expert_and_returns_input_when_balanced():
+    p = Placement.identity(num_experts=8, num_devices=4, slots_per_device=3)
+    hot = np.array([4000.0, 10, 10, 10, 10, 10, 10, 10])
+    q = plan(p, hot)
+    assert set(q.device_of_slot(q.replicas_of(0)).tolist()) == {0, 1, 2, 3}
+    assert q.imbalance(hot) < 1.1 < p.imbalance(hot)
+    even = np.full(8, 100.0)
+    assert plan(p, even) is p
+    assert plan(p, np.zeros(8)) is p
+
+
+def test_plan_swaps_when_no_spare_slots():
+    # S = E/N: no replica can be added, only swaps help: two hot experts on device 0.
+    p = Placement.identity(num_experts=4, num_devices=2, slots_per_device=2)
+    counts = np.array([100.0, 100, 1, 1])
+    q = plan(p, counts)
+    assert q.device_load(counts).tolist() == [101.0, 101.0]
+    assert q.expert_replica_counts().tolist() == [1, 1, 1, 1]
+
+
+def test_plan_at_scale_balances_zipf():
+    from moejax.placement.traces import zipf_exponent_for, zipf_probs
+
+    n, e = 64, 128
+    rng = np.random.default_rng(0)
+    counts = zipf_probs(e, zipf_exponent_for(e, 4.0))[rng.permutation(e)] * 1e6
+    p = Placement.identity(e, n, 3)
+    q = plan(p, counts)
+    assert p.imbalance(counts) > 2.0
+    assert q.imbalance(counts) < 1.1
+
+
+def test_plan_validates():
+    p = Placement.identity(4, 2, 2)
+    with pytest.raises(ValueError, match="max_moves must be >= 0, got -1"):
+        plan(p, np.ones(4) * [9, 1, 1, 1], max_moves=-1)
+    with pytest.raises(ValueError, match=r"shape \[E\]"):
+        plan(p, np.ones(3))
+
+
+@pytest.mark.parametrize("slots", [4, 9, 20])
+def test_apportion_is_highest_averages(slots):
+    counts = np.array([90.0, 30, 10, 1])
+    r = apportion(counts, slots)
+    assert r.sum() == slots and r.min() >= 1
+    # No single move of a replica lowers the largest rows-per-replica.
+    best = (counts / r).max()
+    for a in range(4):
+        for b in range(4):
+            if a != b and r[a] > 1:
+                moved = r.copy()
+                moved[a] -= 1
+                moved[b] += 1
+                assert (counts / moved).max() >= best - 1e-9
+
+
+def test_apportion_caps_replicas_at_devices():
+    counts = np.array([4000.0, 10, 10, 10, 10, 10, 10, 10])
+    assert apportion(counts, 12).tolist()[0] == 5
+    capped = apportion(counts, 12, max_replicas=4)
+    assert capped.tolist() == [4, 2, 1, 1, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="num_slots must be >= E=8, got 7"):
+        apportion(counts, 7)
