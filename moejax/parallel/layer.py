@@ -20,6 +20,7 @@ combine on `chunks` token chunks, add the shared experts, `psum` the F-slice par
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -40,6 +41,7 @@ from moejax.parallel.dispatch_capacity import CapacityStages, capacity_all_to_al
 from moejax.parallel.dispatch_dropless import default_bucket, dropless_all_to_all
 from moejax.parallel.modes import experts_view
 from moejax.parallel.pipeline import chunk_slices, pipelined, staged
+from moejax.parallel.placed import SlotTable, assign_slots
 from moejax.parallel.strategy import Strategy, resolve_strategy
 
 
@@ -52,6 +54,7 @@ def moe_apply_sharded(
     strategy: Strategy | str = "auto",
     implementation: str = "auto",
     stagger: bool = False,
+    placement: SlotTable | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """Apply one MoE layer sharded over `mesh`; the same function as `moejax.moe_apply`.
 
@@ -68,6 +71,9 @@ def moe_apply_sharded(
       stagger: staggered pipelining (`moejax.parallel.pipeline`): per-stage optimization
         barriers for the capacity all-to-all, whole-chunk barriers otherwise (GPU scheduling aid;
         the math is unchanged).
+      placement: expert placement (`moejax.parallel.placed.slot_table`). Then `params["experts"]`
+        are physical, `[P, ...]` with identical replicas (`placed.to_physical`); each expert's
+        rows are split over its replicas. None: the logical `[E, ...]` layout.
 
     Returns:
       `(y, aux)`: `y` like `x`; `aux` the single-device `MoEAux` over all tokens (per-token fields
@@ -79,21 +85,44 @@ def moe_apply_sharded(
         raise ValueError("implementation='reference': not supported sharded; use another one")
     axes = col.MeshAxes.of(mesh)
     _check(x, config, strategy, axes)
-    pspecs = mesh_lib.param_partition_specs(config, mesh)
+    if placement is not None and strategy.mode == "expert" and strategy.dispatcher == "capacity":
+        raise ValueError(
+            "Strategy.dispatcher='capacity' with a placement: capacity buffers are per logical "
+            "expert; use dispatcher 'dropless' or 'allgather', or mode 'data'/'tensor'"
+        )
+    expert_config = config if placement is None else physical_config(config, placement)
+    pspecs = mesh_lib.param_partition_specs(expert_config, mesh)
     xspec = mesh_lib.activation_spec(mesh, x.ndim)
     tspec = P(axes.token or None)
     aux_spec = MoEAux(tspec, tspec, tspec, tspec, P(), P(), P(), P(), P())
     body = functools.partial(
         _body,
         config=config,
+        expert_config=expert_config,
         strategy=strategy,
         axes=axes,
         implementation=implementation,
         stagger=stagger,
     )
+    table_spec = None if placement is None else jax.tree.map(lambda _: P(), placement)
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(pspecs, xspec), out_specs=(xspec, aux_spec), check_vma=True
-    )(params, x)
+        body,
+        mesh=mesh,
+        in_specs=(pspecs, xspec, table_spec),
+        out_specs=(xspec, aux_spec),
+        check_vma=True,
+    )(params, x, placement)
+
+
+def physical_config(config: MoEConfig, placement: SlotTable) -> MoEConfig:
+    """The config the expert phases see under a placement: `P` slots in place of `E` experts
+    (routing, with its expert groups, stays logical and uses `config`)."""
+    if placement.num_experts != config.num_experts:
+        raise ValueError(
+            f"placement has E={placement.num_experts} experts, config.num_experts="
+            f"{config.num_experts}"
+        )
+    return config.replace(num_experts=placement.num_slots, num_groups=1, topk_groups=1)
 
 
 def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes) -> None:
@@ -114,7 +143,7 @@ def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes) -> None
         )
 
 
-def _body(params, x, *, config, strategy, axes, implementation, stagger):
+def _body(params, x, placement, *, config, expert_config, strategy, axes, implementation, stagger):
     shape = x.shape
     seqs = math.prod(shape[:-2]) if x.ndim >= 3 else 1
     xt = x.reshape(-1, config.d_model)
@@ -122,6 +151,12 @@ def _body(params, x, *, config, strategy, axes, implementation, stagger):
         routing = _routing.route(params["router"], xt, config, num_sequences=seqs)
         if config.dispatch == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, seqs)
+    aux = sharded_aux(routing, config, axes)
+    if placement is not None:
+        with jax.named_scope("assign_slots"):
+            slots = assign_slots(routing.expert_index, routing.kept, placement, _shard(axes))
+            routing = dataclasses.replace(routing, expert_index=slots)
+        config = expert_config
     experts = experts_view(params["experts"], strategy.mode, axes)
     chunk_tokens = xt.shape[0] // strategy.chunks
     chunk_slices(xt.shape[0], strategy.chunks)  # validates divisibility
@@ -144,7 +179,15 @@ def _body(params, x, *, config, strategy, axes, implementation, stagger):
         with jax.named_scope("shared_experts"):
             y = y + shared_mlp(params["shared"], xt, config)
     y = col.psum(y, axes.model)
-    return y.reshape(shape), sharded_aux(routing, config, axes)
+    return y.reshape(shape), aux
+
+
+def _shard(axes: col.MeshAxes):
+    """This device's index over the token axes (`data` major)."""
+    index = 0
+    for name in axes.token:
+        index = index * jax.lax.axis_size(name) + jax.lax.axis_index(name)
+    return index
 
 
 def _routed(xc, rc, *, experts, config, strategy, axes, implementation, sizes):

@@ -32,6 +32,7 @@ from moejax.placement.cost_model import step_cost as step_cost
 from moejax.placement.planner import apportion as apportion
 from moejax.placement.planner import plan as plan
 from moejax.placement.table import Placement as Placement
+from moejax.placement.table import migration_sources as migration_sources
 from moejax.placement.traces import balanced as balanced
 from moejax.placement.traces import drifting_zipf as drifting_zipf
 from moejax.placement.traces import load_trace as load_trace
@@ -56,6 +57,7 @@ __all__ = [
     "load_trace",
     "migration_bytes",
     "migration_s",
+    "migration_sources",
     "perfect_cost",
     "plan",
     "save_trace",

@@ -214,3 +214,33 @@ class Placement:
             f"Placement(E={self.num_experts}, N={self.num_devices}, S={self.slots_per_device}, "
             f"max_replicas={int(self.expert_replica_counts().max())})"
         )
+
+
+def migration_sources(old: Placement, new: Placement) -> np.ndarray:
+    """``[P]`` int64: the slot of ``old`` each slot of ``new`` copies its expert state from.
+
+    Preference per new slot ``p`` holding expert ``e``: slot ``p`` itself if it held ``e`` (no
+    move), else a slot of the same device that held ``e`` (a local copy), else ``e``'s first old
+    replica (a transfer; exactly the slots ``cost_model.copies_needed`` counts).
+
+    >>> old = Placement(np.array([0, 1, 2, 0]), 3, 2, 2)
+    >>> new = Placement(np.array([0, 0, 2, 1]), 3, 2, 2)
+    >>> migration_sources(old, new).tolist()
+    [0, 0, 2, 1]
+    """
+    if (old.num_experts, old.num_devices, old.slots_per_device) != (
+        new.num_experts,
+        new.num_devices,
+        new.slots_per_device,
+    ):
+        raise ValueError(f"placements differ in shape: old={old!r}, new={new!r}")
+    s = old.slots_per_device
+    sources = np.empty(new.num_slots, np.int64)
+    for p, e in enumerate(new.slot_to_expert):
+        held = old.replicas_of(int(e))
+        if old.slot_to_expert[p] == e:
+            sources[p] = p
+        else:
+            local = held[held // s == p // s]
+            sources[p] = local[0] if local.size else held[0]
+    return sources
