@@ -2,7 +2,8 @@
 
 Trained parameters live in the `"params"` collection. The DeepSeek-V3 correction bias
 (`router/score_correction_bias`) is not trained by the optimizer (it is updated by
-`moejax.update_correction_bias`), so it lives in its own collection, `"correction_bias"`, at the
+`moejax.update_correction_bias`), so it lives in its own collection, `CORRECTION_BIAS =
+"correction_bias"`, at the
 same path: an optimizer over `variables["params"]` (weight decay included) never touches it, as
 `nnx.Optimizer(..., wrt=nnx.Param)` never touches the NNX module's `CorrectionBias`.
 `to_variables` and `from_variables` convert between a functional tree and Linen variables.
@@ -23,8 +24,10 @@ from moejax._config import MoEConfig
 from moejax._layer import Implementation, moe_apply
 from moejax._params import init_param, param_specs
 
-PARAMS = "params"
+__all__ = ["CORRECTION_BIAS", "MoE", "from_variables", "to_variables"]
+
 CORRECTION_BIAS = "correction_bias"  # collection of the untrained router/score_correction_bias
+_PARAMS = "params"
 _UNTRAINED = ("router", "score_correction_bias")
 
 
@@ -40,7 +43,7 @@ def to_variables(tree: dict) -> dict:
     """
     group, name = _UNTRAINED
     params = {g: dict(leaves) for g, leaves in tree.items()}
-    variables = {PARAMS: params}
+    variables = {_PARAMS: params}
     if name in params.get(group, {}):
         variables[CORRECTION_BIAS] = {group: {name: params[group].pop(name)}}
     return variables
@@ -48,7 +51,7 @@ def to_variables(tree: dict) -> dict:
 
 def from_variables(variables: dict) -> dict:
     """The functional tree held by Linen variables (inverse of `to_variables`)."""
-    tree = {g: dict(leaves) for g, leaves in variables[PARAMS].items()}
+    tree = {g: dict(leaves) for g, leaves in variables[_PARAMS].items()}
     for group, leaves in variables.get(CORRECTION_BIAS, {}).items():
         tree[group].update(leaves)
     return tree
