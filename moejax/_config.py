@@ -50,9 +50,12 @@ class MoEConfig:
       num_groups: expert groups for group-limited routing (sigmoid router); 1 = off.
       topk_groups: groups kept per token (<= num_groups).
       routed_scaling_factor: multiplies the routed weights (DeepSeek-V3: 2.5).
-      activation: expert activation. `clamped_swiglu` is GPT-OSS's: gate clamped above at
-        `swiglu_limit`, up clamped to +-`swiglu_limit`, output `(up + 1) * gate * sigmoid(alpha *
-        gate)` with `alpha = swiglu_alpha`.
+      activation: expert activation. `swiglu`: `silu(gate) * up` (Mixtral, Qwen, OLMoE,
+        DeepSeek); `geglu`: `gelu(gate) * up`; `gelu`, `relu`: ungated (Switch: relu). GELU is
+        the tanh approximation (transformers' `gelu_new` / `gelu_pytorch_tanh`, as in T5 v1.1 and
+        Gemma), not the erf form of transformers' `"gelu"`. `clamped_swiglu` is GPT-OSS's: gate
+        clamped above at `swiglu_limit`, up clamped to +-`swiglu_limit`, output
+        `(up + 1) * gate * sigmoid(alpha * gate)` with `alpha = swiglu_alpha`.
       swiglu_limit: clamp limit of `clamped_swiglu`.
       swiglu_alpha: sigmoid slope of `clamped_swiglu`.
       expert_bias: expert projections have biases (`experts/b_gate`, `b_up [E, F]`,

@@ -43,6 +43,11 @@ def silu(x):  # ACT2FN["silu"]
     return x * sigmoid(x)
 
 
+def gelu_new(x):
+    """transformers `NewGELUActivation` (ACT2FN["gelu_new"]), the tanh approximation."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
 def topk(x, k):
     """`torch.topk(x, k, dim=-1)`: values and indices, largest first."""
     index = np.argsort(-x, axis=-1, kind="stable")[..., :k]

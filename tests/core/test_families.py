@@ -196,6 +196,18 @@ def test_losses_match_published_definitions():
     np.testing.assert_allclose(float(aux.z_loss), z, rtol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "geglu"])
+def test_gelu_is_the_tanh_approximation(activation):
+    from moejax._experts import activate
+
+    cfg = presets.mixtral(**SIZES, activation=activation)
+    gate = np.linspace(-4.0, 4.0, 33)
+    up = np.cos(gate)
+    got = activate(jnp.asarray(gate), jnp.asarray(up), cfg)
+    expected = hf.gelu_new(up) if activation == "gelu" else hf.gelu_new(gate) * up
+    assert_close(got, expected, jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # The real Hugging Face modules (only where torch and transformers are installed)
 
