@@ -21,7 +21,7 @@ import pytest
 
 import moejax
 from moejax import presets
-from moejax.testing import assert_close
+from moejax.testing import assert_close, random_params
 
 B, S = 2, 16
 SIZES = dict(d_model=16, d_ff=24, num_experts=8, block_size=8)
@@ -90,20 +90,12 @@ FAMILIES = {
 }
 
 
-def make_params(cfg, key=0):
-    """Initialised parameters with non-zero biases, so every bias path is exercised."""
-    params = moejax.init_moe_params(cfg, jax.random.key(key))
-    k = jax.random.key(key + 100)
-    for group in params.values():
-        for name, value in group.items():
-            if name.startswith("b_") or name in ("bias", "score_correction_bias"):
-                k, sub = jax.random.split(k)
-                group[name] = 0.3 * jax.random.normal(sub, value.shape, value.dtype)
-    return params
+def make_params(cfg):
+    return random_params(cfg, seed=0)  # non-zero biases: every bias path is exercised
 
 
-def inputs(key=1):
-    return jax.random.normal(jax.random.key(key), (B, S, SIZES["d_model"]), jnp.float32)
+def inputs():
+    return jnp.asarray(np.random.default_rng(1).normal(size=(B, S, SIZES["d_model"])), jnp.float32)
 
 
 @functools.cache

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import moejax
 from moejax._config import ACTIVATIONS
-from moejax.testing import assert_close
+from moejax.testing import assert_close, random_params
 
 IMPLS = ("reference", "ragged_dot", "blocked")
 
@@ -46,22 +46,9 @@ def layers(draw):
 
 
 def _case(config, tokens, routing, seed):
-    """Parameters and `x [T, D]` giving the requested routing.
-
-    Drawn with numpy: a new shape costs no jax.random compile (seconds each on XLA:CPU).
-    """
-    rng = np.random.default_rng(seed)
-    params = {
-        group: {
-            name: (
-                rng.normal(0.0, 0.3, spec.shape)  # biases and correction bias: non-zero
-                if spec.fan_in_axis is None
-                else rng.normal(0.0, spec.shape[spec.fan_in_axis] ** -0.5, spec.shape)
-            ).astype(np.float32)
-            for name, spec in specs.items()
-        }
-        for group, specs in moejax.param_specs(config).items()
-    }
+    """Parameters and `x [T, D]` giving the requested routing."""
+    params = jax.tree.map(np.array, random_params(config, seed))  # writable copies
+    rng = np.random.default_rng(seed + 1)
     x = rng.normal(size=(tokens, config.d_model)).astype(np.float32)
     kernel = params["router"]["kernel"]
     if routing == "one_hot":  # every token's first choice is the last expert
