@@ -313,6 +313,15 @@ def load_balancing_loss_mixtral(gate_logits, num_experts, top_k):
     return np.sum(tokens_per_expert * router_prob_per_expert) * num_experts
 
 
+def load_balancing_loss_switch(router_probs, expert_indices):
+    """Switch `load_balancing_loss_func`: `[B, S, E]` probabilities, `[B, S]` top-1 experts."""
+    num_experts = router_probs.shape[-1]
+    expert_mask = np.eye(num_experts)[expert_indices]  # [B, S, E]
+    tokens_per_group_and_expert = expert_mask.mean(-2)
+    router_prob_per_group_and_expert = router_probs.mean(-2)
+    return np.mean(tokens_per_group_and_expert * router_prob_per_group_and_expert) * num_experts**2
+
+
 def router_z_loss(router_logits):
     """Switch `router_z_loss_func` over `[B, S, E]` logits."""
     num_groups, tokens_per_group, _ = router_logits.shape

@@ -83,7 +83,7 @@ def test_linen_holds_the_functional_tree(name):
     assert all(UNTRAINED not in leaves for leaves in variables["params"].values())
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["deepseek_v3"])  # correction bias, groups, shared experts
 def test_functional_nnx_linen_give_the_same_outputs_aux_and_grads(name):
     cfg = CONFIGS[name]
     layer = moejax.MoE(cfg, rngs=nnx.Rngs(3), implementation="blocked")
