@@ -2,6 +2,14 @@
 
 Public surface (everything else is private and may change):
 
+- `MoEConfig`: the frozen, validated layer config; `presets` fills it for published families.
+- `init_moe_params`, `param_specs`: the parameter tree (names, shapes, initialisers).
+- `moe_apply(params, x, config, implementation=...)` -> `(y, MoEAux)`; `IMPLEMENTATIONS` names
+  the values of `implementation=` and `resolve_implementation` maps `"auto"` to one of them.
+- `route` -> `Routing`, `load_balance_loss`, `z_loss`, `update_correction_bias`: the routing
+  phase and its auxiliary quantities.
+- `MoE` (Flax NNX) and `moejax.linen.MoE` (Flax Linen): module shells over `moe_apply`.
+
 >>> import jax, jax.numpy as jnp, moejax
 >>> cfg = moejax.MoEConfig(d_model=16, d_ff=32, num_experts=4, top_k=2)
 >>> params = moejax.init_moe_params(cfg, jax.random.key(0))

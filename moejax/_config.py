@@ -50,9 +50,12 @@ class MoEConfig:
       num_groups: expert groups for group-limited routing (sigmoid router); 1 = off.
       topk_groups: groups kept per token (<= num_groups).
       routed_scaling_factor: multiplies the routed weights (DeepSeek-V3: 2.5).
-      activation: expert activation. `clamped_swiglu` is GPT-OSS's: gate clamped above at
-        `swiglu_limit`, up clamped to +-`swiglu_limit`, output `(up + 1) * gate * sigmoid(alpha *
-        gate)` with `alpha = swiglu_alpha`.
+      activation: expert activation. `swiglu`: `silu(gate) * up` (Mixtral, Qwen, OLMoE,
+        DeepSeek); `geglu`: `gelu(gate) * up`; `gelu`, `relu`: ungated (Switch: relu). GELU is
+        the tanh approximation (transformers' `gelu_new` / `gelu_pytorch_tanh`, as in T5 v1.1 and
+        Gemma), not the erf form of transformers' `"gelu"`. `clamped_swiglu` is GPT-OSS's: gate
+        clamped above at `swiglu_limit`, up clamped to +-`swiglu_limit`, output
+        `(up + 1) * gate * sigmoid(alpha * gate)` with `alpha = swiglu_alpha`.
       swiglu_limit: clamp limit of `clamped_swiglu`.
       swiglu_alpha: sigmoid slope of `clamped_swiglu`.
       expert_bias: expert projections have biases (`experts/b_gate`, `b_up [E, F]`,
@@ -105,8 +108,8 @@ class MoEConfig:
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
             _positive_int(name, getattr(self, name))
         _positive_int("block_size", self.block_size)
-        if self.num_shared_experts < 0:
-            _bad("num_shared_experts", self.num_shared_experts, "must be >= 0")
+        if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
+            _bad("num_shared_experts", self.num_shared_experts, "must be an int >= 0")
         if self.shared_d_ff is not None:
             _positive_int("shared_d_ff", self.shared_d_ff)
         if self.router not in ROUTER_KINDS:
@@ -135,16 +138,14 @@ class MoEConfig:
                 )
         if self.score_correction_bias and self.router != "sigmoid":
             _bad("score_correction_bias", True, "needs router='sigmoid'")
-        if not (math.isfinite(self.capacity_factor) and self.capacity_factor > 0):
-            _bad("capacity_factor", self.capacity_factor, "must be a finite number > 0")
+        _positive_finite("capacity_factor", self.capacity_factor)
         if self.expert_capacity is not None:
             _positive_int("expert_capacity", self.expert_capacity)
-        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
-            _bad("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
-        if not self.swiglu_limit > 0:
-            _bad("swiglu_limit", self.swiglu_limit, "must be > 0")
-        if not self.init_scale > 0:
-            _bad("init_scale", self.init_scale, "must be > 0")
+        _positive_finite("routed_scaling_factor", self.routed_scaling_factor)
+        if not _is_real(self.swiglu_limit) or not self.swiglu_limit > 0:  # inf = no clamp
+            _bad("swiglu_limit", self.swiglu_limit, "must be a number > 0")
+        _positive_finite("swiglu_alpha", self.swiglu_alpha)
+        _positive_finite("init_scale", self.init_scale)
         if self.router_dtype not in ("float32", "float64"):
             _bad("router_dtype", self.router_dtype, "must be 'float32' (or 'float64')")
         if self.param_dtype not in ("float32", "bfloat16", "float16", "float64"):
@@ -178,6 +179,19 @@ def _bad(field: str, value, why: str):
     raise ValueError(f"MoEConfig.{field}={value!r}: {why}")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _positive_int(field: str, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not _is_int(value) or value <= 0:
         _bad(field, value, "must be a positive int")
+
+
+def _positive_finite(field: str, value):
+    if not (_is_real(value) and math.isfinite(value) and value > 0):
+        _bad(field, value, "must be a finite number > 0")

@@ -153,8 +153,9 @@ def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
     """Switch/GShard load-balancing loss `E * sum_e f_e * P_e` (1.0 at perfect balance).
 
     `f_e` is the fraction of the T*K routed assignments that chose expert e, `P_e` the mean router
-    probability of e. (Hugging Face's `load_balancing_loss_func` sums f over the K slots and so
-    returns K times this value.)
+    probability of e, both over all T tokens of the call. (Hugging Face's Mixtral
+    `load_balancing_loss_func` sums f over the K slots and so returns K times this value; Switch's
+    and flaxformer's average `f * P` per sequence, which equals this for one sequence.)
     """
     counts = expert_counts(routing.expert_index, num_experts)
     f = counts.astype(jnp.float32) / routing.expert_index.size

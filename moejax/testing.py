@@ -1,4 +1,4 @@
-"""Helpers shared by moejax's tests and benchmarks: tolerances, forced routing, small configs.
+"""Helpers shared by moejax's tests and benchmarks: tolerances, random parameters, forced routing.
 
 >>> import jax.numpy as jnp
 >>> tolerance(jnp.bfloat16)
@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from moejax._params import param_specs
 
 _TOLERANCE = {  # (rtol, atol) per dtype, for results compared against an fp32 reference
     jnp.dtype(jnp.float64): (1e-10, 1e-10),
@@ -45,6 +47,41 @@ def assert_close(actual, expected, dtype=None, *, scale: float = 1.0, err_msg: s
         np.testing.assert_allclose(
             a, e, rtol=rtol * scale, atol=atol * scale * mag, err_msg=f"{err_msg} {path}"
         )
+
+
+def random_params(config, seed: int = 0, bias_scale: float = 0.3) -> dict:
+    """A parameter tree like `moejax.init_moe_params`, drawn with numpy, with non-zero biases.
+
+    Projections are Normal(0, init_scale / sqrt(fan_in)); biases and the correction bias are
+    Normal(0, `bias_scale`) so that every bias path changes the result. Numpy instead of
+    `jax.random`: on XLA:CPU each new parameter shape would cost a `jax.random.normal` compile
+    (about a second), which dominates small tests.
+
+    Args:
+      config: a `moejax.MoEConfig`.
+      seed: numpy seed.
+      bias_scale: standard deviation of the biases.
+
+    Returns:
+      The nested dict of `[...]` arrays in `config.param_dtype`.
+
+    >>> import moejax
+    >>> cfg = moejax.MoEConfig(d_model=8, d_ff=16, num_experts=4, expert_bias=True)
+    >>> random_params(cfg)["experts"]["b_down"].shape
+    (4, 8)
+    """
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(config.param_dtype)
+
+    def draw(spec):
+        if spec.fan_in_axis is None:
+            std = bias_scale
+        else:
+            std = config.init_scale / spec.shape[spec.fan_in_axis] ** 0.5
+        return jnp.asarray(rng.normal(0.0, std, spec.shape).astype(np.float32), dtype)
+
+    specs = param_specs(config)
+    return {g: {n: draw(s) for n, s in group.items()} for g, group in specs.items()}
 
 
 def force_routing(params: dict, expert: int, strength: float = 30.0) -> dict:

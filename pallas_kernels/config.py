@@ -1,4 +1,4 @@
-"""Tiling `Config`, backend names and the small shape policy shared by every kernel.
+"""Tiling `Config`, backend names (`BACKENDS`) and the small shape policy shared by every kernel.
 
 Shape letters (ARCHITECTURE.md): `M` rows of lhs, `K` contraction, `N` output columns, `G` groups.
 """

@@ -1,6 +1,6 @@
 """Mesh conventions: the axes `data`, `expert`, `model` and the partition specs of the MoE layer.
 
-Axes (any subset may be present; an absent axis has size 1):
+Axes (`AXES`, in mesh order; any subset may be present; an absent axis has size 1):
 
 - `data`: pure data parallelism. Tokens are split over it; every parameter is replicated.
 - `expert`: `N` devices. Tokens are split over it too (tokens over `("data", "expert")`), and the

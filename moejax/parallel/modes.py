@@ -1,7 +1,8 @@
 """Adaptive parallelism (Tutel): one stored weight layout, three ways to run the experts.
 
 Stored layout (`moejax.parallel.mesh`): experts' `E` over `expert` (G = E / N local experts), `F`
-over `model`. Per call the layer picks a mode; the stored weights never move, only per-call views:
+over `model`. Per call the layer picks a mode (`MODES` names them); the stored weights never move,
+only per-call views:
 
 - `"expert"` (expert parallel): tokens travel to the experts (a dispatcher: capacity all-to-all,
   bounded dropless all-to-all, or all-gather + reduce-scatter); weights stay where they are.

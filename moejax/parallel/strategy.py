@@ -3,6 +3,7 @@
 Fields: the parallel mode (`moejax.parallel.modes`), the dispatcher (expert mode only), the
 pipeline degree, and the dropless bucket. Every strategy computes the same function as the
 single-device layer; the autotuner (`moejax.parallel.autotune`) picks the fastest.
+`DISPATCHERS` names the dispatchers, `PIPELINE_DEGREES` the allowed pipeline degrees (`chunks`).
 
 >>> Strategy(mode="expert", dispatcher="dropless", chunks=2, bucket=16)
 Strategy(mode='expert', dispatcher='dropless', chunks=2, bucket=16)

@@ -37,6 +37,26 @@ INVALID = [
     ({"init_scale": 0.0}, "init_scale"),
     ({"router_dtype": "bfloat16"}, "router_dtype"),
     ({"param_dtype": "int8"}, "param_dtype"),
+    ({"num_groups": 0}, "num_groups"),
+    ({"router": "sigmoid", "num_groups": 4, "topk_groups": 0}, "topk_groups"),
+    ({"block_size": 8.0}, "block_size"),
+    ({"expert_capacity": -3}, "expert_capacity"),
+    ({"expert_capacity": True}, "expert_capacity"),
+    ({"num_shared_experts": 1.5}, "num_shared_experts"),
+    ({"num_shared_experts": True}, "num_shared_experts"),
+    ({"shared_d_ff": -8, "num_shared_experts": 1}, "shared_d_ff"),
+    ({"capacity_factor": float("inf")}, "capacity_factor"),
+    ({"capacity_factor": True}, "capacity_factor"),
+    ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor"),
+    ({"routed_scaling_factor": -2.5}, "routed_scaling_factor"),
+    ({"swiglu_limit": float("nan")}, "swiglu_limit"),
+    ({"swiglu_limit": -7.0}, "swiglu_limit"),
+    ({"swiglu_alpha": float("nan")}, "swiglu_alpha"),
+    ({"swiglu_alpha": 0.0}, "swiglu_alpha"),
+    ({"init_scale": float("inf")}, "init_scale"),
+    ({"router_dtype": "float16"}, "router_dtype"),
+    ({"router": "topk_softmax", "score_correction_bias": True}, "score_correction_bias"),
+    ({"router": "expert_choice", "top_k": 9}, "top_k"),
 ]
 
 
@@ -47,6 +67,20 @@ def test_invalid_config_raises_naming_field_and_value(changes, field):
     message = str(err.value)
     assert f"MoEConfig.{field}=" in message
     assert repr(changes[field]) in message
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"swiglu_limit": float("inf")},  # no clamp
+        {"router": "sigmoid", "num_groups": 4, "topk_groups": 4, "top_k": 8},
+        {"num_shared_experts": 0, "shared_d_ff": 8},
+        {"router_dtype": "float64"},
+        {"capacity_factor": 1, "expert_capacity": 1},
+    ],
+)
+def test_valid_edge_configs_construct(changes):
+    moejax.MoEConfig(**{**BASE, **changes})
 
 
 def test_config_is_frozen_and_replace_validates():

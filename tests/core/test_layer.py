@@ -10,7 +10,7 @@ import pytest
 
 import moejax
 from moejax import presets
-from moejax.testing import assert_close, force_routing
+from moejax.testing import assert_close, force_routing, random_params
 
 SIZES = dict(d_model=16, d_ff=24, num_experts=8, block_size=8)
 CONFIGS = {
@@ -27,23 +27,38 @@ CONFIGS = {
     "gelu_bias": presets.mixtral(**SIZES, activation="gelu", expert_bias=True),
     "relu_shared": presets.mixtral(**SIZES, activation="relu", num_shared_experts=2),
 }
-IMPLS = ["ragged_dot", "blocked"]
+IMPLS = ["ragged_dot", "blocked", "pallas"]
+# Pallas runs in interpret mode on CPU: ~2x the compile time of the XLA paths. The default run
+# keeps one config per router kind plus capacity mode; the rest run with `-m slow`.
+PALLAS_DEFAULT = {"mixtral", "deepseek_v3", "gpt_oss", "switch", "expert_choice"}
+
+
+def impl_params(names, pallas_default=PALLAS_DEFAULT):
+    """`(name, impl)` pairs, pallas outside `pallas_default` marked slow."""
+    return [
+        pytest.param(
+            name,
+            impl,
+            id=f"{name}-{impl}",
+            marks=[pytest.mark.slow] if impl == "pallas" and name not in pallas_default else [],
+        )
+        for name in names
+        for impl in IMPLS
+    ]
 
 
 def make_params(cfg, key=0):
-    params = moejax.init_moe_params(cfg, jax.random.key(key))
-    # Non-zero biases so that every bias path is exercised.
-    k = jax.random.key(key + 100)
-    for group in params.values():
-        for name, value in group.items():
-            if name.startswith("b_") or name in ("bias", "score_correction_bias"):
-                k, sub = jax.random.split(k)
-                group[name] = 0.3 * jax.random.normal(sub, value.shape, value.dtype)
-    return params
+    return random_params(cfg, seed=key)  # non-zero biases: every bias path is exercised
 
 
 def inputs(key=1, b=2, s=16, d=16, dtype=jnp.float32):
-    return jax.random.normal(jax.random.key(key), (b, s, d), dtype)
+    return jnp.asarray(np.random.default_rng(key).normal(size=(b, s, d)), dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "implementation"))
+def apply(params, x, config, implementation):
+    """`moejax.moe_apply`, jitted: eager dispatch of its ops costs more than one compile."""
+    return moejax.moe_apply(params, x, config, implementation=implementation)
 
 
 def loss_fn(impl, cfg):
@@ -64,8 +79,7 @@ def reference_result(name):
     return loss_fn("reference", cfg)(make_params(cfg), inputs())
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name,impl", impl_params(sorted(CONFIGS)))
 def test_forward_and_grads_match_reference(name, impl):
     cfg = CONFIGS[name]
     (loss, (y, aux)), grads = loss_fn(impl, cfg)(make_params(cfg), inputs())
@@ -86,15 +100,15 @@ def test_all_tokens_on_one_expert_drop_nothing(impl, top_k):
     cfg = presets.mixtral(**SIZES, top_k=top_k)
     params = force_routing(make_params(cfg), expert=5)
     x = jnp.abs(inputs())
-    y, aux = moejax.moe_apply(params, x, cfg, implementation=impl)
-    y_ref, _ = moejax.moe_apply(params, x, cfg, implementation="reference")
+    y, aux = apply(params, x, cfg, implementation=impl)
+    y_ref, _ = apply(params, x, cfg, implementation="reference")
     counts = np.asarray(aux.expert_counts)
     assert counts[5] == 32 and counts.sum() == 32 * top_k
     assert float(aux.dropped_fraction) == 0.0 and not bool(aux.dropped_mask.any())
     assert (counts == 0).sum() == 8 - top_k  # empty experts
     assert_close(y, y_ref)
-    g = jax.grad(lambda p: moejax.moe_apply(p, x, cfg, implementation=impl)[0].sum())(params)
-    g_ref = jax.grad(lambda p: moejax.moe_apply(p, x, cfg, implementation="reference")[0].sum())(
+    g = jax.jit(jax.grad(lambda p: apply(p, x, cfg, implementation=impl)[0].sum()))(params)
+    g_ref = jax.jit(jax.grad(lambda p: apply(p, x, cfg, implementation="reference")[0].sum()))(
         params
     )
     assert_close(g, g_ref)
@@ -103,11 +117,44 @@ def test_all_tokens_on_one_expert_drop_nothing(impl, top_k):
     assert np.all(np.asarray(g["experts"]["w_up"])[empty] == 0)
 
 
+def _one_token_case():
+    e, d = SIZES["num_experts"], SIZES["d_model"]
+    cfg = presets.mixtral(**SIZES, top_k=1)
+    # Logits = 30 * one_hot(i): features 0..E-1 of token i are e_i, the router reads only them.
+    kernel = np.zeros((d, e), np.float32)
+    kernel[np.arange(e), np.arange(e)] = 30.0
+    params = {**make_params(cfg), "router": {"kernel": jnp.asarray(kernel)}}
+    x = jnp.concatenate([jnp.eye(e), inputs(s=e)[0, :, e:]], axis=1)  # [T = E, D]
+    return cfg, params, x
+
+
+@functools.cache
+def _one_token_reference():
+    cfg, params, x = _one_token_case()
+    return loss_fn("reference", cfg)(params, x)
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_one_token_per_expert(impl):
+    """E tokens, token i routed to expert i alone: every group holds exactly one row."""
+    e = SIZES["num_experts"]
+    cfg, params, x = _one_token_case()
+    (_, (y, aux)), grads = loss_fn(impl, cfg)(params, x)
+    (_, (y_ref, _)), grads_ref = _one_token_reference()
+    np.testing.assert_array_equal(aux.topk_indices[:, 0], np.arange(e))
+    np.testing.assert_array_equal(aux.expert_counts, np.ones(e))
+    np.testing.assert_array_equal(aux.kept_counts, np.ones(e))
+    assert_close(y, y_ref)
+    assert_close(grads, grads_ref)
+    # Every expert computed one row, so every expert's weights get a gradient.
+    assert np.all(np.abs(np.asarray(grads[0]["experts"]["w_down"])).max(axis=(1, 2)) > 0)
+
+
 def test_capacity_mode_reports_exactly_the_dropped_assignments():
     cfg = presets.switch(**SIZES, expert_capacity=2)
     params = force_routing(make_params(cfg), expert=3)
     x = jnp.abs(inputs(s=5))  # every token wants expert 3; each sequence keeps its first two
-    y, aux = moejax.moe_apply(params, x, cfg, implementation="blocked")
+    y, aux = apply(params, x, cfg, implementation="blocked")
     dropped = np.asarray(aux.dropped_mask).reshape(2, 5)
     np.testing.assert_array_equal(dropped, [[0, 0, 1, 1, 1]] * 2)
     assert float(aux.dropped_fraction) == pytest.approx(0.6)
@@ -115,8 +162,9 @@ def test_capacity_mode_reports_exactly_the_dropped_assignments():
     assert np.all(np.abs(np.asarray(y)[:, :2]) > 0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "name,impl", impl_params(["mixtral", "deepseek_v3", "gpt_oss"], pallas_default={"mixtral"})
+)
 def test_bf16_matches_fp32_reference(name, impl):
     cfg = CONFIGS[name].replace(param_dtype="bfloat16")
     if name == "gpt_oss":
@@ -125,12 +173,10 @@ def test_bf16_matches_fp32_reference(name, impl):
         cfg = cfg.replace(swiglu_limit=7.0)
     params = make_params(cfg)
     x = inputs(dtype=jnp.bfloat16)
-    y, aux = moejax.moe_apply(params, x, cfg, implementation=impl)
+    y, aux = apply(params, x, cfg, implementation=impl)
     assert y.dtype == jnp.bfloat16 and aux.router_logits.dtype == jnp.float32
     params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-    y_ref, aux_ref = moejax.moe_apply(
-        params32, x.astype(jnp.float32), cfg, implementation="reference"
-    )
+    y_ref, aux_ref = apply(params32, x.astype(jnp.float32), cfg, implementation="reference")
     # The router runs in fp32 from the same bf16-representable inputs: identical choices.
     np.testing.assert_array_equal(aux.topk_indices, aux_ref.topk_indices)
     assert_close(y, y_ref, jnp.bfloat16)
@@ -146,7 +192,7 @@ def test_one_expert_equals_dense_mlp():
     e = params["experts"]
     dense = (jax.nn.silu(x @ e["w_gate"][0]) * (x @ e["w_up"][0])) @ e["w_down"][0]
     for impl in ["reference", *IMPLS]:
-        assert_close(moejax.moe_apply(params, x, cfg, implementation=impl)[0], dense)
+        assert_close(apply(params, x, cfg, implementation=impl)[0], dense)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -164,16 +210,16 @@ def test_sequence_axis_counts_capacity_per_sequence():
     cfg = presets.switch(**SIZES, expert_capacity=2)
     params = force_routing(make_params(cfg), expert=0)
     x = jnp.abs(inputs(b=3, s=4))
-    _, aux = moejax.moe_apply(params, x, cfg, implementation="blocked")
+    _, aux = apply(params, x, cfg, implementation="blocked")
     assert int(aux.kept_counts[0]) == 3 * 2  # two per sequence, not two in all
-    _, aux_flat = moejax.moe_apply(params, x.reshape(12, 16), cfg, implementation="blocked")
+    _, aux_flat = apply(params, x.reshape(12, 16), cfg, implementation="blocked")
     assert int(aux_flat.kept_counts[0]) == 2
 
 
 def test_expert_choice_each_expert_takes_capacity_tokens():
     cfg = CONFIGS["expert_choice"]  # capacity = ceil(1.0 * 16 * 2 / 8) = 4 per sequence
     params, x = make_params(cfg), inputs()
-    _, aux = moejax.moe_apply(params, x, cfg, implementation="blocked")
+    _, aux = apply(params, x, cfg, implementation="blocked")
     np.testing.assert_array_equal(aux.kept_counts, np.full(8, 2 * 4))
     assert aux.topk_indices.shape == (32, 8)
 
