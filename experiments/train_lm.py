@@ -44,11 +44,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-bytes", type=int, help="cap on corpus tokens")
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     p.add_argument("--keep", type=int, help="checkpoints to keep")
+    p.add_argument("--eval-batches", type=int, help="held-out batches evaluated at the end")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-outputs", action="store_true", help="skip plots and summary")
     p.add_argument("--coordinator", help="jax.distributed coordinator address host:port")
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
+    p.add_argument(
+        "--jax-cache",
+        help="persistent XLA compilation cache dir: 'none', or default $JAX_COMPILATION_CACHE_DIR "
+        "if set, else <out>/jax_cache",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     return p.parse_args(argv)
 
@@ -57,9 +63,9 @@ def _mesh_shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"--mesh={text!r}: need comma-separated ints, e.g. 2,4") from None
+        raise InputError(f"--mesh={text!r}: need comma-separated ints, e.g. 2,4") from None
     if not shape or min(shape) < 1:
-        raise ValueError(f"--mesh={text!r}: need positive ints")
+        raise InputError(f"--mesh={text!r}: need positive ints")
     return shape
 
 
@@ -68,7 +74,7 @@ def _setup_devices(args) -> tuple[int, ...]:
     shape = _mesh_shape(args.mesh)
     total = math.prod(shape)
     if total % args.num_processes:
-        raise ValueError(
+        raise InputError(
             f"--mesh={args.mesh}: {total} devices do not split over {args.num_processes} processes"
         )
     flags = os.environ.get("XLA_FLAGS", "")
@@ -78,22 +84,13 @@ def _setup_devices(args) -> tuple[int, ...]:
     return shape
 
 
-def run(args) -> int:
-    shape = _setup_devices(args)
-    import jax
+class InputError(ValueError):
+    """A bad flag value (reported in one line, like the library's input errors)."""
 
-    if args.num_processes > 1 or args.coordinator:
-        if not args.coordinator:
-            raise ValueError("--num-processes > 1 needs --coordinator host:port")
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
-        )
 
-    from moejax import data, parallel
+def _configs(args):
+    """Model and train configs from the preset and flags (config validation errors included)."""
     from moejax.models import presets
-    from moejax.training import loop, report
     from moejax.training import presets as train_presets
 
     model_cfg = presets.get(args.preset)
@@ -107,29 +104,60 @@ def run(args) -> int:
         "seed": args.seed,
         "checkpoint_every": args.checkpoint_every,
         "keep_checkpoints": args.keep,
+        "eval_batches": args.eval_batches,
     }
-    train_cfg = train_presets.get(args.preset).replace(
-        **{k: v for k, v in overrides.items() if v is not None}
-    )
-    if train_cfg.warmup_steps > train_cfg.steps:
-        train_cfg = train_cfg.replace(warmup_steps=train_cfg.steps // 10)
+    train_cfg = train_presets.get(args.preset)
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if "steps" in overrides and train_cfg.warmup_steps > overrides["steps"]:
+        overrides["warmup_steps"] = overrides["steps"] // 10
+    return model_cfg, train_cfg.replace(**overrides)
+
+
+def _setup(args):
+    """Everything that only reads the flags, the devices and the corpus (before training)."""
+    shape = _setup_devices(args)
+    import jax
+
+    if args.num_processes > 1 or args.coordinator:
+        if not args.coordinator:
+            raise InputError("--num-processes > 1 needs --coordinator host:port")
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+    from moejax import data, parallel
+
+    model_cfg, train_cfg = _configs(args)
     if math.prod(shape) != jax.device_count():
-        raise ValueError(
+        raise InputError(
             f"--mesh={args.mesh}: needs {math.prod(shape)} devices, "
             f"{jax.device_count()} are available"
         )
     axes = tuple(args.mesh_axes.split(",")) if args.mesh_axes else None
     mesh = parallel.make_mesh(shape, axes)
-    strategy = (
-        "auto" if args.dispatcher == "auto" else parallel.Strategy(dispatcher=args.dispatcher)
-    )
+    if args.dispatcher == "auto":
+        strategy = "auto"
+    else:
+        strategy = parallel.Strategy(dispatcher=args.dispatcher)
     if args.data:
         corpus = data.load_corpus(
             args.data, vocab_size=model_cfg.vocab_size, max_bytes=args.max_bytes
         )
     else:
         corpus = data.default_corpus(args.max_bytes or data.DEFAULT_MAX_BYTES)
+    return model_cfg, train_cfg, mesh, strategy, corpus
+
+
+def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
+    import jax
+
+    from moejax.training import loop, report
+
     run_dir = args.out or os.path.join("runs", args.preset)
+    if args.jax_cache != "none" and (args.jax_cache or not jax.config.jax_compilation_cache_dir):
+        cache = args.jax_cache or os.path.join(run_dir, "jax_cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
     primary = jax.process_index() == 0
     if primary:
         print(
@@ -163,13 +191,23 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as err:  # input errors: DataError, CheckpointError, config validation
-        if args.debug:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    try:  # reads only flags, devices and the corpus: every ValueError is an input error
+        inputs = _setup(args)
+    except ValueError as err:
+        return _fail(err, args)
+    from moejax.training import INPUT_ERRORS
+
+    try:  # inside training only the library's input errors are one line; bugs keep tracebacks
+        return run(args, *inputs)
+    except INPUT_ERRORS as err:
+        return _fail(err, args)
+
+
+def _fail(err: ValueError, args) -> int:
+    if args.debug:
+        raise err
+    print(f"error: {err}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 | name | what for | params total / active |
 |---|---|---|
-| `micro` | unit tests (compiles and steps in about a second) | 72 K / 27 K |
+| `micro` | tests: sigmoid routing, correction bias, shared expert; tiny sizes | 75 K / 30 K |
 | `tiny` | the README's main job: minutes on 2 CPU cores, 8 simulated devices | 3.4 M / 1.0 M |
 | `small` | bigger CPU runs, benchmark; DeepSeek-style routing + shared expert | 41 M / 8.4 M |
 | `mixtral_8x7b` | Mixtral-8x7B's shapes, for accelerators (not built in tests) | 46.7 B / 12.7 B |
@@ -21,6 +21,8 @@ from __future__ import annotations
 from moejax._config import MoEConfig
 from moejax.models._config import LMConfig
 
+# Tests: every routing feature the training loop handles (sigmoid scores, the correction bias
+# updated outside the optimizer, a shared expert) at sizes that compile and step in seconds.
 MICRO = LMConfig(
     vocab_size=256,
     d_model=32,
@@ -29,7 +31,17 @@ MICRO = LMConfig(
     num_kv_heads=2,
     head_dim=8,
     max_seq_len=16,
-    moe=MoEConfig(d_model=32, d_ff=32, num_experts=8, top_k=2, block_size=8),
+    moe=MoEConfig(
+        d_model=32,
+        d_ff=32,
+        num_experts=8,
+        top_k=2,
+        router="sigmoid",
+        score_correction_bias=True,
+        num_shared_experts=1,
+        shared_d_ff=16,
+        block_size=8,
+    ),
 )
 
 # Byte-level, 4 blocks of MoE (8 experts, top-2) at width 128: big enough to learn Python syntax

@@ -32,6 +32,7 @@ from moejax.training._config import TrainConfig
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import MetricsWriter, flops_per_token, step_record
 from moejax.training.state import (
+    TrainState,
     abstract_state,
     global_batch,
     init_train_state,
@@ -58,18 +59,23 @@ class RunResult:
     wall_s: float
     interrupted: bool
     records: list = dataclasses.field(repr=False, default_factory=list)
+    state: TrainState | None = dataclasses.field(repr=False, default=None)  # the final state
+
+
+class SetupError(ValueError):
+    """Shapes of the run that do not fit each other or the mesh (one line, names the field)."""
 
 
 def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
     """Validate the run's shapes against each other and the mesh; returns the sequence length.
 
     Raises:
-      ValueError: one line naming the mismatch (batch vs token shards, experts vs the expert
+      SetupError: one line naming the mismatch (batch vs token shards, experts vs the expert
         axis, sequence length vs the model).
     """
     seq_len = train_cfg.seq_len or model_cfg.max_seq_len
     if seq_len > model_cfg.max_seq_len:
-        raise ValueError(
+        raise SetupError(
             f"TrainConfig.seq_len={seq_len}: exceeds the model's max_seq_len="
             f"{model_cfg.max_seq_len}"
         )
@@ -80,17 +86,20 @@ def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
     shape = " x ".join(f"{k}={v}" for k, v in dict(mesh.shape).items())
     shards = mesh_lib.token_shards(mesh)
     if train_cfg.batch_size % shards:
-        raise ValueError(
+        raise SetupError(
             f"TrainConfig.batch_size={train_cfg.batch_size}: does not divide over the {shards} "
             f"token shards of the mesh ({shape})"
         )
     experts = mesh_lib.axis_size(mesh, "expert")
     if model_cfg.moe.num_experts % experts:
-        raise ValueError(
+        raise SetupError(
             f"MoEConfig.num_experts={model_cfg.moe.num_experts}: does not divide over the "
             f"mesh's expert axis of {experts} devices ({shape})"
         )
-    mesh_lib.check_divisible(model_cfg.moe, mesh)
+    try:
+        mesh_lib.check_divisible(model_cfg.moe, mesh)
+    except ValueError as err:
+        raise SetupError(f"{err} ({shape})") from None
     return seq_len
 
 
@@ -175,7 +184,7 @@ def train(
       A `RunResult`.
 
     Raises:
-      ValueError (incl. `DataError`, `CheckpointError`): bad shapes, data or checkpoint
+      SetupError, DataError, CheckpointError (all ValueErrors): bad shapes, data or checkpoint
         directory, raised before anything in `run_dir` is written.
     """
     t_start = time.perf_counter()
@@ -202,8 +211,12 @@ def train(
     placements = identity_placements(model_cfg, mesh)
     if latest is not None:
         target = restore_target(abstract_state(model_cfg, train_cfg), shardings)
-        state, meta = ckpt.restore(latest, target)
-        iterator.restore(meta["data"])
+        try:
+            state, meta = ckpt.restore(latest, target)
+            iterator.restore(meta["data"])
+        except ValueError:
+            ckpt.close()
+            raise
         placements = _saved_placements(meta, model_cfg, mesh)
     else:
         state = init_train_state(model_cfg, train_cfg, mesh)
@@ -288,6 +301,7 @@ def train(
         time.perf_counter() - t_start,
         interrupted,
     )
+    result.state = state
     if primary and outputs and records:
         write_outputs(run_dir, result)
     return result

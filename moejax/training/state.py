@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
+from optax.transforms import MaskedNode
 
 from moejax.models import LMConfig, init_lm_params, lm_partition_specs
 from moejax.training._config import TrainConfig
@@ -70,13 +71,16 @@ def state_shardings(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> TrainS
     param_specs = lm_partition_specs(model_cfg, mesh)
     abstract = abstract_state(model_cfg, train_cfg)
     named = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs)
+    # Moments follow their parameter; the frozen correction biases have no moments (optax puts
+    # a `MaskedNode` there, kept as is).
+    masked = lambda x: isinstance(x, NamedSharding | MaskedNode)
     opt = optax.tree_map_params(
         make_optimizer(train_cfg),
-        lambda _, sharding: sharding,
+        lambda leaf, sharding: leaf if isinstance(leaf, MaskedNode) else sharding,
         abstract.opt_state,
         named,
         transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
+        is_leaf=masked,
     )
     return TrainState(
         step=replicated,

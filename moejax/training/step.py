@@ -96,7 +96,7 @@ def train_step(
     forward_kw = dict(mesh=mesh, strategy=strategy, implementation=implementation)
     (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
     aux: LMAux
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if model_cfg.moe.score_correction_bias and train_cfg.bias_update_rate > 0:
@@ -128,6 +128,7 @@ def train_step(
     return new_state, metrics
 
 
+@functools.lru_cache(maxsize=8)
 def make_train_step(
     model_cfg: LMConfig,
     train_cfg: TrainConfig,
@@ -138,7 +139,8 @@ def make_train_step(
 ):
     """`train_step` jitted: `(state, batch [B, S + 1]) -> (state, StepMetrics)`.
 
-    The state is donated (updated in place). On a mesh, the state keeps the shardings of
+    Cached on its (hashable) arguments, so repeated runs in one process reuse the compiled
+    step. The state is donated (updated in place). On a mesh, the state keeps the shardings of
     `state_shardings`, the batch is split over `("data", "expert")` and the metrics come back
     replicated (so every process can read them).
     """
@@ -162,6 +164,7 @@ def make_train_step(
     )
 
 
+@functools.lru_cache(maxsize=8)
 def make_eval_step(
     model_cfg: LMConfig, mesh=None, *, strategy="auto", implementation: str = "auto"
 ):

@@ -89,10 +89,11 @@ def test_mixtral_shapes_match_the_published_model():
 
 
 def test_param_counts_match_the_shapes_by_hand():
-    cfg = presets.get("micro")  # V=256, D=32, L=2, H=4, Hkv=2, Dh=8, E=8, F=32, K=2, all MoE
+    cfg = presets.get("micro")  # V=256 D=32 L=2 H=4 Hkv=2 Dh=8 E=8 F=32 K=2 Fs=16, all MoE
     attn = 32 * 4 * 8 * 2 + 32 * 2 * 8 * 2  # wq + wo, wk + wv
     experts = 8 * 3 * 32 * 32
-    layer = attn + 2 * 32 + 32 * 8 + experts  # + norms + router
+    router = 32 * 8 + 8  # kernel + score_correction_bias
+    layer = attn + 2 * 32 + router + experts + 3 * 32 * 16  # + norms + shared expert
     total = 2 * 256 * 32 + 2 * layer + 32  # embedding + unembedding + final norm
     counts = param_counts(cfg)
     assert counts.total == total

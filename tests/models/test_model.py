@@ -61,7 +61,10 @@ def test_sharded_model_equals_single_device():
 
 def test_one_expert_moe_layer_equals_dense_swiglu_block():
     """With E = K = 1 the router weight is exactly 1, so the MoE FFN is a dense SwiGLU MLP."""
-    cfg = CFG.replace(moe=CFG.moe.replace(num_experts=1, top_k=1), num_layers=1)
+    moe = CFG.moe.replace(
+        num_experts=1, top_k=1, router="softmax", score_correction_bias=False, num_shared_experts=0
+    )
+    cfg = CFG.replace(moe=moe, num_layers=1)
     params = _init(cfg, jax.random.key(0))
     experts = params["layers"][0]["moe"]["experts"]
     dense = {**params, "layers": [{k: v for k, v in params["layers"][0].items() if k != "moe"}]}
