@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument(
         "--jax-cache",
-        help="persistent XLA compilation cache dir: 'none', or default $JAX_COMPILATION_CACHE_DIR "
-        "if set, else <out>/jax_cache",
+        help="persistent XLA compilation cache dir, or 'none'; default $JAX_COMPILATION_CACHE_DIR "
+        "if set, else <out>/jax_cache for single-process runs",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     return p.parse_args(argv)
@@ -155,7 +155,10 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
     from moejax.training import loop, report
 
     run_dir = args.out or os.path.join("runs", args.preset)
-    if args.jax_cache != "none" and (args.jax_cache or not jax.config.jax_compilation_cache_dir):
+    # Default cache only for single-process runs: processes sharing one cache directory were
+    # seen to hang at shutdown in the 2-process test, so multi-process runs opt in explicitly.
+    default_cache = args.num_processes == 1 and not jax.config.jax_compilation_cache_dir
+    if args.jax_cache != "none" and (args.jax_cache or default_cache):
         cache = args.jax_cache or os.path.join(run_dir, "jax_cache")
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
     primary = jax.process_index() == 0
