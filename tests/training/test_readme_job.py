@@ -18,7 +18,11 @@ def test_readme_main_job_reaches_the_stated_loss(tmp_path):
     out = tmp_path / "tiny"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--out", str(out), "--no-progress"],
-        env=env(), cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_records(out / "metrics.jsonl")
