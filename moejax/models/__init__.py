@@ -1,0 +1,46 @@
+"""moejax.models: a decoder-only MoE transformer LM over a plain parameter tree.
+
+RMSNorm, RoPE, causal attention with grouped query heads, and the moejax MoE layer (with
+optional shared experts) as the FFN of every layer or every n-th; functional, so the tree is easy
+to shard, checkpoint and re-place.
+
+>>> import jax, jax.numpy as jnp
+>>> from moejax import models
+>>> cfg = models.presets.get("micro")
+>>> params = models.init_lm_params(cfg, jax.random.key(0))
+>>> logits, aux = models.lm_forward(params, jnp.zeros((2, 16), jnp.int32), cfg)
+>>> logits.shape, aux.expert_counts.shape
+((2, 16, 256), (2, 8))
+"""
+
+from moejax.models import presets as presets
+from moejax.models._config import LMConfig as LMConfig
+from moejax.models._layers import apply_rope as apply_rope
+from moejax.models._layers import attention as attention
+from moejax.models._layers import rms_norm as rms_norm
+from moejax.models._layers import rope_tables as rope_tables
+from moejax.models._layers import swiglu_mlp as swiglu_mlp
+from moejax.models._model import LMAux as LMAux
+from moejax.models._model import cast_floating as cast_floating
+from moejax.models._model import lm_forward as lm_forward
+from moejax.models._params import ParamCounts as ParamCounts
+from moejax.models._params import init_lm_params as init_lm_params
+from moejax.models._params import lm_partition_specs as lm_partition_specs
+from moejax.models._params import param_counts as param_counts
+
+__all__ = [
+    "LMAux",
+    "LMConfig",
+    "ParamCounts",
+    "apply_rope",
+    "attention",
+    "cast_floating",
+    "init_lm_params",
+    "lm_forward",
+    "lm_partition_specs",
+    "param_counts",
+    "presets",
+    "rms_norm",
+    "rope_tables",
+    "swiglu_mlp",
+]

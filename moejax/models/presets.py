@@ -1,0 +1,115 @@
+"""Model presets: frozen `LMConfig`s, looked up by name with `get`.
+
+| name | what for | params total / active |
+|---|---|---|
+| `micro` | tests: sigmoid routing, correction bias, shared expert; tiny sizes | 75 K / 30 K |
+| `tiny` | the README's main job: minutes on 2 CPU cores, 8 simulated devices | 3.4 M / 1.0 M |
+| `small` | bigger CPU runs, benchmark; DeepSeek-style routing + shared expert | 41 M / 8.4 M |
+| `mixtral_8x7b` | Mixtral-8x7B's shapes, for accelerators (not built in tests) | 46.7 B / 12.7 B |
+
+"Active" counts the parameters that multiply one token (`moejax.models.param_counts`).
+
+Training hyper-parameters that go with each preset live in `moejax.training.presets`.
+
+>>> from moejax.models import presets
+>>> presets.get("tiny").moe.num_experts
+8
+"""
+
+from __future__ import annotations
+
+from moejax._config import MoEConfig
+from moejax.models._config import LMConfig
+
+# Tests: every routing feature the training loop handles (sigmoid scores, the correction bias
+# updated outside the optimizer, a shared expert) at sizes that compile and step in seconds.
+MICRO = LMConfig(
+    vocab_size=256,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_seq_len=16,
+    moe=MoEConfig(
+        d_model=32,
+        d_ff=32,
+        num_experts=8,
+        top_k=2,
+        router="sigmoid",
+        score_correction_bias=True,
+        num_shared_experts=1,
+        shared_d_ff=16,
+        block_size=8,
+    ),
+)
+
+# Byte-level, 4 blocks of MoE (8 experts, top-2) at width 128: big enough to learn Python syntax
+# well below the unigram entropy in a few hundred steps, small enough for 2 CPU cores. The block
+# size 32 keeps the blocked grouped matmul's padding small at ~128 rows per local expert.
+TINY = LMConfig(
+    vocab_size=256,
+    d_model=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_seq_len=128,
+    moe=MoEConfig(d_model=128, d_ff=256, num_experts=8, top_k=2, block_size=32),
+)
+
+# DeepSeek-V3-style routing: sigmoid scores, aux-loss-free balancing through the correction
+# bias (updated outside the optimizer), one always-on shared expert; 16 experts, top-2.
+SMALL = LMConfig(
+    vocab_size=256,
+    d_model=256,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    max_seq_len=256,
+    moe=MoEConfig(
+        d_model=256,
+        d_ff=512,
+        num_experts=16,
+        top_k=2,
+        router="sigmoid",
+        score_correction_bias=True,
+        num_shared_experts=1,
+        block_size=64,
+    ),
+)
+
+# Mixtral-8x7B (Jiang et al. 2024; the `mistralai/Mixtral-8x7B-v0.1` config): 32 layers,
+# d_model 4096, 32 query / 8 kv heads of 128, 8 experts of d_ff 14336, top-2, vocab 32000,
+# rope_theta 1e6. bf16 compute with fp32 master weights.
+MIXTRAL_8X7B = LMConfig(
+    vocab_size=32000,
+    d_model=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_seq_len=4096,
+    rope_theta=1e6,
+    dtype="bfloat16",
+    moe=MoEConfig(d_model=4096, d_ff=14336, num_experts=8, top_k=2, block_size=512),
+)
+
+PRESETS: dict[str, LMConfig] = {
+    "micro": MICRO,
+    "tiny": TINY,
+    "small": SMALL,
+    "mixtral_8x7b": MIXTRAL_8X7B,
+}
+
+
+def get(name: str) -> LMConfig:
+    """The preset `name` (see the module docstring).
+
+    Raises:
+      ValueError: naming the unknown preset and the known ones.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,100 @@
+"""`TrainConfig`: the frozen, validated training hyper-parameters of one run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, batch, logging and checkpoint settings.
+
+    Args:
+      steps: length of the run and of the learning-rate schedule.
+      batch_size: `B`, sequences per step over the whole mesh (the global batch); must divide
+        over the token shards (`data x expert` devices).
+      seq_len: `S`, tokens per sequence (None: the model's `max_seq_len`).
+      learning_rate: peak learning rate.
+      warmup_steps: linear warm-up from 0 to the peak.
+      min_lr_ratio: the cosine decay ends at `learning_rate * min_lr_ratio` at `steps`.
+      weight_decay: AdamW decoupled weight decay, applied to matrices only (not to norm scales
+        or biases).
+      b1, b2, eps: Adam moments.
+      clip_norm: global-norm gradient clipping threshold (of the trainable parameters).
+      load_balance_weight: weight of the mean over MoE layers of the Switch load-balancing loss.
+      z_loss_weight: weight of the mean over MoE layers of the router z-loss.
+      bias_update_rate: step of the aux-loss-free correction-bias update (models whose MoE config
+        has `score_correction_bias`), applied after the optimizer, outside it.
+      seed: initialisation and data-shuffling seed.
+      eval_fraction: the tail of the corpus held out for evaluation.
+      eval_batches: held-out batches evaluated at the end (0: none).
+      checkpoint_every: save every this many steps (0: only at the end and on SIGTERM).
+      keep_checkpoints: how many recent checkpoints to keep.
+    """
+
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int | None = None
+    learning_rate: float = 3e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    load_balance_weight: float = 0.01
+    z_loss_weight: float = 1e-3
+    bias_update_rate: float = 1e-3
+    seed: int = 0
+    eval_fraction: float = 0.05
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size"):
+            _positive_int(name, getattr(self, name))
+        if self.seq_len is not None:
+            _positive_int("seq_len", self.seq_len)
+        for name in ("warmup_steps", "eval_batches", "checkpoint_every", "seed"):
+            _non_negative_int(name, getattr(self, name))
+        _positive_int("keep_checkpoints", self.keep_checkpoints)
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            _bad("learning_rate", self.learning_rate, "must be a finite number > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _bad("min_lr_ratio", self.min_lr_ratio, "must lie in [0, 1]")
+        if self.warmup_steps > self.steps:
+            _bad("warmup_steps", self.warmup_steps, f"must be <= steps={self.steps}")
+        for name in ("weight_decay", "load_balance_weight", "z_loss_weight", "bias_update_rate"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                _bad(name, value, "must be a finite number >= 0")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                _bad(name, getattr(self, name), "must lie in [0, 1)")
+        if not self.eps > 0:
+            _bad("eps", self.eps, "must be > 0")
+        if not self.clip_norm > 0:
+            _bad("clip_norm", self.clip_norm, "must be > 0")
+        if not 0 <= self.eval_fraction < 1:
+            _bad("eval_fraction", self.eval_fraction, "must lie in [0, 1)")
+
+    def replace(self, **changes) -> TrainConfig:
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _bad(field: str, value, why: str):
+    raise ValueError(f"TrainConfig.{field}={value!r}: {why}")
+
+
+def _positive_int(field: str, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        _bad(field, value, "must be a positive int")
+
+
+def _non_negative_int(field: str, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        _bad(field, value, "must be an int >= 0")

@@ -1,0 +1,371 @@
+"""`train`: the host loop around the jitted step.
+
+Per step the host (1) takes the next batch from the iterator and dispatches the step (jax
+returns at once: async dispatch), then (2) fetches the *previous* step's metrics, which are
+ready or nearly so while the device works on the current step; it never waits on the step it
+just dispatched, so routing statistics reach the host one step late without stalling the
+device. A checkpoint save waits only for the device-to-host copy of the state.
+
+SIGTERM (preemption) sets a flag; the loop finishes the step in flight, saves a checkpoint,
+writes the outputs and returns with `interrupted=True`. Rerunning with the same run directory
+resumes from the latest finished checkpoint, bit-identically (same mesh) to an uninterrupted
+run. The handler is installed when `train` runs in the main thread; with several processes each
+handles its own signal, so deliver it to all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+
+from moejax.data import BatchIterator, Corpus, DataError
+from moejax.models import LMConfig
+from moejax.placement import Placement, save_trace
+from moejax.training import report
+from moejax.training._config import TrainConfig
+from moejax.training.checkpoint import Checkpointer, restore_target
+from moejax.training.metrics import MetricsWriter, flops_per_token, step_record
+from moejax.training.state import (
+    TrainState,
+    abstract_state,
+    global_batch,
+    init_train_state,
+    state_shardings,
+)
+from moejax.training.step import make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run produced (see `report.summary_table`)."""
+
+    run_dir: str
+    step: int  # steps done in total (including earlier runs this one resumed)
+    steps_this_run: int
+    final_loss: float | None  # mean train loss of the last 20 steps
+    eval_loss: float | None  # mean held-out loss (None without eval data)
+    unigram_entropy: float
+    skipped: int
+    tokens_per_s: float | None
+    flops_per_s: float | None
+    mean_imbalance: float | None
+    mean_dropped: float | None
+    wall_s: float
+    interrupted: bool
+    records: list = dataclasses.field(repr=False, default_factory=list)
+    state: TrainState | None = dataclasses.field(repr=False, default=None)  # the final state
+
+
+class SetupError(ValueError):
+    """Shapes of the run that do not fit each other or the mesh (one line, names the field)."""
+
+
+def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
+    """Validate the run's shapes against each other and the mesh; returns the sequence length.
+
+    Raises:
+      SetupError: one line naming the mismatch (batch vs token shards, experts vs the expert
+        axis, sequence length vs the model).
+    """
+    seq_len = train_cfg.seq_len or model_cfg.max_seq_len
+    if seq_len > model_cfg.max_seq_len:
+        raise SetupError(
+            f"TrainConfig.seq_len={seq_len}: exceeds the model's max_seq_len="
+            f"{model_cfg.max_seq_len}"
+        )
+    if mesh is None:
+        return seq_len
+    from moejax.parallel import mesh as mesh_lib
+
+    shape = " x ".join(f"{k}={v}" for k, v in dict(mesh.shape).items())
+    shards = mesh_lib.token_shards(mesh)
+    if train_cfg.batch_size % shards:
+        raise SetupError(
+            f"TrainConfig.batch_size={train_cfg.batch_size}: does not divide over the {shards} "
+            f"token shards of the mesh ({shape})"
+        )
+    experts = mesh_lib.axis_size(mesh, "expert")
+    if model_cfg.moe.num_experts % experts:
+        raise SetupError(
+            f"MoEConfig.num_experts={model_cfg.moe.num_experts}: does not divide over the "
+            f"mesh's expert axis of {experts} devices ({shape})"
+        )
+    try:
+        mesh_lib.check_divisible(model_cfg.moe, mesh)
+    except ValueError as err:
+        raise SetupError(f"{err} ({shape})") from None
+    return seq_len
+
+
+def identity_placements(model_cfg: LMConfig, mesh) -> list[Placement]:
+    """The static placement of every MoE layer: `G = E / N` experts per device, in order."""
+    from moejax.parallel import mesh as mesh_lib
+
+    n = 1 if mesh is None else mesh_lib.axis_size(mesh, "expert")
+    e = model_cfg.moe.num_experts
+    return [Placement.identity(e, n, e // n) for _ in model_cfg.moe_layers]
+
+
+def _saved_placements(meta: dict, model_cfg: LMConfig, mesh) -> list[Placement]:
+    placement = meta["placement"]
+    current = identity_placements(model_cfg, mesh)
+    if placement["num_devices"] != current[0].num_devices or not placement["slot_to_expert"]:
+        return current  # another expert-axis size: the saved tables do not apply
+    return [
+        Placement(
+            t, model_cfg.moe.num_experts, placement["num_devices"], placement["slots_per_device"]
+        )
+        for t in placement["slot_to_expert"]
+    ]
+
+
+class _Sigterm:
+    """Records SIGTERM instead of dying; restores the previous handler on exit."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def train(
+    model_cfg: LMConfig,
+    train_cfg: TrainConfig,
+    corpus: Corpus,
+    *,
+    run_dir: str,
+    mesh=None,
+    strategy="auto",
+    implementation: str = "auto",
+    stop_at: int | None = None,
+    progress: bool = True,
+    outputs: bool = True,
+    tensorboard: bool = True,
+    async_checkpoints: bool = True,
+) -> RunResult:
+    """Train (or resume training) `model_cfg` on `corpus`; write everything under `run_dir`.
+
+    Outputs: `metrics.jsonl` (one record per step, also a routing trace), `tensorboard/`,
+    `checkpoints/<step>/`, `routing_trace.npy` (`[steps, Lm, E]` expert counts), and with
+    `outputs` the plots `loss.png`, `expert_load.png`. Only process 0 writes the metrics and
+    plots; every process takes part in checkpointing.
+
+    Args:
+      model_cfg, train_cfg: the configs.
+      corpus: the tokenized corpus (its tail `train_cfg.eval_fraction` is held out).
+      run_dir: the run directory; an existing checkpoint there is resumed.
+      mesh: a `moejax.parallel` mesh, or None for one device.
+      strategy, implementation: the sharded MoE strategy and grouped-matmul implementation.
+      stop_at: stop after this step (default `train_cfg.steps`); the schedule still spans
+        `train_cfg.steps`.
+      progress: show a tqdm progress bar.
+      outputs: write plots and the trace at the end (tests turn it off for speed).
+      tensorboard: write TensorBoard event files.
+      async_checkpoints: write checkpoints in the background.
+
+    Returns:
+      A `RunResult`.
+
+    Raises:
+      SetupError, DataError, CheckpointError (all ValueErrors): bad shapes, data or checkpoint
+        directory, raised before anything in `run_dir` is written.
+    """
+    t_start = time.perf_counter()
+    seq_len = check_setup(model_cfg, train_cfg, mesh)
+    train_tokens, eval_tokens = corpus.split(train_cfg.eval_fraction)
+    if train_tokens.size and train_tokens.max() >= model_cfg.vocab_size:
+        raise DataError(
+            f"corpus {corpus.name}: token id {train_tokens.max()} >= vocab_size="
+            f"{model_cfg.vocab_size}"
+        )
+    iterator = BatchIterator(train_tokens, train_cfg.batch_size, seq_len, seed=train_cfg.seed)
+    stop = min(stop_at or train_cfg.steps, train_cfg.steps)
+    primary = jax.process_index() == 0
+
+    ckpt = Checkpointer(
+        os.path.join(run_dir, "checkpoints"),
+        model_cfg,
+        train_cfg,
+        keep=train_cfg.keep_checkpoints,
+        async_save=async_checkpoints,
+    )
+    shardings = None if mesh is None else state_shardings(model_cfg, train_cfg, mesh)
+    latest = ckpt.latest_step()
+    placements = identity_placements(model_cfg, mesh)
+    if latest is not None:
+        target = restore_target(abstract_state(model_cfg, train_cfg), shardings)
+        try:
+            state, meta = ckpt.restore(latest, target)
+            iterator.restore(meta["data"])
+        except ValueError:
+            ckpt.close()
+            raise
+        placements = _saved_placements(meta, model_cfg, mesh)
+    else:
+        state = init_train_state(model_cfg, train_cfg, mesh)
+    start = int(jax.device_get(state.step))
+    skipped = int(jax.device_get(state.skipped))
+
+    os.makedirs(run_dir, exist_ok=True)
+    writer = MetricsWriter(run_dir, keep_up_to=start, tensorboard=tensorboard) if primary else None
+    step_fn = make_train_step(
+        model_cfg, train_cfg, mesh, strategy=strategy, implementation=implementation
+    )
+    tokens_per_step = train_cfg.batch_size * seq_len
+    flops_per_step = flops_per_token(model_cfg, seq_len) * tokens_per_step
+    last_saved = latest
+
+    def save(wait=False):
+        nonlocal last_saved
+        last_saved = ckpt.save(
+            state, data_state=iterator.state(), placements=placements, mesh=mesh, wait=wait
+        )
+
+    bar = _progress_bar(start, stop, progress and primary)
+    pending, t_prev = None, time.perf_counter()
+    interrupted = False
+
+    def record(step_no, metrics):
+        nonlocal skipped, t_prev
+        metrics = jax.device_get(metrics)  # blocks on that step only
+        now = time.perf_counter()
+        skipped += int(not metrics.finite)
+        rec = step_record(
+            step_no,
+            metrics,
+            step_time_s=now - t_prev,
+            tokens_per_step=tokens_per_step,
+            flops_per_step=flops_per_step,
+            skipped_total=skipped,
+            placements=placements,
+        )
+        t_prev = now
+        if writer is not None:
+            writer.write(rec)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics.loss:.3f}", tok_s=f"{rec['tokens_per_s'] or 0:,.0f}")
+
+    with _Sigterm() as sigterm:
+        for step in range(start, stop):
+            batch = global_batch(iterator.next(), mesh)
+            state, metrics = step_fn(state, batch)  # dispatched, not awaited
+            if pending is not None:
+                record(*pending)
+            pending = (step + 1, metrics)
+            every = train_cfg.checkpoint_every
+            if every and (step + 1) % every == 0 and step + 1 < stop:
+                save()
+            if sigterm.received:
+                interrupted = True
+                break
+        if pending is not None:
+            record(*pending)
+        if last_saved != int(jax.device_get(state.step)):
+            save(wait=True)
+        ckpt.close()
+    bar.close()
+
+    eval_loss = _evaluate(
+        state, eval_tokens, model_cfg, train_cfg, seq_len, mesh, strategy, implementation
+    )
+    records = writer.records if writer is not None else []
+    if writer is not None:
+        if eval_loss is not None:
+            writer.write_scalar("eval/loss", eval_loss, int(jax.device_get(state.step)))
+        writer.close()
+    result = _result(
+        run_dir,
+        state,
+        start,
+        records,
+        eval_loss,
+        report.unigram_entropy(train_tokens, model_cfg.vocab_size),
+        skipped,
+        time.perf_counter() - t_start,
+        interrupted,
+    )
+    result.state = state
+    if primary and outputs and records:
+        write_outputs(run_dir, result)
+    return result
+
+
+def _progress_bar(start: int, stop: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=stop, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+def _evaluate(state, tokens, model_cfg, train_cfg, seq_len, mesh, strategy, implementation):
+    """Mean cross-entropy over the first `eval_batches` held-out batches (None if too few)."""
+    if not train_cfg.eval_batches:
+        return None
+    try:
+        it = BatchIterator(tokens, train_cfg.batch_size, seq_len, seed=train_cfg.seed)
+    except DataError:
+        return None
+    evaluate = make_eval_step(model_cfg, mesh, strategy=strategy, implementation=implementation)
+    n = min(train_cfg.eval_batches, it.batches_per_epoch)
+    losses = [evaluate(state.params, global_batch(it.next(), mesh)) for _ in range(n)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, interrupted):
+    step = int(jax.device_get(state.step))
+    finite = [r["loss"] for r in records[-20:] if r["loss"] is not None]
+    timed = records[1:] if len(records) > 1 else records  # the first includes compilation
+
+    def median(key):
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return float(np.median(values)) if values else None
+
+    def mean_of_lists(key):
+        values = [v for r in records for v in r[key] if v is not None]
+        return float(np.mean(values)) if values else None
+
+    return RunResult(
+        run_dir=run_dir,
+        step=step,
+        steps_this_run=step - start,
+        final_loss=float(np.mean(finite)) if finite else None,
+        eval_loss=eval_loss,
+        unigram_entropy=entropy,
+        skipped=skipped,
+        tokens_per_s=median("tokens_per_s"),
+        flops_per_s=median("flops_per_s"),
+        mean_imbalance=mean_of_lists("device_imbalance"),
+        mean_dropped=mean_of_lists("dropped_fraction"),
+        wall_s=wall,
+        interrupted=interrupted,
+        records=records,
+    )
+
+
+def write_outputs(run_dir: str, result: RunResult) -> None:
+    """`routing_trace.npy`, `loss.png`, `expert_load.png` from the run's records."""
+    counts = np.array([r["expert_counts"] for r in result.records], np.int64)
+    save_trace(os.path.join(run_dir, "routing_trace.npy"), counts)
+    report.plot_loss(
+        result.records,
+        os.path.join(run_dir, "loss.png"),
+        baseline=result.unigram_entropy,
+        eval_loss=result.eval_loss,
+    )
+    report.plot_expert_load(result.records, os.path.join(run_dir, "expert_load.png"))

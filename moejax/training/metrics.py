@@ -1,0 +1,161 @@
+"""Training metrics on the host: FLOP accounting, per-step records, JSONL and TensorBoard.
+
+A record (one JSON line of `metrics.jsonl` per step) holds: `step`, `loss` (next-token
+cross-entropy, nats), `total_loss`, `load_balance_loss`, `z_loss`, `grad_norm`,
+`learning_rate`, `skipped` (this step's update was dropped: non-finite loss or gradient),
+`skipped_total`, `step_time_s`, `tokens_per_s`, `flops_per_s`, and per MoE layer
+`expert_counts [Lm][E]`, `dropped_fraction [Lm]`, `router_entropy [Lm]` and
+`device_imbalance [Lm]`. The `expert_counts` field makes `metrics.jsonl` a routing trace that
+`moejax.placement.load_trace` reads directly.
+
+Device-load imbalance of a layer is `max / mean` over the `N` devices of the `expert` axis of the
+rows (token assignments) each device computes under the current placement
+(`moejax.placement.Placement.imbalance`; identity placement: expert `e` on device `e // (E/N)`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from moejax.models import LMConfig, param_counts
+
+
+def flops_per_token(cfg: LMConfig, seq_len: int) -> float:
+    """Training FLOPs per token: `6 * N_active + 12 * L * H * Dh * S`.
+
+    `N_active` (`moejax.models.param_counts`) counts the weights that multiply a token: the
+    matmuls cost 2 FLOPs per weight forward and 4 backward. The second term is attention's
+    scores and weighted values (`Q K^T` and `P V`: `2 * 2 * S * H * Dh` per token forward, times 3
+    with the backward), as in PaLM (Chowdhery et al. 2022, appendix B), without discounting the
+    causal mask. Element-wise work (norms, softmax, activations) and the MoE permutations are
+    not counted.
+    """
+    active = param_counts(cfg).active
+    return 6.0 * active + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+def device_imbalance(counts: np.ndarray, placements) -> list[float]:
+    """`[Lm]` busiest device's rows over the mean, per MoE layer (module docstring).
+
+    Args:
+      counts: `[Lm, E]` expert counts of one step.
+      placements: `Lm` `moejax.placement.Placement`s.
+    """
+    return [p.imbalance(c) for p, c in zip(placements, np.asarray(counts), strict=True)]
+
+
+def step_record(
+    step: int,
+    metrics,
+    *,
+    step_time_s: float,
+    tokens_per_step: int,
+    flops_per_step: float,
+    skipped_total: int,
+    placements,
+) -> dict:
+    """The JSONL record of one step from its fetched `StepMetrics` (numpy leaves)."""
+    finite = bool(metrics.finite)
+    rate = 1.0 / step_time_s if step_time_s > 0 else math.nan
+    return {
+        "step": int(step),
+        "loss": _num(metrics.loss),
+        "total_loss": _num(metrics.total_loss),
+        "load_balance_loss": _num(metrics.load_balance_loss),
+        "z_loss": _num(metrics.z_loss),
+        "grad_norm": _num(metrics.grad_norm),
+        "learning_rate": _num(metrics.learning_rate),
+        "skipped": not finite,
+        "skipped_total": int(skipped_total),
+        "step_time_s": round(step_time_s, 6),
+        "tokens_per_s": _num(tokens_per_step * rate),
+        "flops_per_s": _num(flops_per_step * rate),
+        "expert_counts": np.asarray(metrics.expert_counts).astype(int).tolist(),
+        "dropped_fraction": [_num(x) for x in np.asarray(metrics.dropped_fraction)],
+        "router_entropy": [_num(x) for x in np.asarray(metrics.router_entropy)],
+        "device_imbalance": [_num(x) for x in device_imbalance(metrics.expert_counts, placements)],
+    }
+
+
+def _num(x) -> float | None:
+    """A JSON-safe float (None for NaN/inf, which JSON cannot hold)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def read_records(path: str | os.PathLike, *, up_to_step: int | None = None) -> list[dict]:
+    """Records of a `metrics.jsonl` (those with `step <= up_to_step` if given)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if up_to_step is None or r["step"] <= up_to_step]
+
+
+_SCALARS = (
+    "loss",
+    "total_loss",
+    "load_balance_loss",
+    "z_loss",
+    "grad_norm",
+    "learning_rate",
+    "tokens_per_s",
+    "flops_per_s",
+    "skipped_total",
+)
+_PER_LAYER = ("device_imbalance", "router_entropy", "dropped_fraction")
+
+
+class MetricsWriter:
+    """Appends records to `metrics.jsonl` and TensorBoard event files under `run_dir`.
+
+    Args:
+      run_dir: the run directory.
+      keep_up_to: on resume, the restored step: records after it (written before an interrupted
+        run died, so not part of the resumed history) are dropped from `metrics.jsonl`, and
+        TensorBoard purges its events after it (`purge_step`).
+      tensorboard: write TensorBoard events (`tensorboardX`) under `run_dir/tensorboard`.
+    """
+
+    def __init__(self, run_dir: str, *, keep_up_to: int | None = None, tensorboard: bool = True):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        kept = read_records(self.path, up_to_step=keep_up_to) if keep_up_to is not None else []
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        self.records = kept
+        self._file = open(self.path, "a")  # noqa: SIM115 (closed in close())
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            purge = None if keep_up_to is None else keep_up_to + 1
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge)
+
+    def write(self, record: dict) -> None:
+        """Append one step's record."""
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            step = record["step"]
+            for key in _SCALARS:
+                if record.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", record[key], step)
+            for key in _PER_LAYER:
+                for layer, value in enumerate(record[key]):
+                    if value is not None:
+                        self._tb.add_scalar(f"{key}/moe_layer_{layer}", value, step)
+
+    def write_scalar(self, name: str, value: float, step: int) -> None:
+        """A scalar outside the per-step records (e.g. the final eval loss): TensorBoard only."""
+        if self._tb is not None:
+            self._tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

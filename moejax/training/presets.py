@@ -1,0 +1,50 @@
+"""Training presets: the `TrainConfig` that goes with each model preset of
+`moejax.models.presets` (same names), looked up with `get`.
+
+- `micro`: tests; a handful of steps in seconds.
+- `tiny`: the README's main job, `python experiments/train_lm.py` (8 simulated CPU devices,
+  2 x 4 data x expert mesh): 300 steps of 16 x 128 bytes; see the README for the loss it reaches
+  and the wall time on a 2-core machine.
+- `small`: `python experiments/train_lm.py --preset small` (about 1 s per step per 1k tokens on
+  2 CPU cores; meant for more cores or an accelerator).
+- `mixtral_8x7b`: a Mixtral-scale recipe for accelerators (global batch 512 x 4096 tokens);
+  never run in tests.
+
+>>> get("tiny").steps
+300
+"""
+
+from __future__ import annotations
+
+from moejax.training._config import TrainConfig
+
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    "micro": TrainConfig(
+        steps=8, batch_size=8, learning_rate=1e-2, warmup_steps=2, checkpoint_every=4
+    ),
+    "tiny": TrainConfig(
+        steps=300, batch_size=16, learning_rate=3e-3, warmup_steps=30, checkpoint_every=100
+    ),
+    "small": TrainConfig(
+        steps=2000, batch_size=32, learning_rate=2e-3, warmup_steps=100, checkpoint_every=250
+    ),
+    "mixtral_8x7b": TrainConfig(
+        steps=100_000,
+        batch_size=512,
+        learning_rate=3e-4,
+        warmup_steps=2000,
+        weight_decay=0.1,
+        checkpoint_every=1000,
+    ),
+}
+
+
+def get(name: str) -> TrainConfig:
+    """The training preset `name`.
+
+    Raises:
+      ValueError: naming the unknown preset and the known ones.
+    """
+    if name not in TRAIN_PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(TRAIN_PRESETS)}")
+    return TRAIN_PRESETS[name]

@@ -1,0 +1,140 @@
+"""End-of-run outputs: PNG plots (loss curve, per-layer expert-load heatmaps) and the summary
+table, all from the per-step records of `moejax.training.metrics`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over up to `window` values (NaNs ignored)."""
+    out = np.empty(len(values))
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        chunk = chunk[np.isfinite(chunk)]
+        out[i] = chunk.mean() if len(chunk) else np.nan
+    return out
+
+
+def _series(records, key) -> np.ndarray:
+    return np.array([np.nan if r[key] is None else r[key] for r in records], float)
+
+
+def plot_loss(records: list[dict], path: str, *, baseline: float | None = None, eval_loss=None):
+    """Training loss (raw and a 20-step average), the unigram-entropy baseline, the final eval
+    loss, skipped steps; below it the device-load imbalance of every MoE layer."""
+    plt = _pyplot()
+    steps = np.array([r["step"] for r in records])
+    loss = _series(records, "loss")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(2, 1))
+    top.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="train loss")
+    top.plot(steps, moving_average(loss, 20), color="tab:blue", lw=2, label="20-step mean")
+    if baseline is not None:
+        top.axhline(baseline, color="gray", ls="--", label=f"unigram entropy {baseline:.2f}")
+    if eval_loss is not None:
+        top.scatter([steps[-1]], [eval_loss], color="tab:red", zorder=3, label="held-out loss")
+    skipped = [r["step"] for r in records if r["skipped"]]
+    if skipped:
+        top.vlines(skipped, *top.get_ylim(), color="tab:orange", lw=0.8, label="skipped step")
+    top.set_ylabel("cross-entropy (nats / byte)")
+    top.legend()
+    top.grid(alpha=0.3)
+    imbalance = np.array(
+        [[np.nan if v is None else v for v in r["device_imbalance"]] for r in records]
+    )
+    for layer in range(imbalance.shape[1]):
+        bottom.plot(steps, moving_average(imbalance[:, layer], 10), lw=1, label=f"MoE {layer}")
+    bottom.axhline(1.0, color="gray", ls="--", lw=0.8)
+    bottom.set_ylabel("device load max/mean")
+    bottom.set_xlabel("step")
+    bottom.legend(ncol=4, fontsize=8)
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_expert_load(records: list[dict], path: str) -> None:
+    """One heatmap per MoE layer: share of the layer's assignments per expert (rows) and step
+    (columns); 1/E everywhere is perfect balance."""
+    plt = _pyplot()
+    counts = np.array([r["expert_counts"] for r in records], float)  # [steps, Lm, E]
+    steps = [r["step"] for r in records]
+    share = counts / np.maximum(counts.sum(-1, keepdims=True), 1)
+    num_layers, num_experts = share.shape[1:]
+    cols = min(num_layers, 2)
+    rows = math.ceil(num_layers / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 2.6 * rows), squeeze=False)
+    vmax = max(2.0 / num_experts, float(np.nanmax(share)))
+    for layer in range(num_layers):
+        ax = axes[layer // cols][layer % cols]
+        im = ax.imshow(
+            share[:, layer].T,
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            vmin=0,
+            vmax=vmax,
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, num_experts - 0.5),
+            interpolation="nearest",
+        )
+        ax.set_title(f"MoE layer {layer}: expert load share")
+        ax.set_ylabel("expert")
+        ax.set_xlabel("step")
+        fig.colorbar(im, ax=ax, fraction=0.04)
+    for layer in range(num_layers, rows * cols):
+        axes[layer // cols][layer % cols].axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of the token frequencies: the loss of the best context-free model."""
+    p = np.bincount(np.asarray(tokens), minlength=vocab_size) / max(len(tokens), 1)
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+def summary_rows(result) -> list[tuple[str, str]]:
+    """`(name, value)` rows of the summary table of a `RunResult`."""
+    rows = [
+        ("steps", f"{result.step} (this run: {result.steps_this_run})"),
+        ("final train loss (mean of last 20)", _fmt(result.final_loss, "{:.4f} nats")),
+        ("held-out loss", _fmt(result.eval_loss, "{:.4f} nats")),
+        ("unigram entropy of the corpus", f"{result.unigram_entropy:.4f} nats"),
+        ("skipped non-finite steps", str(result.skipped)),
+        ("tokens/s (median)", _fmt(result.tokens_per_s, "{:,.0f}")),
+        ("achieved FLOP/s (median)", _fmt(result.flops_per_s, "{:.3g}")),
+        ("device-load imbalance (mean)", _fmt(result.mean_imbalance, "{:.3f}")),
+        ("dropped fraction (mean)", _fmt(result.mean_dropped, "{:.4f}")),
+        ("wall time", f"{result.wall_s:.1f} s"),
+        ("run directory", result.run_dir),
+    ]
+    if result.interrupted:
+        rows.insert(0, ("stopped early", "SIGTERM: checkpoint saved, rerun to resume"))
+    return rows
+
+
+def summary_table(result) -> str:
+    """The summary as an aligned two-column text table."""
+    rows = summary_rows(result)
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    body = "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
+    return f"{line}\n{body}\n{line}"
+
+
+def _fmt(value, pattern: str) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else pattern.format(value)

@@ -1,0 +1,186 @@
+"""The jitted training step: loss, gradients, AdamW update, correction-bias update, and the
+non-finite guard; plus the evaluation step.
+
+One step, on device, with nothing read back to the host:
+
+1. forward and backward of `lm_loss` (cross-entropy + weighted mean aux losses);
+2. the optax update (clipping, AdamW) on the trained leaves;
+3. the correction-bias update of every MoE layer from its expert counts (models with
+   `score_correction_bias`), outside the optimizer;
+4. the guard: if the loss or the gradient norm is not finite, the new parameters and optimizer
+   state are discarded (`jnp.where` per leaf, so the old values survive bit for bit), `skipped`
+   counts it, and training goes on with the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import moejax
+from moejax.models import LMAux, LMConfig, lm_forward
+from moejax.training._config import TrainConfig
+from moejax.training.optimizer import learning_rate_schedule, make_optimizer
+from moejax.training.state import TrainState, batch_sharding, state_shardings
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepMetrics:
+    """What one step reports (small arrays, fetched by the host one step late)."""
+
+    loss: jax.Array  # [] fp32 mean next-token cross-entropy (nats)
+    total_loss: jax.Array  # [] fp32 loss + weighted aux losses (what is differentiated)
+    load_balance_loss: jax.Array  # [] fp32 mean over MoE layers
+    z_loss: jax.Array  # [] fp32 mean over MoE layers
+    grad_norm: jax.Array  # [] fp32 global norm before clipping
+    learning_rate: jax.Array  # [] fp32 of this step's update
+    finite: jax.Array  # [] bool; False = the step was skipped
+    expert_counts: jax.Array  # [Lm, E] int32
+    dropped_fraction: jax.Array  # [Lm] fp32
+    router_entropy: jax.Array  # [Lm] fp32 nats
+
+
+def lm_loss(params, batch, model_cfg: LMConfig, train_cfg: TrainConfig, **forward_kw):
+    """Training objective of one batch.
+
+    Args:
+      params: the model parameters.
+      batch: `[B, S + 1]` int32 windows: inputs `[:, :-1]`, targets `[:, 1:]`.
+      model_cfg, train_cfg: the configs.
+      **forward_kw: `mesh`, `strategy`, `implementation` for `lm_forward`.
+
+    Returns:
+      `(total, (cross_entropy, LMAux))` with `total = cross_entropy + load_balance_weight *
+      mean(load_balance_loss) + z_loss_weight * mean(z_loss)`. Aux losses are averaged over the
+      MoE layers so that their weights do not scale with depth.
+    """
+    logits, aux = lm_forward(params, batch[:, :-1], model_cfg, **forward_kw)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    total = (
+        ce
+        + train_cfg.load_balance_weight * aux.load_balance_loss.mean()
+        + train_cfg.z_loss_weight * aux.z_loss.mean()
+    )
+    return total, (ce, aux)
+
+
+def _update_correction_biases(params, counts, model_cfg: LMConfig, rate: float):
+    layers = list(params["layers"])
+    for j, i in enumerate(model_cfg.moe_layers):
+        router = layers[i]["moe"]["router"]
+        bias = moejax.update_correction_bias(router["score_correction_bias"], counts[j], rate)
+        moe = {**layers[i]["moe"], "router": {**router, "score_correction_bias": bias}}
+        layers[i] = {**layers[i], "moe": moe}
+    return {**params, "layers": layers}
+
+
+def train_step(
+    state: TrainState,
+    batch: jax.Array,
+    *,
+    model_cfg: LMConfig,
+    train_cfg: TrainConfig,
+    mesh=None,
+    strategy="auto",
+    implementation: str = "auto",
+) -> tuple[TrainState, StepMetrics]:
+    """One training step (module docstring); pure, to be jitted by `make_train_step`."""
+    tx = make_optimizer(train_cfg)
+    grad_fn = jax.value_and_grad(lm_loss, has_aux=True)
+    forward_kw = dict(mesh=mesh, strategy=strategy, implementation=implementation)
+    (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
+    aux: LMAux
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if model_cfg.moe.score_correction_bias and train_cfg.bias_update_rate > 0:
+        params = _update_correction_biases(
+            params, aux.expert_counts, model_cfg, train_cfg.bias_update_rate
+        )
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = TrainState(
+        step=state.step + 1,
+        updates=state.updates + finite.astype(jnp.int32),
+        skipped=state.skipped + (~finite).astype(jnp.int32),
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]),
+    )
+    metrics = StepMetrics(
+        loss=ce,
+        total_loss=total,
+        load_balance_loss=aux.load_balance_loss.mean(),
+        z_loss=aux.z_loss.mean(),
+        grad_norm=grad_norm,
+        learning_rate=learning_rate_schedule(train_cfg)(state.updates).astype(jnp.float32),
+        finite=finite,
+        expert_counts=aux.expert_counts,
+        dropped_fraction=aux.dropped_fraction,
+        router_entropy=aux.router_entropy,
+    )
+    return new_state, metrics
+
+
+@functools.lru_cache(maxsize=8)
+def make_train_step(
+    model_cfg: LMConfig,
+    train_cfg: TrainConfig,
+    mesh=None,
+    *,
+    strategy="auto",
+    implementation: str = "auto",
+):
+    """`train_step` jitted: `(state, batch [B, S + 1]) -> (state, StepMetrics)`.
+
+    Cached on its (hashable) arguments, so repeated runs in one process reuse the compiled
+    step. The state is donated (updated in place). On a mesh, the state keeps the shardings of
+    `state_shardings`, the batch is split over `("data", "expert")` and the metrics come back
+    replicated (so every process can read them).
+    """
+    step = functools.partial(
+        train_step,
+        model_cfg=model_cfg,
+        train_cfg=train_cfg,
+        mesh=mesh,
+        strategy=strategy,
+        implementation=implementation,
+    )
+    if mesh is None:
+        return jax.jit(step, donate_argnums=0)
+    sh = state_shardings(model_cfg, train_cfg, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(
+        step,
+        in_shardings=(sh, batch_sharding(mesh)),
+        out_shardings=(sh, replicated),
+        donate_argnums=0,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def make_eval_step(
+    model_cfg: LMConfig, mesh=None, *, strategy="auto", implementation: str = "auto"
+):
+    """Jitted `(params, batch [B, S + 1]) -> mean cross-entropy []` (fp32, replicated)."""
+
+    def evaluate(params, batch):
+        logits, _ = lm_forward(
+            params,
+            batch[:, :-1],
+            model_cfg,
+            mesh=mesh,
+            strategy=strategy,
+            implementation=implementation,
+        )
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    if mesh is None:
+        return jax.jit(evaluate)
+    return jax.jit(evaluate, out_shardings=NamedSharding(mesh, PartitionSpec()))

@@ -1,0 +1,71 @@
+"""experiments/train_lm.py on bad input: one line on stderr, exit code 2, nothing written."""
+
+import importlib.util
+import os
+
+import pytest
+from _helpers import MODEL, SCRIPT, TRAIN, mesh
+
+from moejax.training import SetupError, check_setup
+
+_spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
+train_lm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_lm)
+
+
+def _run(capsys, tmp_path, *args):
+    out = tmp_path / "run"
+    code = train_lm.main(["--preset", "micro", "--out", str(out), "--no-progress", *args])
+    err = capsys.readouterr().err.strip()
+    return code, err, out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--preset", "huge"], "unknown preset 'huge': choose one of micro, tiny"),
+        (["--data", "/no/such/corpus.txt"], "corpus path does not exist: /no/such/corpus.txt"),
+        (["--batch-size", "12"], "batch_size=12: does not divide over the 8 token shards"),
+        (["--mesh", "2,x"], "--mesh='2,x': need comma-separated ints"),
+        (["--mesh", "4,4"], "needs 16 devices, 8 are available"),
+        (["--steps", "-3"], "TrainConfig.steps=-3: must be a positive int"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(capsys, tmp_path, args, message):
+    code, err, out = _run(capsys, tmp_path, *args)
+    assert code == 2 and err.startswith("error: ") and "\n" not in err
+    assert message in err
+    assert not out.exists()
+
+
+def test_empty_corpus_file(capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, err, out = _run(capsys, tmp_path, "--data", str(empty))
+    assert (code, err) == (2, f"error: corpus file is empty: {empty}")
+    assert not out.exists()
+
+
+def test_foreign_checkpoint_directory(capsys, tmp_path):
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "notes.txt").write_text("mine")
+    code, err, _ = _run(capsys, tmp_path)
+    assert code == 2 and "is not a moejax checkpoint directory: unexpected entry 'notes.txt'" in err
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints"]
+    assert (ckpt / "notes.txt").read_text() == "mine"
+
+
+def test_step_directory_without_metadata(capsys, tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "5"
+    step.mkdir(parents=True)
+    (step / "junk").write_text("x")
+    code, err, _ = _run(capsys, tmp_path)
+    assert code == 2 and "checkpoints/5 has no readable metadata" in err and "\n" not in err
+    assert sorted(os.listdir(step)) == ["junk"]
+
+
+def test_experts_that_do_not_divide_over_the_expert_axis():
+    six = MODEL.replace(moe=MODEL.moe.replace(num_experts=6))
+    with pytest.raises(SetupError, match=r"num_experts=6: does not divide over the mesh's expert"):
+        check_setup(six, TRAIN, mesh((2, 4)))
