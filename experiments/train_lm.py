@@ -45,6 +45,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     p.add_argument("--keep", type=int, help="checkpoints to keep")
     p.add_argument("--eval-batches", type=int, help="held-out batches evaluated at the end")
+    p.add_argument(
+        "--placement",
+        action="store_true",
+        help="dynamic expert placement: a host controller re-places and replicates hot experts "
+        "when routing drifts (events in placement_events.jsonl, marked in loss.png)",
+    )
+    p.add_argument(
+        "--expert-slots",
+        type=int,
+        help="expert slots per device of the expert axis (default with --placement: "
+        "E/N + max(1, E/N // 2))",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-outputs", action="store_true", help="skip plots and summary")
     p.add_argument("--coordinator", help="jax.distributed coordinator address host:port")
@@ -105,6 +117,7 @@ def _configs(args):
         "checkpoint_every": args.checkpoint_every,
         "keep_checkpoints": args.keep,
         "eval_batches": args.eval_batches,
+        "expert_slots_per_device": args.expert_slots,
     }
     train_cfg = train_presets.get(args.preset)
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -146,7 +159,19 @@ def _setup(args):
         )
     else:
         corpus = data.default_corpus(args.max_bytes or data.DEFAULT_MAX_BYTES)
+    if args.placement and not train_cfg.expert_slots_per_device:
+        g = model_cfg.moe.num_experts // max(1, dict(mesh.shape).get("expert", 1))
+        train_cfg = train_cfg.replace(expert_slots_per_device=g + max(1, g // 2))
     return model_cfg, train_cfg, mesh, strategy, corpus
+
+
+def _controller(args, model_cfg, train_cfg, mesh):
+    if not args.placement:
+        return None
+    from moejax.training import placed
+
+    seq_len = train_cfg.seq_len or model_cfg.max_seq_len
+    return placed.controller_factory(model_cfg, train_cfg, mesh, seq_len)
 
 
 def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
@@ -180,12 +205,14 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
         stop_at=args.stop_at,
         progress=not args.no_progress,
         outputs=not args.no_outputs,
+        controller=_controller(args, model_cfg, train_cfg, mesh),
     )
     if primary and not args.no_outputs:
         print(report.summary_table(result))
+        events = ", placement_events.jsonl" if args.placement else ""
         print(
             f"outputs: {run_dir}/{{metrics.jsonl, tensorboard/, checkpoints/, "
-            f"routing_trace.npy, loss.png, expert_load.png}}"
+            f"routing_trace.npy, loss.png, expert_load.png{events}}}"
         )
     if args.num_processes > 1:
         jax.distributed.shutdown()

@@ -45,13 +45,13 @@ def _router_entropy(logits: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
 
-def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation):
+def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, placement):
     if mesh is None:
         return moejax.moe_apply(p, h, cfg.moe, implementation=implementation)
     from moejax import parallel
 
     return parallel.moe_apply_sharded(
-        p, h, cfg.moe, mesh, strategy=strategy, implementation=implementation
+        p, h, cfg.moe, mesh, strategy=strategy, implementation=implementation, placement=placement
     )
 
 
@@ -63,6 +63,7 @@ def lm_forward(
     mesh=None,
     strategy="auto",
     implementation: str = "auto",
+    placements=None,
 ) -> tuple[jax.Array, LMAux]:
     """Logits of every position of `tokens`, and the MoE layers' routing statistics.
 
@@ -80,6 +81,10 @@ def lm_forward(
         batch sharding.
       strategy: the sharded MoE `Strategy` (or `"auto"`); ignored without a mesh.
       implementation: the grouped-matmul implementation (`moejax.moe_apply`).
+      placements: None (experts in logical order `[E, ...]`), or one
+        `moejax.parallel.SlotTable` per MoE layer (needs a mesh): that layer's `experts/*` are
+        then physical `[P, ...]` slots with identical replicas (`moejax.parallel.placed`).
+        Routing statistics stay per logical expert.
 
     Returns:
       `(logits [B, S, V] fp32, LMAux)`.
@@ -88,6 +93,16 @@ def lm_forward(
         raise ValueError(f"tokens.shape={tokens.shape}: need [B, S]")
     if tokens.shape[1] > cfg.max_seq_len:
         raise ValueError(f"tokens.shape[1]={tokens.shape[1]} > max_seq_len={cfg.max_seq_len}")
+    if placements is not None:
+        if mesh is None:
+            raise ValueError("placements need a mesh (expert placement is across devices)")
+        if len(placements) != len(cfg.moe_layers):
+            raise ValueError(
+                f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
+            )
+    placement_of = dict(
+        zip(cfg.moe_layers, placements or (None,) * len(cfg.moe_layers), strict=True)
+    )
     p = cast_floating(params, cfg.dtype)
     constrain = _batch_constraint(mesh)
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
@@ -101,7 +116,9 @@ def lm_forward(
             h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
             if cfg.is_moe(i):
                 with jax.named_scope("moe"):
-                    y, aux = _moe_ffn(layer["moe"], h, cfg, mesh, strategy, implementation)
+                    y, aux = _moe_ffn(
+                        layer["moe"], h, cfg, mesh, strategy, implementation, placement_of[i]
+                    )
                 stats.append(aux)
             else:
                 with jax.named_scope("mlp"):

@@ -3,9 +3,13 @@
 Input errors a user can cause (`INPUT_ERRORS`: bad shapes for the mesh, a missing or malformed
 corpus, a foreign or corrupt checkpoint directory) are `ValueError` subclasses with one-line
 messages that name the problem; `experiments/train_lm.py` prints them and exits 2.
+
+Dynamic expert placement (`TrainConfig.expert_slots_per_device`, `train(controller=...)`,
+`train_lm.py --placement`): `moejax.training.placed`.
 """
 
 from moejax.data import DataError as DataError
+from moejax.training import placed as placed
 from moejax.training import presets as presets
 from moejax.training._config import TrainConfig as TrainConfig
 from moejax.training.checkpoint import Checkpointer as Checkpointer
@@ -50,6 +54,7 @@ __all__ = [
     "make_eval_step",
     "make_optimizer",
     "make_train_step",
+    "placed",
     "presets",
     "state_shardings",
     "train",

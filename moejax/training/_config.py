@@ -31,6 +31,9 @@ class TrainConfig:
       eval_batches: held-out batches evaluated at the end (0: none).
       checkpoint_every: save every this many steps (0: only at the end and on SIGTERM).
       keep_checkpoints: how many recent checkpoints to keep.
+      expert_slots_per_device: `S`, expert slots per device of the mesh's `expert` axis for
+        dynamic placement (`moejax.training.placed`); at least `E / N`, spare slots hold
+        replicas of hot experts. 0: no placement, experts in logical order.
     """
 
     steps: int = 300
@@ -52,13 +55,20 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
+    expert_slots_per_device: int = 0
 
     def __post_init__(self):
         for name in ("steps", "batch_size"):
             _positive_int(name, getattr(self, name))
         if self.seq_len is not None:
             _positive_int("seq_len", self.seq_len)
-        for name in ("warmup_steps", "eval_batches", "checkpoint_every", "seed"):
+        for name in (
+            "warmup_steps",
+            "eval_batches",
+            "checkpoint_every",
+            "seed",
+            "expert_slots_per_device",
+        ):
             _non_negative_int(name, getattr(self, name))
         _positive_int("keep_checkpoints", self.keep_checkpoints)
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):

@@ -27,10 +27,11 @@ import numpy as np
 from moejax.data import BatchIterator, Corpus, DataError
 from moejax.models import LMConfig
 from moejax.placement import Placement, save_trace
-from moejax.training import report
+from moejax.training import placed, report
 from moejax.training._config import TrainConfig
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import MetricsWriter, flops_per_token, step_record
+from moejax.training.placement_runtime import PlacementRuntime
 from moejax.training.state import (
     TrainState,
     abstract_state,
@@ -60,6 +61,8 @@ class RunResult:
     interrupted: bool
     records: list = dataclasses.field(repr=False, default_factory=list)
     state: TrainState | None = dataclasses.field(repr=False, default=None)  # the final state
+    placement: dict | None = None  # PlacementRuntime.summary: re-placements and their overhead
+    placements: tuple = ()  # the final `Placement` of every MoE layer (the state's layout)
 
 
 class SetupError(ValueError):
@@ -80,6 +83,11 @@ def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
             f"{model_cfg.max_seq_len}"
         )
     if mesh is None:
+        if train_cfg.expert_slots_per_device:
+            raise SetupError(
+                f"TrainConfig.expert_slots_per_device={train_cfg.expert_slots_per_device}: "
+                "expert placement needs a mesh"
+            )
         return seq_len
     from moejax.parallel import mesh as mesh_lib
 
@@ -100,29 +108,29 @@ def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
         mesh_lib.check_divisible(model_cfg.moe, mesh)
     except ValueError as err:
         raise SetupError(f"{err} ({shape})") from None
+    slots = train_cfg.expert_slots_per_device
+    if slots and slots < model_cfg.moe.num_experts // experts:
+        raise SetupError(
+            f"TrainConfig.expert_slots_per_device={slots}: fewer than the "
+            f"{model_cfg.moe.num_experts // experts} experts each of the {experts} devices of "
+            f"the expert axis must hold ({shape})"
+        )
     return seq_len
 
 
-def identity_placements(model_cfg: LMConfig, mesh) -> list[Placement]:
-    """The static placement of every MoE layer: `G = E / N` experts per device, in order."""
-    from moejax.parallel import mesh as mesh_lib
-
-    n = 1 if mesh is None else mesh_lib.axis_size(mesh, "expert")
-    e = model_cfg.moe.num_experts
-    return [Placement.identity(e, n, e // n) for _ in model_cfg.moe_layers]
-
-
-def _saved_placements(meta: dict, model_cfg: LMConfig, mesh) -> list[Placement]:
-    placement = meta["placement"]
-    current = identity_placements(model_cfg, mesh)
-    if placement["num_devices"] != current[0].num_devices or not placement["slot_to_expert"]:
-        return current  # another expert-axis size: the saved tables do not apply
-    return [
-        Placement(
-            t, model_cfg.moe.num_experts, placement["num_devices"], placement["slots_per_device"]
-        )
-        for t in placement["slot_to_expert"]
-    ]
+def _resumed_placements(meta: dict, current: list[Placement]) -> list[Placement]:
+    """The saved placements if they fit the current run's slots (same `N` and `S`), else
+    `current` (parameters are saved logical, so any placement can take them)."""
+    saved = meta["placement"]
+    first = current[0]
+    fits = (
+        saved["slot_to_expert"]
+        and saved["num_devices"] == first.num_devices
+        and saved["slots_per_device"] == first.slots_per_device
+    )
+    if not fits:
+        return current
+    return [p.with_table(t) for p, t in zip(current, saved["slot_to_expert"], strict=True)]
 
 
 class _Sigterm:
@@ -159,6 +167,7 @@ def train(
     outputs: bool = True,
     tensorboard: bool = True,
     async_checkpoints: bool = True,
+    controller=None,
 ) -> RunResult:
     """Train (or resume training) `model_cfg` on `corpus`; write everything under `run_dir`.
 
@@ -179,6 +188,13 @@ def train(
       outputs: write plots and the trace at the end (tests turn it off for speed).
       tensorboard: write TensorBoard event files.
       async_checkpoints: write checkpoints in the background.
+      controller: with `train_cfg.expert_slots_per_device > 0`, a factory `placements ->
+        controller` (`moejax.training.placed.controller_factory`): the controller sees each
+        step's expert counts one step late (`observe(step, counts [Lm, E])`) and returns
+        accepted `moejax.placement.Decision`s, which the loop applies between steps (a jitted
+        gather of the expert parameters and moments, compiled in the background at start).
+        Events go to `placement_events.jsonl` and are marked in `loss.png`. None: the placement
+        stays as initialised (or as resumed).
 
     Returns:
       A `RunResult`.
@@ -208,7 +224,7 @@ def train(
     )
     shardings = None if mesh is None else state_shardings(model_cfg, train_cfg, mesh)
     latest = ckpt.latest_step()
-    placements = identity_placements(model_cfg, mesh)
+    placements = placed.initial_placements(model_cfg, train_cfg, mesh)
     if latest is not None:
         target = restore_target(abstract_state(model_cfg, train_cfg), shardings)
         try:
@@ -217,9 +233,13 @@ def train(
         except ValueError:
             ckpt.close()
             raise
-        placements = _saved_placements(meta, model_cfg, mesh)
+        placements = _resumed_placements(meta, placements)
     else:
         state = init_train_state(model_cfg, train_cfg, mesh)
+    placing = PlacementRuntime.start(
+        state, placements, controller, model_cfg, train_cfg, mesh, run_dir if primary else None
+    )
+    state = placing.state
     start = int(jax.device_get(state.step))
     skipped = int(jax.device_get(state.skipped))
 
@@ -235,14 +255,18 @@ def train(
     def save(wait=False):
         nonlocal last_saved
         last_saved = ckpt.save(
-            state, data_state=iterator.state(), placements=placements, mesh=mesh, wait=wait
+            placing.logical(state),
+            data_state=iterator.state(),
+            placements=placing.placements,
+            mesh=mesh,
+            wait=wait,
         )
 
     bar = _progress_bar(start, stop, progress and primary)
     pending, t_prev = None, time.perf_counter()
     interrupted = False
 
-    def record(step_no, metrics):
+    def record(step_no, metrics, placements):
         nonlocal skipped, t_prev
         metrics = jax.device_get(metrics)  # blocks on that step only
         now = time.perf_counter()
@@ -261,14 +285,19 @@ def train(
             writer.write(rec)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics.loss:.3f}", tok_s=f"{rec['tokens_per_s'] or 0:,.0f}")
+        return metrics
 
     with _Sigterm() as sigterm:
         for step in range(start, stop):
             batch = global_batch(iterator.next(), mesh)
-            state, metrics = step_fn(state, batch)  # dispatched, not awaited
+            layout = placing.placements  # what this step runs on
+            state, metrics = step_fn(state, batch, *placing.step_args)  # dispatched, not awaited
             if pending is not None:
-                record(*pending)
-            pending = (step + 1, metrics)
+                fetched = record(*pending)
+                # Counts of step `pending`, one step late; a re-placement applies to the state
+                # after the step just dispatched, so step + 1 runs on the new layout.
+                state = placing.observe(state, pending[0], fetched.expert_counts, step + 1)
+            pending = (step + 1, metrics, layout)
             every = train_cfg.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < stop:
                 save()
@@ -277,13 +306,14 @@ def train(
                 break
         if pending is not None:
             record(*pending)
+        placing.close()
         if last_saved != int(jax.device_get(state.step)):
             save(wait=True)
         ckpt.close()
     bar.close()
 
     eval_loss = _evaluate(
-        state, eval_tokens, model_cfg, train_cfg, seq_len, mesh, strategy, implementation
+        state, placing, eval_tokens, model_cfg, train_cfg, seq_len, mesh, strategy, implementation
     )
     records = writer.records if writer is not None else []
     if writer is not None:
@@ -302,8 +332,10 @@ def train(
         interrupted,
     )
     result.state = state
+    result.placement = placing.summary(result.wall_s)
+    result.placements = placing.placements
     if primary and outputs and records:
-        write_outputs(run_dir, result)
+        write_outputs(run_dir, result, events=placing.events)
     return result
 
 
@@ -313,7 +345,9 @@ def _progress_bar(start: int, stop: int, enabled: bool):
     return tqdm(total=stop, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
 
 
-def _evaluate(state, tokens, model_cfg, train_cfg, seq_len, mesh, strategy, implementation):
+def _evaluate(
+    state, placing, tokens, model_cfg, train_cfg, seq_len, mesh, strategy, implementation
+):
     """Mean cross-entropy over the first `eval_batches` held-out batches (None if too few)."""
     if not train_cfg.eval_batches:
         return None
@@ -323,7 +357,9 @@ def _evaluate(state, tokens, model_cfg, train_cfg, seq_len, mesh, strategy, impl
         return None
     evaluate = make_eval_step(model_cfg, mesh, strategy=strategy, implementation=implementation)
     n = min(train_cfg.eval_batches, it.batches_per_epoch)
-    losses = [evaluate(state.params, global_batch(it.next(), mesh)) for _ in range(n)]
+    losses = [
+        evaluate(state.params, global_batch(it.next(), mesh), *placing.step_args) for _ in range(n)
+    ]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -358,8 +394,9 @@ def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, i
     )
 
 
-def write_outputs(run_dir: str, result: RunResult) -> None:
-    """`routing_trace.npy`, `loss.png`, `expert_load.png` from the run's records."""
+def write_outputs(run_dir: str, result: RunResult, events=()) -> None:
+    """`routing_trace.npy`, `loss.png` (re-placement `events` marked), `expert_load.png` from
+    the run's records."""
     counts = np.array([r["expert_counts"] for r in result.records], np.int64)
     save_trace(os.path.join(run_dir, "routing_trace.npy"), counts)
     report.plot_loss(
@@ -367,5 +404,6 @@ def write_outputs(run_dir: str, result: RunResult) -> None:
         os.path.join(run_dir, "loss.png"),
         baseline=result.unigram_entropy,
         eval_loss=result.eval_loss,
+        events=events,
     )
     report.plot_expert_load(result.records, os.path.join(run_dir, "expert_load.png"))

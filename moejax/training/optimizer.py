@@ -54,15 +54,18 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, *, clip: bool = True) -> optax.GradientTransformation:
     """`clip_by_global_norm -> adamw(schedule, mask=matrices)` on the trained leaves, zero
     updates for the correction biases (module docstring).
+
+    `clip=False` puts `optax.identity()` (the same empty state) in place of the clipping, for
+    steps that clip by a norm of their own (replicated experts: `moejax.training.placed`).
 
     The schedule is indexed by the count of *applied* updates (Adam's own step count), so a
     skipped non-finite step does not advance it.
     """
     adamw = optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.clip_by_global_norm(cfg.clip_norm) if clip else optax.identity(),
         optax.adamw(
             learning_rate_schedule(cfg),
             b1=cfg.b1,

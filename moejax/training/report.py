@@ -31,9 +31,18 @@ def _series(records, key) -> np.ndarray:
     return np.array([np.nan if r[key] is None else r[key] for r in records], float)
 
 
-def plot_loss(records: list[dict], path: str, *, baseline: float | None = None, eval_loss=None):
+def plot_loss(
+    records: list[dict],
+    path: str,
+    *,
+    baseline: float | None = None,
+    eval_loss=None,
+    events=(),
+):
     """Training loss (raw and a 20-step average), the unigram-entropy baseline, the final eval
-    loss, skipped steps; below it the device-load imbalance of every MoE layer."""
+    loss, skipped steps; below it the device-load imbalance of every MoE layer, raw per step and
+    a 10-step average, with expert re-placement `events` (`placement_events.jsonl` records)
+    marked where they took effect."""
     plt = _pyplot()
     steps = np.array([r["step"] for r in records])
     loss = _series(records, "loss")
@@ -54,7 +63,27 @@ def plot_loss(records: list[dict], path: str, *, baseline: float | None = None, 
         [[np.nan if v is None else v for v in r["device_imbalance"]] for r in records]
     )
     for layer in range(imbalance.shape[1]):
-        bottom.plot(steps, moving_average(imbalance[:, layer], 10), lw=1, label=f"MoE {layer}")
+        color = f"C{layer % 10}"
+        bottom.plot(steps, imbalance[:, layer], color=color, lw=0.5, alpha=0.35)
+        bottom.plot(
+            steps,
+            moving_average(imbalance[:, layer], 10),
+            color=color,
+            lw=1.2,
+            label=f"MoE {layer}",
+        )
+        moved = [e["applied_after_step"] + 0.5 for e in events if e["layer"] == layer]
+        if moved:  # a marker on the layer's average where the new layout took effect
+            smooth = moving_average(imbalance[:, layer], 10)
+            bottom.scatter(
+                moved,
+                np.interp(moved, steps, smooth),
+                marker="v",
+                color=color,
+                s=30,
+                zorder=3,
+                label=f"re-placed, MoE {layer}",
+            )
     bottom.axhline(1.0, color="gray", ls="--", lw=0.8)
     bottom.set_ylabel("device load max/mean")
     bottom.set_xlabel("step")
@@ -108,7 +137,8 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 
 
 def summary_rows(result) -> list[tuple[str, str]]:
-    """`(name, value)` rows of the summary table of a `RunResult`."""
+    """`(name, value)` rows of the summary table of a `RunResult` (with placement: the
+    re-placements and the controller's host overhead)."""
     rows = [
         ("steps", f"{result.step} (this run: {result.steps_this_run})"),
         ("final train loss (mean of last 20)", _fmt(result.final_loss, "{:.4f} nats")),
@@ -120,6 +150,7 @@ def summary_rows(result) -> list[tuple[str, str]]:
         ("device-load imbalance (mean)", _fmt(result.mean_imbalance, "{:.3f}")),
         ("dropped fraction (mean)", _fmt(result.mean_dropped, "{:.4f}")),
         ("wall time", f"{result.wall_s:.1f} s"),
+        *_placement_rows(getattr(result, "placement", None)),
         ("run directory", result.run_dir),
     ]
     if result.interrupted:
@@ -138,3 +169,16 @@ def summary_table(result) -> str:
 
 def _fmt(value, pattern: str) -> str:
     return "n/a" if value is None or not math.isfinite(value) else pattern.format(value)
+
+
+def _placement_rows(summary: dict | None) -> list[tuple[str, str]]:
+    if not summary:
+        return []
+    overhead = summary["decision_wall_s"] + summary["migration_wall_s"]
+    return [
+        ("expert re-placements", str(summary["replacements"])),
+        (
+            "placement overhead (decide + migrate)",
+            f"{overhead:.2f} s = {_fmt(summary['overhead_fraction'], '{:.2%}')} of wall time",
+        ),
+    ]

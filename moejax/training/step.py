@@ -7,7 +7,10 @@ One step, on device, with nothing read back to the host:
 2. the optax update (clipping, AdamW) on the trained leaves;
 3. the correction-bias update of every MoE layer from its expert counts (models with
    `score_correction_bias`), outside the optimizer;
-4. the guard: if the loss or the gradient norm is not finite, the new parameters and optimizer
+4. with expert placement (`TrainConfig.expert_slots_per_device`, `tables` given): replica
+   gradients are combined and clipping uses the logical norm, so the update is the unreplicated
+   one (`moejax.training.placed`);
+5. the guard: if the loss or the gradient norm is not finite, the new parameters and optimizer
    state are discarded (`jnp.where` per leaf, so the old values survive bit for bit), `skipped`
    counts it, and training goes on with the next batch.
 """
@@ -24,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import moejax
 from moejax.models import LMAux, LMConfig, lm_forward
+from moejax.training import placed
 from moejax.training._config import TrainConfig
 from moejax.training.optimizer import learning_rate_schedule, make_optimizer
 from moejax.training.state import TrainState, batch_sharding, state_shardings
@@ -47,6 +51,7 @@ class StepMetrics:
 
 
 def lm_loss(params, batch, model_cfg: LMConfig, train_cfg: TrainConfig, **forward_kw):
+    # (`forward_kw` may carry `placements`, one `SlotTable` per MoE layer.)
     """Training objective of one batch.
 
     Args:
@@ -83,6 +88,7 @@ def _update_correction_biases(params, counts, model_cfg: LMConfig, rate: float):
 def train_step(
     state: TrainState,
     batch: jax.Array,
+    tables=(),
     *,
     model_cfg: LMConfig,
     train_cfg: TrainConfig,
@@ -90,13 +96,27 @@ def train_step(
     strategy="auto",
     implementation: str = "auto",
 ) -> tuple[TrainState, StepMetrics]:
-    """One training step (module docstring); pure, to be jitted by `make_train_step`."""
-    tx = make_optimizer(train_cfg)
+    """One training step (module docstring); pure, to be jitted by `make_train_step`.
+
+    `tables`: one `moejax.parallel.SlotTable` per MoE layer when the state's experts are
+    physical slots (`moejax.training.placed`), else `()`.
+    """
+    tx = make_optimizer(train_cfg, clip=not tables)
     grad_fn = jax.value_and_grad(lm_loss, has_aux=True)
-    forward_kw = dict(mesh=mesh, strategy=strategy, implementation=implementation)
+    forward_kw = dict(
+        mesh=mesh,
+        strategy=strategy,
+        implementation=implementation,
+        placements=tuple(tables) or None,
+    )
     (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
     aux: LMAux
-    grad_norm = optax.tree.norm(grads)
+    if tables:
+        grads = placed.combine_grads(grads, tables, model_cfg)
+        grad_norm = placed.logical_norm(grads, tables, model_cfg)
+        grads = placed.clip_by_norm(grads, grad_norm, train_cfg.clip_norm)
+    else:
+        grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if model_cfg.moe.score_correction_bias and train_cfg.bias_update_rate > 0:
@@ -137,7 +157,7 @@ def make_train_step(
     strategy="auto",
     implementation: str = "auto",
 ):
-    """`train_step` jitted: `(state, batch [B, S + 1]) -> (state, StepMetrics)`.
+    """`train_step` jitted: `(state, batch [B, S + 1][, tables]) -> (state, StepMetrics)`.
 
     Cached on its (hashable) arguments, so repeated runs in one process reuse the compiled
     step. The state is donated (updated in place). On a mesh, the state keeps the shardings of
@@ -156,9 +176,12 @@ def make_train_step(
         return jax.jit(step, donate_argnums=0)
     sh = state_shardings(model_cfg, train_cfg, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
+    in_shardings = (sh, batch_sharding(mesh))
+    if train_cfg.expert_slots_per_device:
+        in_shardings += (replicated,)  # the slot tables
     return jax.jit(
         step,
-        in_shardings=(sh, batch_sharding(mesh)),
+        in_shardings=in_shardings,
         out_shardings=(sh, replicated),
         donate_argnums=0,
     )
@@ -168,9 +191,10 @@ def make_train_step(
 def make_eval_step(
     model_cfg: LMConfig, mesh=None, *, strategy="auto", implementation: str = "auto"
 ):
-    """Jitted `(params, batch [B, S + 1]) -> mean cross-entropy []` (fp32, replicated)."""
+    """Jitted `(params, batch [B, S + 1][, tables]) -> mean cross-entropy []` (fp32,
+    replicated); `tables` as for `train_step`."""
 
-    def evaluate(params, batch):
+    def evaluate(params, batch, tables=()):
         logits, _ = lm_forward(
             params,
             batch[:, :-1],
@@ -178,6 +202,7 @@ def make_eval_step(
             mesh=mesh,
             strategy=strategy,
             implementation=implementation,
+            placements=tuple(tables) or None,
         )
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 

@@ -1,0 +1,206 @@
+"""Expert placement in training: physical expert state, replica gradients, migrations.
+
+With `TrainConfig.expert_slots_per_device = S > 0` every MoE layer's experts live in
+`P = N·S` physical slots (`N` = the mesh's `expert` axis): the in-memory `TrainState` holds
+`experts/* [P, ...]` in its parameters and in its optimizer moments, hot experts as several
+identical replicas (`moejax.parallel.placed`). Checkpoints hold the logical `[E, ...]` form, so
+they restore onto any placement and any mesh.
+
+The math is the unreplicated model's (ARCHITECTURE.md, invariant "placement never changes what is
+computed"):
+
+1. the forward splits each expert's rows over its replicas (`moejax.parallel.moe_apply_sharded`);
+2. the replica gradients of an expert are summed and the sum handed to every replica
+   (`combine_grads`): each replica sees the logical gradient;
+3. the clipping norm is the logical one: a slot of an expert with `r` replicas counts `1/r`
+   (`logical_norm`), so clipping scales exactly as without placement;
+4. AdamW is elementwise: identical replicas with identical gradients and moments stay identical
+   bit for bit, and each follows the unreplicated update.
+
+A re-placement gathers the new slots from the old ones (`gather_experts` with
+`moejax.placement.migration_sources`), parameters and Adam moments alike. The slot tables are an
+argument of the jitted step, not constants compiled into it: a new placement reuses the compiled
+step and the compiled gather, so re-placing costs one gather and no compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax.transforms import MaskedNode
+
+from moejax.models import LMConfig
+from moejax.parallel import placed as device_placed
+from moejax.placement import Placement
+from moejax.training._config import TrainConfig
+from moejax.training.optimizer import make_optimizer
+
+
+def initial_placements(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> list[Placement]:
+    """The static placement of every MoE layer on `mesh`.
+
+    Expert `e` on device `e // G` (`G = E / N`); with `S > G` slots per device the spare slots
+    hold local duplicates (they move no token and change no load) until the controller uses them.
+    Without placement (`S = 0`) the layout is the logical one, `S = G`.
+    """
+    from moejax.parallel import mesh as mesh_lib
+
+    n = 1 if mesh is None else mesh_lib.axis_size(mesh, "expert")
+    e = model_cfg.moe.num_experts
+    s = train_cfg.expert_slots_per_device or e // n
+    return [Placement.identity(e, n, s) for _ in model_cfg.moe_layers]
+
+
+def slot_tables(placements) -> tuple[device_placed.SlotTable, ...]:
+    """The device form of each layer's placement (the step's `tables` argument)."""
+    return tuple(device_placed.slot_table(p) for p in placements)
+
+
+def map_experts(tree: dict, model_cfg: LMConfig, fn) -> dict:
+    """`tree` (parameter-shaped) with each MoE layer's `experts` subtree replaced by
+    `fn(j, experts)`, `j` the MoE-layer index in `[0, Lm)`."""
+    layers = list(tree["layers"])
+    for j, i in enumerate(model_cfg.moe_layers):
+        moe = layers[i]["moe"]
+        layers[i] = {**layers[i], "moe": {**moe, "experts": fn(j, moe["experts"])}}
+    return {**tree, "layers": layers}
+
+
+def combine_grads(grads: dict, tables, model_cfg: LMConfig) -> dict:
+    """Every replica receives the sum of its expert's replica gradients (module docstring, 2)."""
+    return map_experts(
+        grads, model_cfg, lambda j, g: device_placed.combine_replica_grads(g, tables[j])
+    )
+
+
+def logical_norm(grads: dict, tables, model_cfg: LMConfig) -> jax.Array:
+    """The global norm the unreplicated gradient has, from combined physical gradients.
+
+    A slot of an expert with `r` replicas holds that expert's whole gradient, so its square
+    counts `1/r`: the sum over slots is the sum over experts.
+    """
+
+    def scaled(j, experts):
+        t = tables[j]
+        w = jax.lax.rsqrt(t.replica_count[t.slot_to_expert].astype(jnp.float32))  # [P]
+        return jax.tree.map(lambda g: g * w.reshape((-1,) + (1,) * (g.ndim - 1)), experts)
+
+    return optax.tree.norm(map_experts(grads, model_cfg, scaled))
+
+
+def clip_by_norm(grads, norm: jax.Array, max_norm: float):
+    """`optax.clip_by_global_norm`'s formula with the norm given (the logical one)."""
+    return jax.tree.map(
+        lambda t: jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm), grads
+    )
+
+
+def _gather(state, index: jax.Array, model_cfg: LMConfig, train_cfg: TrainConfig):
+    """`state` with every expert leaf (parameters and moments) of MoE layer `j` gathered along
+    its slot axis by `index[j]`."""
+    take = lambda j, x: jnp.take(x, index[j], axis=0)
+    params = map_experts(
+        state.params, model_cfg, lambda j, ex: jax.tree.map(functools.partial(take, j), ex)
+    )
+    # A parameter-shaped tree of MoE-layer indices (-1: not an expert leaf) lets
+    # `optax.tree_map_params` find the moments of each expert leaf.
+    labels = map_experts(
+        jax.tree.map(lambda _: -1, state.params),
+        model_cfg,
+        lambda j, ex: jax.tree.map(lambda _: j, ex),
+    )
+    masked = lambda x: isinstance(x, MaskedNode)
+    opt_state = optax.tree_map_params(
+        make_optimizer(train_cfg),
+        lambda x, j: x if j < 0 or isinstance(x, MaskedNode) else take(j, x),
+        state.opt_state,
+        labels,
+        is_leaf=masked,
+    )
+    return dataclasses.replace(state, params=params, opt_state=opt_state)
+
+
+@functools.lru_cache(maxsize=8)
+def gather_fn(model_cfg: LMConfig, train_cfg: TrainConfig, mesh):
+    """`_gather` jitted (output sharded like the state), cached per run configuration."""
+    gather = functools.partial(_gather, model_cfg=model_cfg, train_cfg=train_cfg)
+    if mesh is None:
+        return jax.jit(gather)
+    from moejax.training.state import state_shardings
+
+    return jax.jit(gather, out_shardings=state_shardings(model_cfg, train_cfg, mesh))
+
+
+def gather_experts(state, index, model_cfg: LMConfig, train_cfg: TrainConfig, mesh=None):
+    """Jitted `_gather` (output sharded like the state; compiled once per `index` shape).
+
+    Args:
+      state: a `TrainState` whose expert leaves have `X` slots.
+      index: `[Lm, Y]` int: slot `y` of layer `j` takes old slot `index[j, y]`.
+      model_cfg, train_cfg, mesh: as for the step.
+
+    Returns:
+      The state with `Y` slots per expert leaf. The three uses:
+      `to_physical` (`index` = each placement's `slot_to_expert`, `X = E`, `Y = P`),
+      `to_logical` (each expert's first replica, `Y = E`) and migration
+      (`moejax.placement.migration_sources(old, new)`, `X = Y = P`).
+    """
+    index = jnp.asarray(np.asarray(index), jnp.int32)
+    return gather_fn(model_cfg, train_cfg, mesh)(state, index)
+
+
+def to_physical(state, placements, model_cfg, train_cfg, mesh=None):
+    """Logical state (`[E, ...]` experts) -> physical (`[P, ...]`) under `placements`."""
+    index = np.stack([p.slot_to_expert for p in placements])
+    return gather_experts(state, index, model_cfg, train_cfg, mesh)
+
+
+def to_logical(state, placements, model_cfg, train_cfg, mesh=None):
+    """Physical state -> logical, reading each expert from its first replica (replicas are
+    identical, so nothing is lost)."""
+    index = np.stack([[p.replicas_of(e)[0] for e in range(p.num_experts)] for p in placements])
+    return gather_experts(state, index, model_cfg, train_cfg, mesh)
+
+
+def controller_factory(
+    model_cfg: LMConfig,
+    train_cfg: TrainConfig,
+    mesh,
+    seq_len: int,
+    config=None,
+    hardware=None,
+):
+    """A factory `placements -> moejax.placement.PlacementController` for `train(controller=)`.
+
+    The cost model gets this run's layer shapes (`Workload`: tokens per device per step, top-k,
+    `D`, `F`, bytes per element of the parameter dtype, Adam's two moments) and `hardware`
+    (default `moejax.placement.H100_NVLINK`: the controller models the accelerator the layout is
+    meant for; on simulated CPU devices only its relative figures matter).
+    """
+    from moejax.parallel import mesh as mesh_lib
+    from moejax.placement import H100_NVLINK, ControllerConfig, PlacementController, Workload
+
+    moe = model_cfg.moe
+    shards = 1 if mesh is None else mesh_lib.token_shards(mesh)
+    param_bytes = jnp.dtype(model_cfg.param_dtype).itemsize
+    workload = Workload(
+        tokens_per_device=max(1, train_cfg.batch_size * seq_len // shards),
+        top_k=moe.top_k,
+        d_model=moe.d_model,
+        d_ff=moe.d_ff,
+        matmuls_per_expert=3 if moe.gated else 2,
+        activation_bytes=jnp.dtype(model_cfg.dtype).itemsize,
+        param_bytes=param_bytes,
+        state_bytes_per_param=3 * param_bytes,  # the parameter and Adam's two moments
+    )
+    return functools.partial(
+        PlacementController,
+        hardware=hardware or H100_NVLINK,
+        workload=workload,
+        config=config or ControllerConfig(),
+    )

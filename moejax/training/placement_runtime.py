@@ -1,0 +1,260 @@
+"""The training loop's side of dynamic expert placement: tables, controller, migrations, events.
+
+`PlacementRuntime` holds the current placement of every MoE layer, hands the step its slot
+tables, feeds the controller the expert counts the loop fetched one step late, applies accepted
+decisions by gathering the expert parameters and Adam moments into the new slots, and logs every
+re-placement (`placement_events.jsonl`, one JSON object per event):
+
+- `step`: the step whose counts triggered it (the controller sees counts one step late);
+  `applied_after_step`: the state after this step is migrated, so steps after it run on the
+  new layout;
+- `layer`, `old`, `new` (`slot_to_expert` tables), `reason`;
+- predicted by the cost model on the controller's smoothed counts: `predicted_gain_s` (per
+  step), `predicted_gain_fraction` (of the modeled step), `imbalance_before`, `imbalance_after`
+  (busiest device over the mean), `modeled_migration_s`, `bytes_moved` (parameters and
+  optimizer state, at the cost model's byte sizes);
+- measured: `migration_wall_s` (the gather on this machine, timed alone) and
+  `decision_wall_s` (host time of the controller's checks so far).
+
+The migration gather takes its index as an argument (`moejax.training.placed.gather_experts`),
+so it compiles once, in a background thread at start, while training goes on; the step never
+recompiles for a new layout (its slot tables are arguments too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.placement import migration_sources
+from moejax.training import placed
+
+EVENTS_FILE = "placement_events.jsonl"
+
+
+@dataclasses.dataclass
+class PlacementRuntime:
+    """See the module docstring; built by `start`."""
+
+    enabled: bool
+    placements: tuple  # [Lm] current `moejax.placement.Placement`s
+    state: object  # the state as the loop starts (physical when enabled)
+    controller: object | None = None
+    model_cfg: object = None
+    train_cfg: object = None
+    mesh: object = None
+    events: list = dataclasses.field(default_factory=list)
+    migration_wall_s: float = 0.0
+    _tables: tuple = ()
+    _events_path: str | None = None
+    _compile: threading.Thread | None = None
+    _migrate: object = None
+
+    @classmethod
+    def start(cls, state, placements, controller, model_cfg, train_cfg, mesh, run_dir):
+        """Set up for a run starting from the logical `state`.
+
+        Args:
+          state: the initial or restored `TrainState` (experts in logical order).
+          placements: the placement of every MoE layer (`placed.initial_placements` or resumed).
+          controller: None, or a factory `placements -> controller`; needs
+            `train_cfg.expert_slots_per_device > 0`.
+          model_cfg, train_cfg, mesh: the run's.
+          run_dir: where to write `placement_events.jsonl` (None: not written, e.g. on processes
+            other than 0).
+        """
+        enabled = train_cfg.expert_slots_per_device > 0
+        if controller is not None and not enabled:
+            raise ValueError(
+                "a placement controller needs TrainConfig.expert_slots_per_device > 0 "
+                "(slots for the replicas), got 0"
+            )
+        runtime = cls(
+            enabled=enabled,
+            placements=tuple(placements),
+            state=state,
+            model_cfg=model_cfg,
+            train_cfg=train_cfg,
+            mesh=mesh,
+        )
+        if not enabled:
+            return runtime
+        runtime.state = placed.to_physical(state, placements, model_cfg, train_cfg, mesh)
+        runtime._tables = placed.slot_tables(placements)
+        if controller is not None:
+            runtime.controller = controller(list(placements))
+            runtime._start_compile(runtime.state)
+            if run_dir is not None:
+                runtime._events_path = os.path.join(run_dir, EVENTS_FILE)
+                # Events after a resumed step are re-made by this run; earlier ones are kept.
+                runtime._keep_events(int(jax.device_get(state.step)))
+        return runtime
+
+    @property
+    def step_args(self) -> tuple:
+        """Extra arguments of the jitted step: `(tables,)` with placement, else `()`."""
+        return (self._tables,) if self.enabled else ()
+
+    def logical(self, state):
+        """`state` with experts in logical order (what checkpoints hold)."""
+        if not self.enabled:
+            return state
+        return placed.to_logical(state, self.placements, self.model_cfg, self.train_cfg, self.mesh)
+
+    def observe(self, state, step: int, counts: np.ndarray, applied_after_step: int):
+        """Feed step `step`'s expert counts `[Lm, E]` to the controller; apply its decisions to
+        `state` (the state after `applied_after_step`). Returns the state to train on."""
+        if self.controller is None:
+            return state
+        decisions = self.controller.observe(step, np.asarray(counts))
+        if not decisions:
+            return state
+        new = list(self.placements)
+        for d in decisions:
+            new[d.layer] = d.new
+        sources = np.stack(
+            [migration_sources(a, b) for a, b in zip(self.placements, new, strict=True)]
+        )
+        jax.block_until_ready(state)  # time the migration alone, not the step before it
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(self._migrator()(state, jnp.asarray(sources, jnp.int32)))
+        wall = time.perf_counter() - t0
+        self.migration_wall_s += wall
+        self.placements = tuple(new)
+        self._tables = placed.slot_tables(new)
+        ema = getattr(self.controller, "ema", None)
+        for d in decisions:
+            smoothed = np.asarray(counts if ema is None else ema)[d.layer]
+            self._log(
+                {
+                    "step": int(step),
+                    "applied_after_step": int(applied_after_step),
+                    "layer": int(d.layer),
+                    "reason": d.reason,
+                    "predicted_gain_s": float(d.gain_s),
+                    "predicted_gain_fraction": _gain_fraction(self.controller, d, smoothed),
+                    "imbalance_before": float(d.old.imbalance(smoothed)),
+                    "imbalance_after": float(d.new.imbalance(smoothed)),
+                    "bytes_moved": int(d.bytes_moved),
+                    "modeled_migration_s": float(d.migration_s),
+                    "migration_wall_s": wall,
+                    "decision_wall_s": float(getattr(self.controller, "decision_wall_s", 0.0)),
+                    "old": d.old.slot_to_expert.tolist(),
+                    "new": d.new.slot_to_expert.tolist(),
+                }
+            )
+        return state
+
+    def close(self) -> None:
+        if self._compile is not None:
+            self._compile.join()
+
+    def summary(self, wall_s: float) -> dict | None:
+        """Re-placements and the controller's host overhead over the run (None without one)."""
+        if self.controller is None:
+            return None
+        decide = float(getattr(self.controller, "decision_wall_s", 0.0))
+        overhead = decide + self.migration_wall_s
+        return {
+            "replacements": len(self.events),
+            "decision_wall_s": decide,
+            "migration_wall_s": self.migration_wall_s,
+            "overhead_fraction": overhead / wall_s if wall_s > 0 else None,
+        }
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _start_compile(self, state) -> None:
+        """Compile the migration gather (`[Lm, P]` sources) in the background."""
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        )
+        lm, p = len(self.placements), self.placements[0].num_slots
+        index = jax.ShapeDtypeStruct((lm, p), jnp.int32)
+        fn = placed.gather_fn(self.model_cfg, self.train_cfg, self.mesh)
+
+        def compile_():
+            self._migrate = fn.lower(abstract, index).compile()
+
+        self._compile = threading.Thread(target=compile_, name="compile-migration", daemon=True)
+        self._compile.start()
+
+    def _migrator(self):
+        self._compile.join()  # normally long done: it started with the run
+        return self._migrate
+
+    def _keep_events(self, up_to_step: int) -> None:
+        kept = []
+        if os.path.exists(self._events_path):
+            with open(self._events_path) as f:
+                kept = [json.loads(line) for line in f if line.strip()]
+            kept = [e for e in kept if e["applied_after_step"] <= up_to_step]
+        with open(self._events_path, "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in kept)
+        self.events = kept
+
+    def _log(self, event: dict) -> None:
+        self.events.append(event)
+        if self._events_path is not None:
+            with open(self._events_path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+
+def _gain_fraction(controller, decision, counts) -> float | None:
+    """Predicted gain over the modeled step time of the old placement (None if unknown)."""
+    hw, wl = getattr(controller, "hardware", None), getattr(controller, "workload", None)
+    if hw is None or wl is None:
+        return None
+    from moejax.placement import step_cost
+
+    now = step_cost(decision.old, counts, hw, wl).total_s
+    return float(decision.gain_s / now) if now > 0 else None
+
+
+def read_events(run_dir: str) -> list[dict]:
+    """The events of `run_dir/placement_events.jsonl` ([] if none)."""
+    path = os.path.join(run_dir, EVENTS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def measured_effect(records: list[dict], events: list[dict], window: int = 10) -> list[dict]:
+    """Per event: the predicted imbalance change next to the measured one.
+
+    Measured: the mean device-load imbalance of the event's layer over the `window` steps up to
+    `applied_after_step` (old layout) and the `window` steps after it (new layout), from the
+    per-step records (each step's counts under the placement it ran with).
+    """
+    by_step = {r["step"]: r for r in records}
+    rows = []
+    for e in events:
+        t, layer = e["applied_after_step"], e["layer"]
+
+        def mean(steps, layer=layer):
+            vals = [
+                by_step[s]["device_imbalance"][layer]
+                for s in steps
+                if s in by_step and by_step[s]["device_imbalance"][layer] is not None
+            ]
+            return float(np.mean(vals)) if vals else None
+
+        rows.append(
+            {
+                "applied_after_step": t,
+                "layer": layer,
+                "predicted_before": e["imbalance_before"],
+                "predicted_after": e["imbalance_after"],
+                "measured_before": mean(range(t - window + 1, t + 1)),
+                "measured_after": mean(range(t + 1, t + window + 1)),
+            }
+        )
+    return rows
