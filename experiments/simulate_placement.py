@@ -10,7 +10,8 @@ device (default one spare slot, the same expert memory for every strategy). Synt
 ``T·K`` rows per device per step with multinomial noise; the Zipf exponent is calibrated per
 ``E`` so that the hottest expert gets ``--hot-ratio`` x the mean load (a fixed exponent would make
 the skew grow with ``E``). The drifting trace rotates the hot set every ``steps/4`` steps.
-A recorded trace (``--trace``) is used as is: its counts are taken as rows per step, so the
+A recorded trace (``--trace``) gives the routing distribution: by default each step's expert shares
+are scaled to the workload's ``N·T·K`` rows (``--trace-rows as-is`` keeps its counts), so the
 modeled times mean most when it was recorded at the ``Workload``'s batch size.
 
 Run (about a minute on 2 CPU cores):
@@ -47,7 +48,12 @@ HARDWARE = {hw.name: hw for hw in (H100_IB, H100_NVLINK, TPU_V5P_ICI)}
 
 def _traces(args, num_devices: int, wl: Workload) -> dict[str, np.ndarray]:
     if args.trace:
-        return {os.path.basename(args.trace): load_trace(args.trace)}
+        trace = load_trace(args.trace).astype(np.float64)  # [steps, L, E]
+        if args.trace_rows == "workload":
+            # The recorded run gives the routing distribution; the workload gives the size.
+            total = trace.sum(-1, keepdims=True)
+            trace = trace * (num_devices * wl.rows_per_step / np.maximum(total, 1))
+        return {os.path.basename(args.trace): trace}
     e = 2 * num_devices
     tokens = num_devices * wl.rows_per_step
     s = zipf_exponent_for(e, args.hot_ratio)
@@ -102,6 +108,13 @@ def main() -> None:
     parser.add_argument("--hot-ratio", type=float, default=4.0)
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default=H100_IB.name)
     parser.add_argument("--trace", help="recorded trace (.npy [steps, L, E] or .jsonl)")
+    parser.add_argument(
+        "--trace-rows",
+        choices=("workload", "as-is"),
+        default="workload",
+        help="rows of a recorded trace: its expert shares scaled to the workload's N*T*K rows "
+        "per step (default), or its counts as they are",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/placement")
     args = parser.parse_args()
