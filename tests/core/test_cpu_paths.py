@@ -1,6 +1,7 @@
 """The XLA:CPU expert paths against plain-jnp references, forward and VJP, on adversarial routing:
 the fused chunk loop (`moejax._fused`, what `implementation="blocked"` runs) and the block-loop
-grouped matmul (`moejax._gmm.blocked_gmm`, what `moejax.parallel` runs per device)."""
+grouped matmul (`moejax._gmm.blocked_gmm`; `moejax.parallel._gmm` runs a vma-safe copy per
+device)."""
 
 import functools
 
