@@ -1,19 +1,37 @@
 """Benchmark one MoE layer, forward + backward, against a dense FFN of the same active FLOPs.
 
-Shapes (issue 2): T=8192, D=512, F=1024, E=8, K=2, fp32, SwiGLU. For each routing (balanced, and
-Zipf(1.2)-skewed via a router bias) it times every implementation, capacity mode at factor 1.25,
-and a dense SwiGLU FFN over T*K rows (the same matmul FLOPs), all in one process, medians of
-`--repeats` runs after warm-up. With torch and transformers installed (`pip install -e
-'.[bench]'`) it also times Hugging Face's MixtralSparseMoeBlock and a dense torch FFN of the same
-FLOPs on PyTorch CPU.
+Shapes (issue 2): T=8192, D=512, F=1024, E=8, K=2, fp32, SwiGLU, Mixtral routing (softmax, top-2,
+renormalised). Two routings: `balanced` (a random router) and `zipf1.2` (expert loads, as shares of
+the T*K assignments, follow Zipf(1.2); set through a constant input feature so that moejax and
+PyTorch see the same router and route identically). Variants, all forward + backward of
+`sum(y**2)` w.r.t. the input and every weight:
 
-Run: python experiments/bench_layer.py [--repeats 7] [--tokens 8192]   (~3-5 min on 2 CPU cores)
-Absolute times on a shared CPU are noisy: read the ratios to the dense baseline of the same run.
+- `dense FFN`: one SwiGLU FFN over T*K rows (the same matmul FLOPs as the layer), the baseline;
+- `moejax auto`: `moe_apply(..., implementation="auto")`, dropless (the fused blocked CPU path);
+- `phases`: the unfused path (`dispatch` -> `blocked_gmm` x3 -> `combine`, as each device runs it
+  under `moejax.parallel`);
+- `ragged_dot`, and `capacity 1.25` (capacity mode, factor 1.25, "auto" implementation);
+- with torch and transformers installed: Hugging Face's `MixtralSparseMoeBlock` holding the same
+  weights (its output is checked against moejax's) and a dense torch FFN over T*K rows.
+
+Timing: `--rounds` interleaved rounds after two warm-up calls per variant; each round times every
+variant once, one after the other (JAX and torch never run concurrently). Reported: median wall
+time, min-max spread, and ratios taken within each round then medianed (the machine is shared and
+noisy: compare ratios, not absolute times). `others` is the median CPU (in cores) that other
+processes used during a variant's samples, read from /proc/stat; a quiet machine shows ~0.
+
+Install the optional benchmark extra (torch pinned, and taken from PyTorch's CPU wheel index so
+that pip does not resolve `torch==2.13.0` to the multi-GB CUDA build on Linux):
+    pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    pip install -e '.[bench]'
+
+Run: python experiments/bench_layer.py [--rounds 7] [--no-torch]   (~14 min on 2 shared CPU cores)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -25,85 +43,154 @@ import jax.numpy as jnp
 import numpy as np
 
 import moejax
+from moejax import _gmm, _routing
+from moejax._experts import grouped_ffn
+from moejax._permute import combine, dispatch, make_layout
+
+HZ = os.sysconf("SC_CLK_TCK")
+DENSE, AUTO = "dense FFN (T*K rows)", "moejax auto"
+PHASES = "phases (dispatch, blocked_gmm, combine)"
+RAGGED, CAPACITY = "ragged_dot", "capacity 1.25 (auto)"
+TORCH_BLOCK, TORCH_DENSE = "HF MixtralSparseMoeBlock (torch)", "dense FFN (torch, T*K rows)"
 
 
-def timeit(fn, *args, repeats: int) -> float:
-    """Median wall seconds of `fn(*args)` after two warm-up calls (compile + one run)."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _busy_seconds() -> float:
+    """CPU seconds all processes have spent busy (from /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(a) for a in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / HZ
 
 
-def layer_step(cfg, impl):
+def sample(fn) -> tuple[float, float]:
+    """`(wall seconds, cores used by other processes meanwhile)` of one call of `fn`."""
+    b0, c0, t0 = _busy_seconds(), time.process_time(), time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t0
+    others = _busy_seconds() - b0 - (time.process_time() - c0)
+    return wall, max(others, 0.0) / wall
+
+
+def jax_step(loss, *args):
+    """A thunk running forward + backward of `loss(*args)` w.r.t. every argument."""
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+    return lambda: jax.block_until_ready(grad(*args))
+
+
+def dense_loss(w, x):
+    y = (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+    return jnp.sum(y * y)
+
+
+def layer_loss(cfg, impl):
     def loss(params, x):
-        y, aux = moejax.moe_apply(params, x, cfg, implementation=impl)
-        return jnp.sum(y * y) + 0.01 * aux.load_balance_loss
+        return jnp.sum(moejax.moe_apply(params, x, cfg, implementation=impl)[0] ** 2)
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))
-
-
-def dense_step():
-    def loss(w, x):
-        h = jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])
-        y = h @ w["w_down"]
-        return jnp.sum(y * y)
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return loss
 
 
-def zipf_router_bias(e: int, s: float) -> np.ndarray:
-    """A router bias whose softmax follows Zipf(s) over experts (logits = log p)."""
+def phases_loss(cfg):
+    """The unfused dropless layer: dispatch, three block-loop grouped matmuls, combine."""
+
+    def loss(params, x):
+        routing = _routing.route(params["router"], x, cfg, num_sequences=1)
+        layout = make_layout(routing, cfg.num_experts, cfg.block_size)
+        gmm = functools.partial(_gmm.blocked_gmm, block=cfg.block_size)
+        rows = dispatch(x, layout)
+        out = grouped_ffn(
+            rows, layout.group_sizes, layout.group_of_row, params["experts"], cfg, gmm
+        )
+        return jnp.sum(combine(out, routing.weight, layout) ** 2)
+
+    return loss
+
+
+def zipf_router(params, x, cfg, s: float):
+    """Router params whose expert loads follow Zipf(s), via the constant feature `x[:, 0] = 1`.
+
+    Row 0 of the router kernel becomes `scale * log p_zipf`; `scale` is bisected until the most
+    loaded expert's share of the T*K assignments equals `p_zipf[0]`. Returns `(params, shares)`.
+    """
+    e = cfg.num_experts
     p = np.arange(1, e + 1, dtype=np.float64) ** -s
-    return np.log(p / p.sum()).astype(np.float32)
+    p /= p.sum()
+    route = jax.jit(lambda prm: _routing.route(prm["router"], x, cfg, num_sequences=1))
+
+    def with_scale(scale):
+        kernel = params["router"]["kernel"].at[0].set(scale * jnp.log(jnp.asarray(p, jnp.float32)))
+        prm = {**params, "router": {**params["router"], "kernel": kernel}}
+        idx = np.asarray(route(prm).expert_index).ravel()
+        return prm, np.bincount(idx, minlength=e) / idx.size
+
+    lo, hi = 0.0, 64.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if with_scale(mid)[1].max() < p[0] else (lo, mid)
+    return with_scale(hi)
 
 
-def torch_rows(t, d, f, e, k, repeats, routing_bias):
-    """HF MixtralSparseMoeBlock and a dense torch FFN of the same FLOPs, fwd+bwd, PyTorch CPU."""
-    try:
-        import torch
-        from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    except ImportError as err:
-        return {"note": f"torch/transformers not installed ({err.name}); pip install -e '.[bench]'"}
-    torch.manual_seed(0)
-    hf_cfg = MixtralConfig(
+def torch_steps(params, x, cfg, threads):
+    """Thunks for HF MixtralSparseMoeBlock (same weights as `params`) and a dense torch FFN."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    torch.set_num_threads(threads)
+    d, f, e, k = cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k
+    hf = MixtralConfig(
         hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k
     )
-    block = MixtralSparseMoeBlock(hf_cfg).float()
-    if routing_bias is not None:
-        with torch.no_grad():  # skew routing the same way: bias through a constant input feature
-            block.gate.weight[:, 0] = torch.from_numpy(routing_bias) * 0 + block.gate.weight[:, 0]
-    x = torch.randn(1, t, d, requires_grad=True)
-    w = [torch.randn(d, f) * d**-0.5, torch.randn(d, f) * d**-0.5, torch.randn(f, d) * f**-0.5]
-    for p in w:
-        p.requires_grad_(True)
-    xd = torch.randn(t * k, d, requires_grad=True)
+    block = MixtralSparseMoeBlock(hf).float()
+
+    def tensor(a):
+        return torch.from_numpy(np.array(a, np.float32))
+
+    ex = params["experts"]
+    with torch.no_grad():
+        block.gate.weight.copy_(tensor(params["router"]["kernel"]).T)
+        if hasattr(block.experts, "gate_up_proj"):  # transformers >= 5: stacked expert tensors
+            gate_up = np.concatenate([ex["w_gate"], ex["w_up"]], axis=2)  # [E, D, 2F]
+            block.experts.gate_up_proj.copy_(tensor(gate_up).transpose(1, 2))
+            block.experts.down_proj.copy_(tensor(ex["w_down"]).transpose(1, 2))
+        else:  # transformers 4.x: one module per expert, w1 = gate, w3 = up, w2 = down
+            for i, mlp in enumerate(block.experts):
+                mlp.w1.weight.copy_(tensor(ex["w_gate"][i]).T)
+                mlp.w3.weight.copy_(tensor(ex["w_up"][i]).T)
+                mlp.w2.weight.copy_(tensor(ex["w_down"][i]).T)
+    block.train()
+    xt = tensor(x)[None].requires_grad_(True)
+    weights = [tensor(ex[n][0]).requires_grad_(True) for n in ("w_gate", "w_up", "w_down")]
+    xd = torch.randn(x.shape[0] * k, d, requires_grad=True)
 
     def run_block():
-        out = block(x)
-        out = out[0] if isinstance(out, tuple) else out
-        (out * out).sum().backward()
-
-    def run_dense():
-        y = (torch.nn.functional.silu(xd @ w[0]) * (xd @ w[1])) @ w[2]
+        block.zero_grad(set_to_none=True)
+        xt.grad = None
+        y = block(xt)
+        y = y[0] if isinstance(y, tuple) else y
         (y * y).sum().backward()
 
-    def med(fn):
-        for _ in range(2):
-            fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    def run_dense():
+        for t in (xd, *weights):
+            t.grad = None
+        wg, wu, wd = weights
+        y = (torch.nn.functional.silu(xd @ wg) * (xd @ wu)) @ wd
+        (y * y).sum().backward()
 
-    return {"torch_mixtral_block": med(run_block), "torch_dense": med(run_dense)}
+    with torch.no_grad():
+        y = block(xt)
+        y = (y[0] if isinstance(y, tuple) else y)[0].numpy()
+    return {TORCH_BLOCK: run_block, TORCH_DENSE: run_dense}, y
+
+
+def run_rounds(steps: dict, rounds: int) -> dict:
+    """Two warm-up calls per step, then `rounds` interleaved rounds of one sample per step."""
+    for fn in steps.values():
+        fn()
+        fn()
+    samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            samples[name].append(sample(fn))
+    return samples
 
 
 def main():
@@ -113,60 +200,99 @@ def main():
     parser.add_argument("--d-ff", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--impls", default="blocked,ragged_dot,capacity_1.25")
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     args = parser.parse_args()
     t, d, f, e, k = args.tokens, args.d_model, args.d_ff, args.experts, args.top_k
     kw = {} if args.block_size is None else {"block_size": args.block_size}
-    base = moejax.MoEConfig(d_model=d, d_ff=f, num_experts=e, top_k=k, router_bias=True, **kw)
-    flops = 3 * 2 * (t * k) * d * f * 3  # 3 matmuls, x2 FLOP/MAC, fwd + 2x bwd
+    cfg = moejax.MoEConfig(d_model=d, d_ff=f, num_experts=e, top_k=k, **kw)
+    flops = 3 * (2 * t * k * d * f) * 3  # 3 matmuls; forward + 2x for backward
     print(
-        f"T={t} D={d} F={f} E={e} K={k} fp32 fwd+bwd, {flops / 1e9:.1f} GFLOP of expert "
-        f"matmuls; block_size={base.block_size}; devices={jax.devices()[0].platform}"
+        f"T={t} D={d} F={f} E={e} K={k} fp32 fwd+bwd; {flops / 1e9:.1f} GFLOP of expert matmuls; "
+        f"block_size={cfg.block_size}; jax {jax.__version__} on {jax.devices()[0].device_kind}, "
+        f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}"
     )
-
-    key = jax.random.key(0)
-    params = moejax.init_moe_params(base, key)
-    x = jax.random.normal(jax.random.key(1), (t, d), jnp.float32)
+    params = moejax.init_moe_params(cfg, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (t, d), jnp.float32).at[:, 0].set(1.0)
     dense_w = {n: params["experts"][n][0] for n in ("w_gate", "w_up", "w_down")}
     x_dense = jax.random.normal(jax.random.key(2), (t * k, d), jnp.float32)
-    dense = timeit(dense_step(), dense_w, x_dense, repeats=args.repeats)
+    capacity = cfg.replace(dispatch="capacity", capacity_factor=1.25)
+    routings = {
+        "balanced": ({**params, "router": {"kernel": params["router"]["kernel"].at[0].set(0.0)}}),
+        "zipf1.2": zipf_router(params, x, cfg, 1.2)[0],
+    }
+    torch_note = None
+    steps, loads = {}, {}
+    for rname, prm in routings.items():
+        counts = np.asarray(moejax.moe_apply(prm, x, cfg)[1].expert_counts)
+        loads[rname] = counts / counts.sum()
+        dropped = float(moejax.moe_apply(prm, x, capacity)[1].dropped_fraction)
+        print(f"{rname}: capacity mode 1.25 drops {dropped:.1%} of the assignments")
+        steps[rname, DENSE] = jax_step(dense_loss, dense_w, x_dense)
+        steps[rname, AUTO] = jax_step(layer_loss(cfg, "auto"), prm, x)
+        steps[rname, PHASES] = jax_step(phases_loss(cfg), prm, x)
+        steps[rname, RAGGED] = jax_step(layer_loss(cfg, "ragged_dot"), prm, x)
+        steps[rname, CAPACITY] = jax_step(layer_loss(capacity, "auto"), prm, x)
+        if args.no_torch:
+            continue
+        try:
+            torch_fns, y_torch = torch_steps(prm, x, cfg, args.threads)
+        except ImportError as err:
+            torch_note = f"torch rows skipped: {err.name} not installed (pip install -e '.[bench]')"
+            continue
+        y_jax = np.asarray(moejax.moe_apply(prm, x, cfg)[0])
+        err = np.abs(y_torch - y_jax).max() / np.abs(y_jax).max()
+        print(f"{rname}: HF Mixtral block vs moejax output, max |diff| / max |y| = {err:.1e}")
+        steps.update({(rname, name): fn for name, fn in torch_fns.items()})
+    for rname, share in loads.items():
+        print(f"{rname}: expert load shares {np.round(share, 3).tolist()}")
+    if torch_note:
+        print(torch_note)
 
-    rows = []
-    for routing in ("balanced", "zipf1.2"):
-        p = params
-        bias = None
-        if routing == "zipf1.2":
-            bias = zipf_router_bias(e, 1.2) * 3.0
-            p = {**params, "router": {**params["router"], "bias": jnp.asarray(bias)}}
-        _, aux = jax.jit(lambda p, x: moejax.moe_apply(p, x, base))(p, x)
-        counts = np.asarray(aux.expert_counts)
-        imbalance = counts.max() / counts.mean()
-        rows.append((routing, "dense FFN (T*K rows)", dense, imbalance))
-        for impl in args.impls.split(","):
-            cfg, name = base, impl
-            if impl.startswith("capacity_"):
-                cfg = base.replace(dispatch="capacity", capacity_factor=float(impl.split("_")[1]))
-                impl = "auto"
-            sec = timeit(layer_step(cfg, impl), p, x, repeats=args.repeats)
-            rows.append((routing, name, sec, imbalance))
-        if not args.no_torch:
-            for name, sec in torch_rows(t, d, f, e, k, args.repeats, bias).items():
-                if name == "note":
-                    print(sec)
-                else:
-                    rows.append((routing, name, sec, imbalance))
+    samples = run_rounds(steps, args.rounds)
+    report(samples, loads, flops, args.rounds)
 
-    print("\n| routing (max/mean load) | variant | median s | x dense FFN (jax) | GFLOP/s |")
-    print("|---|---|---|---|---|")
-    for routing, name, sec, imb in rows:
-        dense_ref = [s for r, n, s, _ in rows if r == routing and n.startswith("dense")][0]
+
+def _ratio(samples, a, b) -> float:
+    """Median over rounds of `wall(a) / wall(b)` within the same round."""
+    return statistics.median(x[0] / y[0] for x, y in zip(samples[a], samples[b], strict=True))
+
+
+def report(samples, loads, flops, rounds):
+    """The markdown table and the issue's targets."""
+    print(f"\n{rounds} rounds; ratios are medians of per-round ratios.\n")
+    print(
+        "| routing (max/mean load) | variant | median s | min-max s | x dense FFN (jax) "
+        "| x torch dense | GFLOP/s | others (cores) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (rname, name), s in samples.items():
+        wall = [w for w, _ in s]
+        td = (rname, TORCH_DENSE)
+        vs_torch = f"{_ratio(samples, (rname, name), td):.3f}" if td in samples else "-"
+        vs_dense = _ratio(samples, (rname, name), (rname, DENSE))
+        imb = loads[rname].max() * len(loads[rname])
         print(
-            f"| {routing} ({imb:.2f}) | {name} | {sec:.3f} | {sec / dense_ref:.2f} | "
-            f"{flops / sec / 1e9:.0f} |"
+            f"| {rname} ({imb:.2f}) | {name} | {statistics.median(wall):.3f} "
+            f"| {min(wall):.3f}-{max(wall):.3f} | {vs_dense:.3f} | {vs_torch} "
+            f"| {flops / statistics.median(wall) / 1e9:.0f} "
+            f"| {statistics.median(o for _, o in s):.2f} |"
         )
+    print("\nTargets (issue 2, item 10), auto = moejax auto, dropless:")
+    targets = [("balanced", DENSE, "<=", 1.05), ("zipf1.2", DENSE, "<=", 1.15)]
+    targets += [(r, RAGGED, "<", 1.0) for r in loads]
+    for rname, other, op, bound in targets:
+        r = _ratio(samples, (rname, AUTO), (rname, other))
+        verdict = "met" if (r <= bound if op == "<=" else r < bound) else "NOT met"
+        print(f"- {rname}: auto / {other} = {r:.3f} (target {op} {bound}): {verdict}")
+    print("Comparisons (no target):")
+    for rname in loads:
+        for other in (CAPACITY, TORCH_BLOCK):
+            if (rname, other) in samples:
+                r = _ratio(samples, (rname, AUTO), (rname, other))
+                print(f"- {rname}: auto / {other} = {r:.3f}")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ alignment it wants the permute phase to pad groups to.
 
 - `ragged_dot`: `jax.lax.ragged_dot` (alignment 1). Correct everywhere; on XLA:CPU it lowers to a
   masked dense matmul with E times the FLOPs.
-- `blocked`: the XLA path for CPU. Groups are padded to `block` rows, and a `while` loop runs one
-  `[block, K] @ [K, N]` matmul per used block (loop trip count = used blocks, so unused capacity
-  costs nothing). Custom VJP: dlhs by the same loop with `rhs` transposed, drhs by a loop that
-  accumulates `lhs_b^T @ dout_b` into the block's group (tgmm).
+- `blocked`: the XLA block loop. Groups are padded to `block` rows; a loop over groups slices the
+  group's weights once and an inner loop runs one `[block, K] @ [K, N]` matmul per block of the
+  group (trip counts = used blocks, so unused capacity costs nothing). Custom VJP: dlhs by the same
+  loops with `rhs` transposed, drhs (tgmm) by accumulating `lhs_b^T @ dout_b` over a group's blocks
+  in a loop carry written once per group. `moejax.parallel._gmm` holds a vma-safe copy that each
+  device runs; the single-device layer runs the fused loop of `moejax._fused` instead.
 - `pallas`: `pallas_kernels.grouped_matmul` (Triton on GPU, Mosaic on TPU, interpret on CPU).
 """
 
@@ -31,47 +33,67 @@ def ragged_dot_gmm(lhs, rhs, group_sizes):
 
 
 def _block_groups(group_sizes, block, num_blocks):
-    """Group of each block and the count of used blocks (group sizes are multiples of block)."""
+    """Group of each block and the count of used blocks (group sizes are multiples of block).
+
+    Used by the per-block loop of `moejax.parallel._gmm`.
+    """
     ends = jnp.cumsum(group_sizes) // block  # [E] block index where each group ends
     groups = jnp.searchsorted(ends, jnp.arange(num_blocks), side="right")
     return jnp.minimum(groups, group_sizes.shape[0] - 1), ends[-1]
 
 
+def _group_blocks(group_sizes, block):
+    """First block and block count of each group (group sizes are multiples of block)."""
+    counts = group_sizes // block
+    return jnp.cumsum(counts) - counts, counts
+
+
 def _blocked_matmul(lhs, rhs, group_sizes, block, transpose_rhs):
     r, _ = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    num_blocks = r // block
-    groups, used = _block_groups(group_sizes, block, num_blocks)
     acc_dtype = jnp.promote_types(lhs.dtype, jnp.float32)
+    dims = _DOT_T if transpose_rhs else (((1,), (0,)), ((), ()))
 
-    def body(b, out):
-        x = jax.lax.dynamic_slice_in_dim(lhs, b * block, block)
-        w = rhs[groups[b]]
-        if transpose_rhs:
-            y = jax.lax.dot_general(x, w, _DOT_T, preferred_element_type=acc_dtype)
-        else:
-            y = jnp.dot(x, w, preferred_element_type=acc_dtype)
-        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), b * block, 0)
+    def group(g, out):
+        w = rhs[g]  # sliced once per group, not once per block
 
-    return jax.lax.fori_loop(0, used, body, jnp.zeros((r, n), lhs.dtype))
+        def body(b, out):
+            x = jax.lax.dynamic_slice_in_dim(lhs, b * block, block)
+            y = jax.lax.dot_general(x, w, dims, preferred_element_type=acc_dtype)
+            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), b * block, 0)
+
+        return jax.lax.fori_loop(starts[g], starts[g] + counts[g], body, out)
+
+    starts, counts = _group_blocks(group_sizes, block)
+    return jax.lax.fori_loop(0, rhs.shape[0], group, jnp.zeros((r, n), lhs.dtype))
 
 
 def _blocked_tgmm(lhs, dout, group_sizes, block):
-    """`[E, K, N]`: per group, `lhs_g^T @ dout_g` (zeros for empty groups)."""
-    r, k = lhs.shape
+    """`[E, K, N]`: per group, `lhs_g^T @ dout_g` (zeros for empty groups).
+
+    Each group's blocks accumulate in a loop carry that is written once per group (a
+    read-modify-write of the `[E, K, N]` result per block costs as much as a small matmul).
+    """
+    _, k = lhs.shape
     n = dout.shape[1]
-    e = group_sizes.shape[0]
-    groups, used = _block_groups(group_sizes, block, r // block)
     acc_dtype = jnp.promote_types(lhs.dtype, jnp.float32)
 
-    def body(b, acc):
-        x = jax.lax.dynamic_slice_in_dim(lhs, b * block, block)
-        g = jax.lax.dynamic_slice_in_dim(dout, b * block, block)
-        upd = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
-        return acc.at[groups[b]].add(upd)
+    def group(g, out):
+        def body(b, acc):
+            x = jax.lax.dynamic_slice_in_dim(lhs, b * block, block)
+            d = jax.lax.dynamic_slice_in_dim(dout, b * block, block)
+            return acc + jax.lax.dot_general(
+                x, d, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype
+            )
 
-    acc = jax.lax.fori_loop(0, used, body, jnp.zeros((e, k, n), acc_dtype))
-    return acc
+        acc = jax.lax.fori_loop(
+            starts[g], starts[g] + counts[g], body, jnp.zeros((k, n), acc_dtype)
+        )
+        return jax.lax.dynamic_update_index_in_dim(out, acc, g, 0)
+
+    starts, counts = _group_blocks(group_sizes, block)
+    e = group_sizes.shape[0]
+    return jax.lax.fori_loop(0, e, group, jnp.zeros((e, k, n), acc_dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
