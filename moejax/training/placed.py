@@ -17,10 +17,11 @@ computed"):
 4. AdamW is elementwise: identical replicas with identical gradients and moments stay identical
    bit for bit, and each follows the unreplicated update.
 
-A re-placement gathers the new slots from the old ones (`gather_experts` with
-`moejax.placement.migration_sources`), parameters and Adam moments alike. The slot tables are an
-argument of the jitted step, not constants compiled into it: a new placement reuses the compiled
-step and the compiled gather, so re-placing costs one gather and no compilation.
+A re-placement of layer `j` gathers its new slots from the old ones (`migrate_fn(..., j)` with
+`moejax.placement.migration_sources`), parameters and Adam moments alike, in place (the state is
+donated: no other leaf is copied). The slot tables are an argument of the jitted step, not
+constants compiled into it: a new placement reuses the compiled step and the compiled gather,
+so re-placing costs one gather per moved layer and no compilation.
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ def clip_by_norm(grads, norm: jax.Array, max_norm: float):
     )
 
 
-def _gather(state, index: jax.Array, model_cfg: LMConfig, train_cfg: TrainConfig):
-    """`state` with every expert leaf (parameters and moments) of MoE layer `j` gathered along
-    its slot axis by `index[j]`."""
-    take = lambda j, x: jnp.take(x, index[j], axis=0)
+def _gather(state, index: jax.Array, model_cfg: LMConfig, train_cfg: TrainConfig, layers):
+    """`state` with every expert leaf (parameters and moments) of MoE layer `layers[n]` gathered
+    along its slot axis by `index[n]`; the other leaves are returned as they are."""
+    row = {j: n for n, j in enumerate(layers)}
+    take = lambda j, x: x if j not in row else jnp.take(x, index[row[j]], axis=0)
     params = map_experts(
         state.params, model_cfg, lambda j, ex: jax.tree.map(functools.partial(take, j), ex)
     )
@@ -117,7 +119,7 @@ def _gather(state, index: jax.Array, model_cfg: LMConfig, train_cfg: TrainConfig
     masked = lambda x: isinstance(x, MaskedNode)
     opt_state = optax.tree_map_params(
         make_optimizer(train_cfg),
-        lambda x, j: x if j < 0 or isinstance(x, MaskedNode) else take(j, x),
+        lambda x, j: x if isinstance(x, MaskedNode) else take(j, x),
         state.opt_state,
         labels,
         is_leaf=masked,
@@ -125,19 +127,27 @@ def _gather(state, index: jax.Array, model_cfg: LMConfig, train_cfg: TrainConfig
     return dataclasses.replace(state, params=params, opt_state=opt_state)
 
 
-@functools.lru_cache(maxsize=8)
-def gather_fn(model_cfg: LMConfig, train_cfg: TrainConfig, mesh):
-    """`_gather` jitted (output sharded like the state), cached per run configuration."""
-    gather = functools.partial(_gather, model_cfg=model_cfg, train_cfg=train_cfg)
+@functools.lru_cache(maxsize=32)
+def gather_fn(
+    model_cfg: LMConfig, train_cfg: TrainConfig, mesh, layers: tuple[int, ...], donate: bool
+):
+    """`_gather` of MoE layers `layers`, jitted (output sharded like the state), cached.
+
+    With `donate`, the input state is donated: the leaves of the other layers and every
+    non-expert leaf alias their input buffers, so a migration only writes the moved layers.
+    """
+    gather = functools.partial(_gather, model_cfg=model_cfg, train_cfg=train_cfg, layers=layers)
+    kw = dict(donate_argnums=0) if donate else {}
     if mesh is None:
-        return jax.jit(gather)
+        return jax.jit(gather, **kw)
     from moejax.training.state import state_shardings
 
-    return jax.jit(gather, out_shardings=state_shardings(model_cfg, train_cfg, mesh))
+    return jax.jit(gather, out_shardings=state_shardings(model_cfg, train_cfg, mesh), **kw)
 
 
 def gather_experts(state, index, model_cfg: LMConfig, train_cfg: TrainConfig, mesh=None):
-    """Jitted `_gather` (output sharded like the state; compiled once per `index` shape).
+    """Every MoE layer's expert leaves gathered, jitted (output sharded like the state;
+    compiled once per `index` shape; `state` is not donated).
 
     Args:
       state: a `TrainState` whose expert leaves have `X` slots.
@@ -145,13 +155,20 @@ def gather_experts(state, index, model_cfg: LMConfig, train_cfg: TrainConfig, me
       model_cfg, train_cfg, mesh: as for the step.
 
     Returns:
-      The state with `Y` slots per expert leaf. The three uses:
-      `to_physical` (`index` = each placement's `slot_to_expert`, `X = E`, `Y = P`),
-      `to_logical` (each expert's first replica, `Y = E`) and migration
-      (`moejax.placement.migration_sources(old, new)`, `X = Y = P`).
+      The state with `Y` slots per expert leaf. Uses: `to_physical` (`index` = each placement's
+      `slot_to_expert`, `X = E`, `Y = P`) and `to_logical` (each expert's first replica,
+      `Y = E`). Migrations use `migrate_fn` (one layer, donated).
     """
     index = jnp.asarray(np.asarray(index), jnp.int32)
-    return gather_fn(model_cfg, train_cfg, mesh)(state, index)
+    layers = tuple(range(len(model_cfg.moe_layers)))
+    return gather_fn(model_cfg, train_cfg, mesh, layers, False)(state, index)
+
+
+def migrate_fn(model_cfg: LMConfig, train_cfg: TrainConfig, mesh, layer: int):
+    """Jitted, donating `(state, sources [1, P]) -> state` that re-places MoE layer `layer`:
+    new slot `p` takes old slot `sources[0, p]` (`moejax.placement.migration_sources`), for the
+    parameters and the Adam moments; nothing else is copied."""
+    return gather_fn(model_cfg, train_cfg, mesh, (layer,), True)
 
 
 def to_physical(state, placements, model_cfg, train_cfg, mesh=None):

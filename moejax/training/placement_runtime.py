@@ -13,12 +13,14 @@ re-placement (`placement_events.jsonl`, one JSON object per event):
   step), `predicted_gain_fraction` (of the modeled step), `imbalance_before`, `imbalance_after`
   (busiest device over the mean), `modeled_migration_s`, `bytes_moved` (parameters and
   optimizer state, at the cost model's byte sizes);
-- measured: `migration_wall_s` (the gather on this machine, timed alone) and
+- measured: `migration_wall_s` (the gathers of this step's moved layers on this machine,
+  timed alone; events of one step share it) and
   `decision_wall_s` (host time of the controller's checks so far).
 
-The migration gather takes its index as an argument (`moejax.training.placed.gather_experts`),
-so it compiles once, in a background thread at start, while training goes on; the step never
-recompiles for a new layout (its slot tables are arguments too).
+Each layer's migration gather takes its index as an argument (`moejax.training.placed.migrate_fn`)
+and donates the state, so it compiles once per layer, in a background thread at start, while
+training goes on, and writes only the moved layer; the step never recompiles for a new layout
+(its slot tables are arguments too).
 """
 
 from __future__ import annotations
@@ -117,14 +119,14 @@ class PlacementRuntime:
         if not decisions:
             return state
         new = list(self.placements)
-        for d in decisions:
-            new[d.layer] = d.new
-        sources = np.stack(
-            [migration_sources(a, b) for a, b in zip(self.placements, new, strict=True)]
-        )
+        migrate = self._migrators()
         jax.block_until_ready(state)  # time the migration alone, not the step before it
         t0 = time.perf_counter()
-        state = jax.block_until_ready(self._migrator()(state, jnp.asarray(sources, jnp.int32)))
+        for d in decisions:  # one donated gather per moved layer; other leaves stay in place
+            sources = migration_sources(new[d.layer], d.new)[None]
+            state = migrate[d.layer](state, jnp.asarray(sources, jnp.int32))
+            new[d.layer] = d.new
+        state = jax.block_until_ready(state)
         wall = time.perf_counter() - t0
         self.migration_wall_s += wall
         self.placements = tuple(new)
@@ -172,21 +174,23 @@ class PlacementRuntime:
     # -- internals ----------------------------------------------------------------------------
 
     def _start_compile(self, state) -> None:
-        """Compile the migration gather (`[Lm, P]` sources) in the background."""
+        """Compile each layer's migration gather (`[1, P]` sources) in the background."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
-        lm, p = len(self.placements), self.placements[0].num_slots
-        index = jax.ShapeDtypeStruct((lm, p), jnp.int32)
-        fn = placed.gather_fn(self.model_cfg, self.train_cfg, self.mesh)
+        index = jax.ShapeDtypeStruct((1, self.placements[0].num_slots), jnp.int32)
+        fns = [
+            placed.migrate_fn(self.model_cfg, self.train_cfg, self.mesh, j)
+            for j in range(len(self.placements))
+        ]
 
         def compile_():
-            self._migrate = fn.lower(abstract, index).compile()
+            self._migrate = [fn.lower(abstract, index).compile() for fn in fns]
 
         self._compile = threading.Thread(target=compile_, name="compile-migration", daemon=True)
         self._compile.start()
 
-    def _migrator(self):
+    def _migrators(self) -> list:
         self._compile.join()  # normally long done: it started with the run
         return self._migrate
 
