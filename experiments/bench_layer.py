@@ -282,17 +282,21 @@ def report(samples, loads, flops, rounds):
         )
     print("\nTargets (issue 2, item 10), auto = moejax auto, dropless:")
     targets = [("balanced", DENSE, "<=", 1.05), ("zipf1.2", DENSE, "<=", 1.15)]
-    targets += [(r, RAGGED, "<", 1.0) for r in loads]
+    # "Faster in wall time than" the ragged_dot path, capacity mode at 1.25 and the HF block.
+    targets += [
+        (r, other, "<", 1.0)
+        for r in loads
+        for other in (RAGGED, CAPACITY, TORCH_BLOCK)
+        if (r, other) in samples
+    ]
     for rname, other, op, bound in targets:
         r = _ratio(samples, (rname, AUTO), (rname, other))
         verdict = "met" if (r <= bound if op == "<=" else r < bound) else "NOT met"
         print(f"- {rname}: auto / {other} = {r:.3f} (target {op} {bound}): {verdict}")
-    print("Comparisons (no target):")
-    for rname in loads:
-        for other in (CAPACITY, TORCH_BLOCK):
-            if (rname, other) in samples:
-                r = _ratio(samples, (rname, AUTO), (rname, other))
-                print(f"- {rname}: auto / {other} = {r:.3f}")
+    print(
+        "(capacity mode computes only its kept rows, never a padded buffer: under skew it drops "
+        "assignments and their FLOPs)"
+    )
 
 
 if __name__ == "__main__":
