@@ -23,6 +23,7 @@ from moejax.models._layers import swiglu_mlp as swiglu_mlp
 from moejax.models._model import LMAux as LMAux
 from moejax.models._model import cast_floating as cast_floating
 from moejax.models._model import lm_forward as lm_forward
+from moejax.models._model import moe_layer_inputs as moe_layer_inputs
 from moejax.models._params import ParamCounts as ParamCounts
 from moejax.models._params import init_lm_params as init_lm_params
 from moejax.models._params import lm_partition_specs as lm_partition_specs
@@ -37,6 +38,7 @@ __all__ = [
     "cast_floating",
     "init_lm_params",
     "lm_forward",
+    "moe_layer_inputs",
     "lm_partition_specs",
     "param_counts",
     "presets",

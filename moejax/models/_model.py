@@ -107,23 +107,10 @@ def lm_forward(
     constrain = _batch_constraint(mesh)
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
     x = constrain(jnp.take(p["embed"]["embedding"], tokens, axis=0))  # [B, S, D]
-    stats = []
-    for i, layer in enumerate(p["layers"]):
-        with jax.named_scope(f"layer_{i}"):
-            with jax.named_scope("attention"):
-                h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
-                x = constrain(x + attention(layer["attn"], h, cos, sin))
-            h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
-            if cfg.is_moe(i):
-                with jax.named_scope("moe"):
-                    y, aux = _moe_ffn(
-                        layer["moe"], h, cfg, mesh, strategy, implementation, placement_of[i]
-                    )
-                stats.append(aux)
-            else:
-                with jax.named_scope("mlp"):
-                    y = swiglu_mlp(layer["mlp"], h)
-            x = constrain(x + y)
+    moe = lambda i, h: _moe_ffn(
+        p["layers"][i]["moe"], h, cfg, mesh, strategy, implementation, placement_of[i]
+    )
+    x, stats, _ = _decoder_layers(p, x, cfg, cos, sin, moe, constrain)
     x = rms_norm(x, p["final_norm"]["scale"], cfg.norm_eps)
     unembed = p["embed"]["embedding"].T if cfg.tie_embeddings else p["unembed"]["kernel"]
     logits = jnp.einsum("bsd,dv->bsv", x, unembed, preferred_element_type=jnp.float32)
@@ -135,6 +122,47 @@ def lm_forward(
         router_entropy=jnp.stack([_router_entropy(a.router_logits) for a in stats]),
     )
     return logits, aux
+
+
+def _decoder_layers(p, x, cfg: LMConfig, cos, sin, moe, constrain):
+    """The decoder stack: `(x [B, S, D], [MoEAux] per MoE layer, [MoE-layer inputs [B, S, D]])`;
+    `moe(i, h) -> (y, aux)` runs MoE layer `i`."""
+    stats, inputs = [], []
+    for i, layer in enumerate(p["layers"]):
+        with jax.named_scope(f"layer_{i}"):
+            with jax.named_scope("attention"):
+                h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
+                x = constrain(x + attention(layer["attn"], h, cos, sin))
+            h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
+            if cfg.is_moe(i):
+                inputs.append(h)
+                with jax.named_scope("moe"):
+                    y, aux = moe(i, h)
+                stats.append(aux)
+            else:
+                with jax.named_scope("mlp"):
+                    y = swiglu_mlp(layer["mlp"], h)
+            x = constrain(x + y)
+    return x, stats, inputs
+
+
+def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax.Array]:
+    """What each MoE layer receives (its normalised hidden states) for `tokens`, on one device:
+    the real activations to study routing or benchmark a layer with.
+
+    Args:
+      params: the tree of `init_lm_params` (experts in logical order).
+      tokens: `[B, S]` int token ids.
+      cfg: the model config.
+
+    Returns:
+      `Lm` arrays `[B, S, D]` in `cfg.dtype`, in the order of `cfg.moe_layers`.
+    """
+    p = cast_floating(params, cfg.dtype)
+    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+    x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
+    moe = lambda i, h: moejax.moe_apply(p["layers"][i]["moe"], h, cfg.moe)
+    return _decoder_layers(p, x, cfg, cos, sin, moe, lambda v: v)[2]
 
 
 def _batch_constraint(mesh):

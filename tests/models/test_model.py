@@ -96,3 +96,20 @@ def test_bf16_compute_keeps_fp32_params_and_loss_close():
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads16))
     # bf16 has an 8-bit mantissa: the mean loss over 1024 tokens agrees to ~1e-2 relative.
     np.testing.assert_allclose(float(loss16), float(loss32), rtol=2e-2)
+
+
+def test_moe_layer_inputs_are_what_each_moe_layer_routes():
+    from moejax import moe_apply
+    from moejax.models import moe_layer_inputs
+
+    params = _init(CFG, jax.random.key(0))
+    tokens = _tokens(seed=3)
+    _, aux = jax.jit(functools.partial(lm_forward, cfg=CFG))(params, tokens)
+    inputs = jax.jit(functools.partial(moe_layer_inputs, cfg=CFG))(params, tokens)
+    assert len(inputs) == len(CFG.moe_layers)
+    for j, i in enumerate(CFG.moe_layers):
+        assert inputs[j].shape == (*tokens.shape, CFG.d_model)
+        _, layer_aux = moe_apply(params["layers"][i]["moe"], inputs[j], CFG.moe)
+        np.testing.assert_array_equal(layer_aux.expert_counts, aux.expert_counts[j])
+    # Layer 0's input depends only on the embedding and the first attention block.
+    assert not np.allclose(inputs[0], inputs[-1])
