@@ -236,10 +236,9 @@ def train(
         placements = _resumed_placements(meta, placements)
     else:
         state = init_train_state(model_cfg, train_cfg, mesh)
-    placing = PlacementRuntime.start(
+    placing, state = PlacementRuntime.start(
         state, placements, controller, model_cfg, train_cfg, mesh, run_dir if primary else None
     )
-    state = placing.state
     start = int(jax.device_get(state.step))
     skipped = int(jax.device_get(state.skipped))
 

@@ -47,7 +47,6 @@ class PlacementRuntime:
 
     enabled: bool
     placements: tuple  # [Lm] current `moejax.placement.Placement`s
-    state: object  # the state as the loop starts (physical when enabled)
     controller: object | None = None
     model_cfg: object = None
     train_cfg: object = None
@@ -61,7 +60,8 @@ class PlacementRuntime:
 
     @classmethod
     def start(cls, state, placements, controller, model_cfg, train_cfg, mesh, run_dir):
-        """Set up for a run starting from the logical `state`.
+        """Set up for a run starting from the logical `state`; returns `(runtime, state)`, the
+        state to train on (physical when placement is enabled).
 
         Args:
           state: the initial or restored `TrainState` (experts in logical order).
@@ -81,23 +81,23 @@ class PlacementRuntime:
         runtime = cls(
             enabled=enabled,
             placements=tuple(placements),
-            state=state,
             model_cfg=model_cfg,
             train_cfg=train_cfg,
             mesh=mesh,
         )
         if not enabled:
-            return runtime
-        runtime.state = placed.to_physical(state, placements, model_cfg, train_cfg, mesh)
+            return runtime, state
+        step = int(jax.device_get(state.step))
+        state = placed.to_physical(state, placements, model_cfg, train_cfg, mesh)
         runtime._tables = placed.slot_tables(placements)
         if controller is not None:
             runtime.controller = controller(list(placements))
-            runtime._start_compile(runtime.state)
+            runtime._start_compile(state)
             if run_dir is not None:
                 runtime._events_path = os.path.join(run_dir, EVENTS_FILE)
                 # Events after a resumed step are re-made by this run; earlier ones are kept.
-                runtime._keep_events(int(jax.device_get(state.step)))
-        return runtime
+                runtime._keep_events(step)
+        return runtime, state
 
     @property
     def step_args(self) -> tuple:
