@@ -31,6 +31,7 @@ The step compiled for the old table is swapped for one compiled for the new tabl
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,10 @@ class ControllerConfig:
         the first passing check (noise does not produce such gains; waiting would cost more).
       min_interval: fewest steps between two re-placements of one layer.
       max_moves: move budget handed to the planner (None: the planner's default).
+      forecast_window: raw per-step counts kept for ``per_step_imbalance`` (the prediction
+        of the imbalance a layout will measure step by step). About twice the EMA's
+        effective window (``(1 + decay) / (1 - decay)`` = 9 steps at 0.8), so the prediction
+        leans less on the steps the planner fitted and on the excursion that triggered it.
     """
 
     decide_every: int = 5
@@ -68,9 +73,10 @@ class ControllerConfig:
     urgent_gain: float = 0.25
     min_interval: int = 10
     max_moves: int | None = None
+    forecast_window: int = 20
 
     def __post_init__(self):
-        for name in ("decide_every", "horizon_steps", "patience"):
+        for name in ("decide_every", "horizon_steps", "patience", "forecast_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.min_interval < 0:
@@ -156,6 +162,7 @@ class PlacementController:
         self.migration_s = 0.0  # modeled migration time of accepted decisions
         self.bytes_moved = 0
         self._ema: np.ndarray | None = None  # [L, E] float64
+        self._recent = collections.deque(maxlen=config.forecast_window)  # of [L, E] raw counts
         self._since_check = 0
         self._streak = [0] * num_layers
         self._last_change = [None] * num_layers
@@ -174,6 +181,23 @@ class PlacementController:
     def ema(self) -> np.ndarray | None:
         """``[L, E]`` smoothed counts, or None before the first observation."""
         return None if self._ema is None else self._ema.copy()
+
+    def per_step_imbalance(self, layer: int, placement: Placement) -> float:
+        """Predicted per-step imbalance of ``placement`` for ``layer``: the mean, over the last
+        ``forecast_window`` observed steps, of its imbalance on each step's own counts.
+
+        Decisions use the EMA, which smooths per-step noise away; every real step sees that
+        noise, and the busiest device is a maximum, so a step's imbalance is on average above
+        the imbalance of the averaged counts. This is the figure to compare with the
+        imbalance measured step by step after a re-placement, assuming routing stays as it
+        was over the window (a drifting router makes the measured one higher). On the steps
+        the planner fitted alone it would be optimistic for the planner's candidate (it fits
+        their noise) and pessimistic for the old layout (the check fires on a bad excursion);
+        a window twice the EMA's weighs both down (see ``ControllerConfig.forecast_window``).
+        """
+        if not self._recent:
+            raise ValueError("per_step_imbalance needs at least one observed step")
+        return float(np.mean([placement.imbalance(c[layer]) for c in self._recent]))
 
     def observe(self, step: int, counts: np.ndarray) -> list[Decision]:
         """Feeds the expert counts of ``step``; returns the decisions accepted now.
@@ -195,6 +219,7 @@ class PlacementController:
             raise ValueError(f"counts must have shape [L, E] = {expected}, got {counts.shape}")
         if not np.all(np.isfinite(counts)) or np.any(counts < 0):
             raise ValueError("counts must be finite and >= 0")
+        self._recent.append(counts)
         decay = self.config.ema_decay
         self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
         self._since_check += 1

@@ -331,7 +331,7 @@ def train(
         interrupted,
     )
     result.state = state
-    result.placement = placing.summary(result.wall_s)
+    result.placement = placing.summary(result.wall_s, records)
     result.placements = placing.placements
     if primary and outputs and records:
         write_outputs(run_dir, result, events=placing.events)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.placement import migration_sources
+from moejax.placement import Placement, migration_sources
 from moejax.training import placed
 
 EVENTS_FILE = "placement_events.jsonl"
@@ -132,6 +132,7 @@ class PlacementRuntime:
         self.placements = tuple(new)
         self._tables = placed.slot_tables(new)
         ema = getattr(self.controller, "ema", None)
+        per_step = getattr(self.controller, "per_step_imbalance", None)
         for d in decisions:
             smoothed = np.asarray(counts if ema is None else ema)[d.layer]
             self._log(
@@ -144,6 +145,9 @@ class PlacementRuntime:
                     "predicted_gain_fraction": _gain_fraction(self.controller, d, smoothed),
                     "imbalance_before": float(d.old.imbalance(smoothed)),
                     "imbalance_after": float(d.new.imbalance(smoothed)),
+                    "per_step_before": None if per_step is None else per_step(d.layer, d.old),
+                    "per_step_after": None if per_step is None else per_step(d.layer, d.new),
+                    "num_devices": int(d.new.num_devices),
                     "bytes_moved": int(d.bytes_moved),
                     "modeled_migration_s": float(d.migration_s),
                     "migration_wall_s": wall,
@@ -158,8 +162,10 @@ class PlacementRuntime:
         if self._compile is not None:
             self._compile.join()
 
-    def summary(self, wall_s: float) -> dict | None:
-        """Re-placements and the controller's host overhead over the run (None without one)."""
+    def summary(self, wall_s: float, records: list[dict] | None = None) -> dict | None:
+        """Re-placements, the controller's host overhead and, given the run's per-step
+        `records`, the mean predicted vs measured imbalance fall per event (None without a
+        controller)."""
         if self.controller is None:
             return None
         decide = float(getattr(self.controller, "decision_wall_s", 0.0))
@@ -169,6 +175,7 @@ class PlacementRuntime:
             "decision_wall_s": decide,
             "migration_wall_s": self.migration_wall_s,
             "overhead_fraction": overhead / wall_s if wall_s > 0 else None,
+            **mean_fall(measured_effect(records or [], self.events)),
         }
 
     # -- internals ----------------------------------------------------------------------------
@@ -236,12 +243,22 @@ def measured_effect(records: list[dict], events: list[dict], window: int = 10) -
 
     Measured: the mean device-load imbalance of the event's layer over the `window` steps up to
     `applied_after_step` (old layout) and the `window` steps after it (new layout), from the
-    per-step records (each step's counts under the placement it ran with).
+    per-step records (each step's counts under the placement it ran with). Also, on the same
+    `window` steps after the event: `counterfactual_before`, the old layout's imbalance on
+    those steps' own counts (the device loads the old table would have given; the runtime's
+    loads are exactly `Placement.device_load` of the step's counts), so `counterfactual_before
+    - measured_after` is the fall caused by the re-placement alone, with the routing drift of
+    the before/after comparison taken out.
+
+    Predicted: `predicted_before/after` on the controller's EMA (what it decided on) and
+    `per_step_before/after`, the mean per-step imbalance over its forecast window
+    (`PlacementController.per_step_imbalance`; None for controllers without it).
     """
     by_step = {r["step"]: r for r in records}
     rows = []
     for e in events:
         t, layer = e["applied_after_step"], e["layer"]
+        after = [by_step[s] for s in range(t + 1, t + window + 1) if s in by_step]
 
         def mean(steps, layer=layer):
             vals = [
@@ -251,14 +268,50 @@ def measured_effect(records: list[dict], events: list[dict], window: int = 10) -
             ]
             return float(np.mean(vals)) if vals else None
 
+        counterfactual = None
+        if "num_devices" in e and after and all("expert_counts" in r for r in after):
+            old = _placement(e["old"], e["num_devices"], len(after[0]["expert_counts"][layer]))
+            counterfactual = float(
+                np.mean([old.imbalance(np.asarray(r["expert_counts"][layer])) for r in after])
+            )
         rows.append(
             {
                 "applied_after_step": t,
                 "layer": layer,
                 "predicted_before": e["imbalance_before"],
                 "predicted_after": e["imbalance_after"],
+                "per_step_before": e.get("per_step_before"),
+                "per_step_after": e.get("per_step_after"),
                 "measured_before": mean(range(t - window + 1, t + 1)),
                 "measured_after": mean(range(t + 1, t + window + 1)),
+                "counterfactual_before": counterfactual,
             }
         )
     return rows
+
+
+def mean_fall(rows: list[dict]) -> dict:
+    """Mean imbalance fall per event over `measured_effect` rows that have every figure:
+    `predicted_fall` (per-step forecast), `measured_fall` (window before -> after) and
+    `counterfactual_fall` (old -> new table on the same steps after); `fall_events` counts
+    the rows used. Empty when no row qualifies."""
+    keys = ("per_step_before", "per_step_after", "measured_before", "measured_after")
+    rows = [r for r in rows if all(r.get(k) is not None for k in (*keys, "counterfactual_before"))]
+    if not rows:
+        return {}
+
+    def fall(before, after):
+        return float(np.mean([r[before] - r[after] for r in rows]))
+
+    return {
+        "fall_events": len(rows),
+        "predicted_fall": fall("per_step_before", "per_step_after"),
+        "measured_fall": fall("measured_before", "measured_after"),
+        "counterfactual_fall": fall("counterfactual_before", "measured_after"),
+    }
+
+
+def _placement(table: list[int], num_devices: int, num_experts: int) -> Placement:
+    return Placement(
+        np.asarray(table, np.int64), num_experts, num_devices, len(table) // num_devices
+    )

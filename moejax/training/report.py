@@ -175,10 +175,21 @@ def _placement_rows(summary: dict | None) -> list[tuple[str, str]]:
     if not summary:
         return []
     overhead = summary["decision_wall_s"] + summary["migration_wall_s"]
-    return [
+    rows = [
         ("expert re-placements", str(summary["replacements"])),
         (
             "placement overhead (decide + migrate)",
             f"{overhead:.2f} s = {_fmt(summary['overhead_fraction'], '{:.2%}')} of wall time",
         ),
     ]
+    if "predicted_fall" in summary:
+        rows.append(
+            (
+                "imbalance fall per re-placement",
+                f"predicted {summary['predicted_fall']:.3f}, measured "
+                f"{summary['measured_fall']:.3f} (10 steps before -> after; old -> new table on "
+                f"the steps after: {summary['counterfactual_fall']:.3f}; "
+                f"{summary['fall_events']} events)",
+            )
+        )
+    return rows

@@ -125,6 +125,19 @@ def test_observe_accepts_1d_counts_and_validates():
         PlacementController([], H100_IB, WL)
 
 
+def test_per_step_imbalance_is_the_window_mean_and_above_the_ema_figure():
+    trace = zipf(40, E, TOKENS, s=zipf_exponent_for(E, 4.0), seed=3)  # [steps, 1, E]
+    ctl = _run(trace, ControllerConfig(forecast_window=7))
+    p = ctl.placements[0]
+    seen = trace[trace.shape[0] - 8 : trace.shape[0] - 1, 0]  # the 7 last observed steps
+    want = np.mean([p.imbalance(c) for c in seen])
+    assert ctl.per_step_imbalance(0, p) == pytest.approx(want, rel=1e-12)
+    # The busiest device is a maximum: noisy steps average above the smoothed counts' figure.
+    assert ctl.per_step_imbalance(0, p) > p.imbalance(ctl.ema[0])
+    with pytest.raises(ValueError, match="at least one observed step"):
+        PlacementController(p, H100_IB, WL).per_step_imbalance(0, p)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -132,6 +145,7 @@ def test_observe_accepts_1d_counts_and_validates():
         (dict(ema_decay=1.0), "ema_decay must lie in \\[0, 1\\), got 1.0"),
         (dict(min_interval=-1), "min_interval must be >= 0, got -1"),
         (dict(urgent_gain=0.01), "urgent_gain must be >= min_relative_gain"),
+        (dict(forecast_window=0), "forecast_window must be >= 1, got 0"),
     ],
 )
 def test_config_validation(kwargs, match):

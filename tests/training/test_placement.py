@@ -18,7 +18,7 @@ from _helpers import MODEL, TRAIN, corpus, host_tree, mesh
 from moejax.placement import ControllerConfig, Decision, Placement
 from moejax.training import placed, train
 from moejax.training.loop import SetupError
-from moejax.training.placement_runtime import measured_effect, read_events
+from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
 
 STEPS, EVERY, SLOTS = 54, 4, 3
 BASE = TRAIN.replace(steps=STEPS, warmup_steps=5, checkpoint_every=0, eval_batches=0)
@@ -156,6 +156,22 @@ def test_real_controller_logs_predictions_and_measurements(tmp_path):
     rows = measured_effect(result.records, events, window=3)
     assert len(rows) == len(events)
     assert all(r["measured_before"] >= 1 and r["measured_after"] >= 1 for r in rows)
+    by_step = {r["step"]: r for r in result.records}
+    for e, row in zip(events, rows, strict=True):
+        # The controller's per-step prediction, and the old table on the steps after the event.
+        assert e["per_step_before"] >= 1 and e["per_step_after"] >= 1
+        old = Placement(np.array(e["old"]), MODEL.moe.num_experts, e["num_devices"], SLOTS)
+        t = e["applied_after_step"]
+        steps = [s for s in range(t + 1, t + 4) if s in by_step]
+        if steps:
+            want = np.mean([old.imbalance(by_step[s]["expert_counts"][e["layer"]]) for s in steps])
+            np.testing.assert_allclose(row["counterfactual_before"], want, rtol=1e-12)
+    full = [r for r in rows if r["counterfactual_before"] is not None]
+    fall = mean_fall(rows)
+    assert fall["fall_events"] == len(full) > 0
+    want = np.mean([r["counterfactual_before"] - r["measured_after"] for r in full])
+    np.testing.assert_allclose(fall["counterfactual_fall"], want, rtol=1e-12)
+    assert summary.keys() >= {"replacements", "overhead_fraction"}
 
 
 def test_placement_setup_errors(tmp_path):
