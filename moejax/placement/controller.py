@@ -60,9 +60,9 @@ class ControllerConfig:
       min_interval: fewest steps between two re-placements of one layer.
       max_moves: move budget handed to the planner (None: the planner's default).
       forecast_window: raw per-step counts kept for ``per_step_imbalance`` (the prediction
-        of the imbalance a layout will measure step by step). About twice the EMA's
-        effective window (``(1 + decay) / (1 - decay)`` = 9 steps at 0.8), so the prediction
-        leans less on the steps the planner fitted and on the excursion that triggered it.
+        of the imbalance a layout will measure step by step); by default about the EMA's
+        effective window (``(1 + decay) / (1 - decay)`` = 9 steps at 0.8), the steps the
+        decision saw.
     """
 
     decide_every: int = 5
@@ -73,7 +73,7 @@ class ControllerConfig:
     urgent_gain: float = 0.25
     min_interval: int = 10
     max_moves: int | None = None
-    forecast_window: int = 20
+    forecast_window: int = 10
 
     def __post_init__(self):
         for name in ("decide_every", "horizon_steps", "patience", "forecast_window"):
@@ -191,9 +191,10 @@ class PlacementController:
         the imbalance of the averaged counts. This is the figure to compare with the
         imbalance measured step by step after a re-placement, assuming routing stays as it
         was over the window (a drifting router makes the measured one higher). On the steps
-        the planner fitted alone it would be optimistic for the planner's candidate (it fits
-        their noise) and pessimistic for the old layout (the check fires on a bad excursion);
-        a window twice the EMA's weighs both down (see ``ControllerConfig.forecast_window``).
+        the planner fitted, it is optimistic for the planner's candidate (which fits their
+        noise) and pessimistic for the old layout (checks fire on bad excursions, which
+        revert): on the tiny LM's training runs the predicted fall was about twice the
+        measured one (BENCHMARKS.md, "Placement in training").
         """
         if not self._recent:
             raise ValueError("per_step_imbalance needs at least one observed step")
