@@ -58,6 +58,13 @@ class ControllerConfig:
         the first passing check (noise does not produce such gains; waiting would cost more).
       min_interval: fewest steps between two re-placements of one layer.
       max_moves: move budget handed to the planner (None: the planner's default).
+      react_gain: change detector (None: off). A layer whose current placement is more than
+        ``1 + react_gain`` times as imbalanced on the raw counts of each of ``react_steps``
+        consecutive steps as the last plan left it is checked at once, off the
+        ``decide_every`` schedule, with its EMA re-seeded from the mean of those steps' counts
+        (so an abrupt routing shift is not fitted on a lagging average). An O(P) test per
+        layer and step; per-step noise moves a device's load by a few percent, far below it.
+      react_steps: consecutive shifted steps that confirm a change (a one-step spike does not).
     """
 
     decide_every: int = 5
@@ -68,9 +75,11 @@ class ControllerConfig:
     urgent_gain: float = 0.25
     min_interval: int = 10
     max_moves: int | None = None
+    react_gain: float | None = 0.25
+    react_steps: int = 2
 
     def __post_init__(self):
-        for name in ("decide_every", "horizon_steps", "patience"):
+        for name in ("decide_every", "horizon_steps", "patience", "react_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.min_interval < 0:
@@ -82,6 +91,8 @@ class ControllerConfig:
                 f"urgent_gain must be >= min_relative_gain={self.min_relative_gain}, "
                 f"got {self.urgent_gain!r}"
             )
+        if self.react_gain is not None and not self.react_gain > 0:
+            raise ValueError(f"react_gain must be > 0 or None, got {self.react_gain!r}")
         if self.min_relative_gain < 0:
             raise ValueError(f"min_relative_gain must be >= 0, got {self.min_relative_gain!r}")
 
@@ -160,6 +171,7 @@ class PlacementController:
         self._streak = [0] * num_layers
         self._last_change = [None] * num_layers
         self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
+        self._shifted: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # raw counts
 
     @property
     def num_layers(self) -> int:
@@ -197,12 +209,16 @@ class PlacementController:
             raise ValueError("counts must be finite and >= 0")
         decay = self.config.ema_decay
         self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
-        self._since_check += 1
-        if self._since_check < self.config.decide_every:
-            return []
-        self._since_check = 0
         start = time.perf_counter()
-        decisions = [self._check(step, layer) for layer in range(self.num_layers)]
+        layers = self._changed_layers(counts)  # checked now, off schedule
+        self._since_check += 1
+        if self._since_check >= self.config.decide_every:
+            self._since_check = 0
+            layers = range(self.num_layers)
+        elif not layers:
+            self.decision_wall_s += time.perf_counter() - start
+            return []
+        decisions = [self._check(step, layer) for layer in layers]
         self.decision_wall_s += time.perf_counter() - start
         self.log.extend(decisions)
         accepted = [d for d in decisions if d.accepted]
@@ -212,6 +228,26 @@ class PlacementController:
             self.bytes_moved += d.bytes_moved
             self._last_change[d.layer] = step
         return accepted
+
+    def _changed_layers(self, counts: np.ndarray) -> list[int]:
+        """Change detector (``ControllerConfig.react_gain``): layers whose routing shifted
+        abruptly for ``react_steps`` steps in a row; their EMA is re-seeded from those steps."""
+        cfg = self.config
+        if cfg.react_gain is None:
+            return []
+        changed = []
+        for layer, placement in enumerate(self.placements):
+            trigger = max(1.0, self._settled[layer]) * (1.0 + cfg.react_gain)
+            shifted = self._shifted[layer]
+            if placement.imbalance(counts[layer]) <= trigger:
+                shifted.clear()
+                continue
+            shifted.append(counts[layer])
+            if len(shifted) >= cfg.react_steps:
+                self._ema[layer] = np.mean(shifted, axis=0)
+                shifted.clear()
+                changed.append(layer)
+        return changed
 
     def _check(self, step: int, layer: int) -> Decision:
         cfg, hw, wl = self.config, self.hardware, self.workload

@@ -33,11 +33,12 @@ Plain numpy; no jax.
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
+from moejax.placement.packing import align, apportion, pack
 from moejax.placement.table import Placement, check_counts
+
+__all__ = ["apportion", "plan"]
 
 _CANDIDATES = 8  # donor slots / light devices checked exactly per move
 _LIGHT = 64  # least-loaded devices searched first for donor slots
@@ -178,94 +179,6 @@ class _State:
         return True
 
 
-def apportion(counts: np.ndarray, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
-    """Replica counts ``[E]`` (each >= 1, summing to ``P``) minimising the largest ``n_e / r_e``.
-
-    Greedy highest-averages (D'Hondt) apportionment: every spare slot goes to the expert with the
-    largest current rows per replica, which is optimal for that objective. With
-    ``max_replicas`` (the planner passes ``N``: more replicas than devices cannot all sit on
-    distinct devices), experts at the cap get no more slots unless every expert is capped.
-
-    Args:
-      counts: ``[E]`` rows per expert.
-      num_slots: ``P >= E``.
-      max_replicas: optional cap on any ``r_e``.
-
-    Returns:
-      ``[E]`` int64 replica counts.
-    """
-    num_experts = counts.shape[0]
-    if num_slots < num_experts:
-        raise ValueError(f"num_slots must be >= E={num_experts}, got {num_slots}")
-    cap = num_slots if max_replicas is None else max_replicas
-    r = np.ones(num_experts, np.int64)
-    heap = [(-float(c), e) for e, c in enumerate(counts)]
-    heapq.heapify(heap)
-    for _ in range(num_slots - num_experts):
-        while heap and r[heap[0][1]] >= cap:
-            heapq.heappop(heap)
-        e = heapq.heappop(heap)[1] if heap else int(np.argmin(r))
-        r[e] += 1
-        heapq.heappush(heap, (-float(counts[e]) / r[e], e))
-    return r
-
-
-def _sticky_lpt(placement: Placement, counts: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """Packs ``r_e`` replicas per expert into ``S`` slots per device; returns a ``[P]`` table.
-
-    Longest-processing-time order (heaviest replica first) onto the least-loaded device with a
-    free slot, except that a replica stays on a device that already held its expert when that
-    keeps the device under ``cap`` (so that balance costs little migration). Replicas of one
-    expert go to distinct devices whenever the least-loaded choice allows.
-    """
-    n_dev, s = placement.num_devices, placement.slots_per_device
-    weight = counts / r  # [E]
-    cap = max(counts.sum() / n_dev * 1.02, float(weight.max()))
-    old_holders: dict[int, list[int]] = {}
-    for slot, e in enumerate(placement.slot_to_expert.tolist()):
-        old_holders.setdefault(e, []).append(slot // s)
-    loads, free = np.zeros(n_dev), np.full(n_dev, s)
-    table = np.empty(n_dev * s, np.int64)
-    heap = [(0.0, d) for d in range(n_dev)]
-    order = np.argsort(-weight, kind="stable")
-    for e in order.tolist():
-        w = float(weight[e])
-        used: set[int] = set()
-        sticky = [d for d in dict.fromkeys(old_holders.get(e, [])) if free[d] > 0]
-        for _ in range(int(r[e])):
-            d = next((d for d in sticky if d not in used and free[d] and loads[d] + w <= cap), None)
-            if d is None:
-                d = _pop_least_loaded(heap, loads, free, used)
-            used.add(d)
-            table[d * s + s - free[d]] = e
-            free[d] -= 1
-            loads[d] += w
-            if free[d]:
-                heapq.heappush(heap, (loads[d], d))
-    return table
-
-
-def _pop_least_loaded(heap, loads, free, avoid) -> int:
-    """Least-loaded device with a free slot, not in ``avoid`` if any other exists (lazy heap)."""
-    skipped, found = [], None
-    while heap:
-        load, d = heapq.heappop(heap)
-        if not free[d] or load != loads[d]:
-            continue  # stale entry
-        if d in avoid:
-            skipped.append((load, d))
-            continue
-        found = d
-        break
-    for item in skipped:
-        heapq.heappush(heap, item)
-    if found is None:
-        found = skipped[0][1]
-        heap.remove(skipped[0])
-        heapq.heapify(heap)
-    return found
-
-
 def plan(
     placement: Placement,
     counts: np.ndarray,
@@ -304,21 +217,27 @@ def plan(
     before = placement.device_load(counts).max()
     if before <= good_enough:
         return placement
-    n_dev = placement.num_devices
     if before > _REPACK_FIRST * counts.sum() / placement.num_devices:
         candidate, after = placement, before  # far off balance: go straight to the re-pack
     else:
         candidate = _greedy(placement, counts, max_moves, good_enough)
         after = candidate.device_load(counts).max()
-    if after > good_enough:  # greedy got stuck: re-pack from scratch, then refine greedily
-        repacked = placement.with_table(
-            _sticky_lpt(placement, counts, apportion(counts, placement.num_slots, n_dev))
-        )
-        repacked = _greedy(repacked, counts, max_moves, good_enough)
+    if after > good_enough:  # greedy got stuck: re-pack from scratch
+        repacked = _repack(placement, counts)
         if repacked.device_load(counts).max() < after * (1.0 - _GLOBAL_MARGIN):
             candidate, after = repacked, repacked.device_load(counts).max()
     tol = _REL_TOL * counts.sum()
     return candidate if after < before - tol else placement
+
+
+def _repack(placement: Placement, counts: np.ndarray) -> Placement:
+    """Global re-pack (``packing.py``): apportioned replica counts, balanced packing, devices
+    relabelled onto the current placement to keep experts in place."""
+    n_dev = placement.num_devices
+    r = apportion(counts, placement.num_slots, n_dev)
+    experts = np.repeat(np.arange(placement.num_experts), r)  # [P]
+    packed = pack(counts[experts] / r[experts], experts, n_dev)  # [N, S]
+    return placement.with_table(align(placement.device_table(), packed, placement.num_experts))
 
 
 def _greedy(placement: Placement, counts: np.ndarray, max_moves: int, good_enough: float):

@@ -1,0 +1,222 @@
+"""Global re-pack for the planner: replica counts, a balanced packing, and a sticky relabelling.
+
+Shape letters: ``E`` experts, ``N`` devices, ``S`` slots per device, ``P = N·S`` slots, ``C``
+candidate splits of a device pair.
+
+Every function here is vectorised numpy over all devices at once (no per-slot Python loop), so a
+re-pack of ``P = 6144`` slots takes milliseconds:
+
+1. ``apportion``: replica counts ``r_e`` by highest averages (smallest largest ``n_e / r_e``).
+2. ``pack``: the ``P`` replicas, of weight ``n_e / r_e`` each, into ``N`` devices of exactly ``S``
+   slots: balanced largest differencing (Karmarkar-Karp for a fixed number of items per device),
+   then pairwise rebalancing passes (the busiest devices paired with the least busy; each pair's
+   ``2S`` replicas re-split optimally, vectorised over all pairs).
+3. ``align``: permutes the packed devices (and the slots within a device) onto the current
+   placement so that as many slots as possible keep their expert (less migration).
+
+Plain numpy; no jax.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+
+import numpy as np
+
+_MAX_SPLITS = 256  # above this many 2S-item splits per pair, rebalancing tries single swaps
+_MAX_PASSES = 16  # pairwise rebalancing passes at most
+_STALL_PASSES = 2  # stop after this many passes without a lower maximum
+
+
+def apportion(counts: np.ndarray, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
+    """Replica counts ``[E]`` (each >= 1, summing to ``P``) minimising the largest ``n_e / r_e``.
+
+    Greedy highest-averages apportionment: every spare slot goes to the expert with the largest
+    current rows per replica, which is optimal for that objective. With ``max_replicas`` (the
+    planner passes ``N``: more replicas than devices cannot all sit on distinct devices), experts
+    at the cap get no more slots unless every expert is capped.
+
+    Args:
+      counts: ``[E]`` rows per expert.
+      num_slots: ``P >= E``.
+      max_replicas: optional cap on any ``r_e``.
+
+    Returns:
+      ``[E]`` int64 replica counts.
+    """
+    num_experts = counts.shape[0]
+    if num_slots < num_experts:
+        raise ValueError(f"num_slots must be >= E={num_experts}, got {num_slots}")
+    cap = num_slots if max_replicas is None else max_replicas
+    r = np.ones(num_experts, np.int64)
+    heap = [(-float(c), e) for e, c in enumerate(counts)]
+    heapq.heapify(heap)
+    for _ in range(num_slots - num_experts):
+        while heap and r[heap[0][1]] >= cap:
+            heapq.heappop(heap)
+        e = heapq.heappop(heap)[1] if heap else int(np.argmin(r))
+        r[e] += 1
+        heapq.heappush(heap, (-float(counts[e]) / r[e], e))
+    return r
+
+
+def pack(weights: np.ndarray, experts: np.ndarray, num_devices: int) -> np.ndarray:
+    """Packs ``P`` replicas into ``N`` devices of exactly ``S = P / N`` slots, balancing loads.
+
+    Args:
+      weights: ``[P]`` rows of each replica (``n_e / r_e``).
+      experts: ``[P]`` expert of each replica.
+      num_devices: ``N`` (divides ``P``).
+
+    Returns:
+      ``[N, S]`` int64 experts per device. Replicas of one expert land on distinct devices
+      unless a pair rebalancing could not avoid it (the table stays valid either way).
+    """
+    order = np.argsort(-weights, kind="stable")
+    weights, experts = weights[order], experts[order]
+    table, loads = _differencing(weights, num_devices)  # [N, S] replica indices
+    tab, w = experts[table], weights[table]
+    best = loads.max()
+    stall = 0
+    for shift in range(_MAX_PASSES):
+        tab, w, loads = _rebalance_pairs(tab, w, loads, shift)
+        if loads.max() < best * (1.0 - 1e-12):
+            best, stall = loads.max(), 0
+        else:
+            stall += 1
+            if stall >= _STALL_PASSES:
+                break
+    return tab
+
+
+def _differencing(weights: np.ndarray, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Balanced largest differencing: ``S`` partial packings of ``N`` sorted replicas each are
+    merged two at a time (the two with the widest load spread first), heaviest devices of one
+    with the lightest of the other. Returns replica indices ``[N, S]`` and loads ``[N]``."""
+    s = weights.shape[0] // num_devices
+    parts = []
+    for k in range(s):
+        idx = np.arange(k * num_devices, (k + 1) * num_devices)
+        parts.append((idx[:, None], weights[idx]))
+    while len(parts) > 1:
+        parts.sort(key=lambda part: part[1].max() - part[1].min())
+        (idx_a, load_a), (idx_b, load_b) = parts.pop(), parts.pop()
+        up, down = np.argsort(load_a, kind="stable"), np.argsort(-load_b, kind="stable")
+        parts.append((np.concatenate([idx_a[up], idx_b[down]], axis=1), load_a[up] + load_b[down]))
+    return parts[0]
+
+
+@functools.cache
+def _splits(s: int) -> np.ndarray:
+    """``[C, 2S]`` bool: the ways to split a pair's ``2S`` replicas into two devices of ``S``
+    (side A always holds replica 0, since the two devices are interchangeable; the first split
+    is the current one). Past ``_MAX_SPLITS``: the current split and every single swap."""
+    if math.comb(2 * s, s) // 2 <= _MAX_SPLITS:
+        sides = [c for c in itertools.combinations(range(2 * s), s) if c[0] == 0]
+    else:
+        current = tuple(range(s))
+        sides = [current] + [
+            tuple(sorted(set(current) - {a} | {s + b})) for a in range(s) for b in range(s)
+        ]
+    mask = np.zeros((len(sides), 2 * s), bool)
+    for row, side in enumerate(sides):
+        mask[row, list(side)] = True
+    return mask
+
+
+def _rebalance_pairs(tab: np.ndarray, w: np.ndarray, loads: np.ndarray, shift: int):
+    """One pass: the ``N // 2`` busiest devices are paired with the least busy ones (rotated by
+    ``shift`` between passes) and each pair's ``2S`` replicas are re-split to minimise the
+    pair's larger load; splits that would put two replicas of one expert on a device are
+    avoided unless the current split already does. Returns new ``(tab, w, loads)``."""
+    n, s = tab.shape
+    half = n // 2
+    if half == 0:
+        return tab, w, loads
+    order = np.argsort(loads, kind="stable")
+    heavy, light = order[::-1][:half], np.roll(order[:half], shift)
+    items = np.concatenate([tab[heavy], tab[light]], axis=1)  # [half, 2S]
+    item_w = np.concatenate([w[heavy], w[light]], axis=1)  # [half, 2S]
+    mask = _splits(s)  # [C, 2S]
+    side_a = item_w @ mask.T  # [half, C]
+    worst = np.maximum(side_a, item_w.sum(axis=1, keepdims=True) - side_a)
+    if s > 1:
+        worst = worst + np.where(_has_duplicates(items, mask), np.inf, 0.0)
+    worst[:, 0] = np.maximum(side_a[:, 0], item_w.sum(axis=1) - side_a[:, 0])  # always allowed
+    pick = mask[np.argmin(worst, axis=1)]  # [half, 2S]
+    tab, w, loads = tab.copy(), w.copy(), loads.copy()
+    tab[heavy], tab[light] = items[pick].reshape(half, s), items[~pick].reshape(half, s)
+    w[heavy], w[light] = item_w[pick].reshape(half, s), item_w[~pick].reshape(half, s)
+    loads[heavy], loads[light] = w[heavy].sum(axis=1), w[light].sum(axis=1)
+    return tab, w, loads
+
+
+def _has_duplicates(items: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``[half, C]`` bool: split ``c`` of pair ``i`` puts one expert twice on a device."""
+    s = mask.shape[1] // 2
+    side_a = np.nonzero(mask)[1].reshape(-1, s)  # [C, S] positions on side A
+    side_b = np.nonzero(~mask)[1].reshape(-1, s)
+    dup = np.zeros((items.shape[0], mask.shape[0]), bool)
+    for side in (side_a, side_b):
+        grouped = np.sort(items[:, side], axis=2)  # [half, C, S]
+        dup |= np.any(grouped[..., 1:] == grouped[..., :-1], axis=2)
+    return dup
+
+
+def align(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> np.ndarray:
+    """Relabels the devices (and orders the slots) of a packing to keep experts where they are.
+
+    Devices are interchangeable for balance, so packed device ``b`` is given the old device that
+    already holds the most of its experts (greedy matching, most shared experts first); within a
+    device, an expert that stays keeps its old slot.
+
+    Args:
+      old_table: ``[N, S]`` current experts per device.
+      new: ``[N, S]`` packed experts per device (any device order).
+      num_experts: ``E``.
+
+    Returns:
+      ``[P]`` int64 slot-to-expert table: ``new``'s devices permuted, slots ordered.
+    """
+    n, s = new.shape
+    device = _match_devices(old_table, new, num_experts)  # [N] old device of packed device b
+    out = np.empty_like(new)
+    out[device] = new
+    # Within each device: an expert that was in old slot k stays in slot k.
+    result = np.full((n, s), -1, np.int64)
+    used = np.zeros((n, s), bool)
+    for k in range(s):
+        match = (out == old_table[:, k : k + 1]) & ~used  # [N, S]
+        has = match.any(axis=1)
+        j = np.argmax(match, axis=1)
+        result[has, k] = out[has, j[has]]
+        used[has, j[has]] = True
+    result[result < 0] = out[~used]  # row-major: the rest, in order, per device
+    return result.reshape(-1)
+
+
+def _match_devices(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> np.ndarray:
+    """``[N]`` old device for each packed device, maximising (greedily) the shared experts."""
+    n, s = new.shape
+    old_keys = np.unique(np.arange(n)[:, None] * num_experts + old_table)  # (device, expert)
+    old_dev, old_exp = old_keys // num_experts, old_keys % num_experts
+    by_expert = np.argsort(old_exp, kind="stable")
+    start = np.searchsorted(old_exp[by_expert], np.arange(num_experts + 1))
+    items = new.reshape(-1)  # [P]
+    bins = np.repeat(np.arange(n), s)
+    reps = start[items + 1] - start[items]  # old devices holding each packed replica's expert
+    pos = np.repeat(start[items] - np.cumsum(reps) + reps, reps) + np.arange(reps.sum())
+    pairs, shared = np.unique(
+        np.repeat(bins, reps) * n + old_dev[by_expert][pos], return_counts=True
+    )
+    device = np.full(n, -1, np.int64)
+    taken = np.zeros(n, bool)
+    for pair in pairs[np.argsort(-shared, kind="stable")].tolist():
+        b, d = divmod(pair, n)
+        if device[b] < 0 and not taken[d]:
+            device[b], taken[d] = d, True
+    device[device < 0] = np.flatnonzero(~taken)
+    return device
