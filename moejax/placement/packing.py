@@ -20,7 +20,6 @@ Plain numpy; no jax.
 from __future__ import annotations
 
 import functools
-import heapq
 import itertools
 import math
 
@@ -34,10 +33,12 @@ _STALL_PASSES = 2  # stop after this many passes without a lower maximum
 def apportion(counts: np.ndarray, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
     """Replica counts ``[E]`` (each >= 1, summing to ``P``) minimising the largest ``n_e / r_e``.
 
-    Greedy highest-averages apportionment: every spare slot goes to the expert with the largest
-    current rows per replica, which is optimal for that objective. With ``max_replicas`` (the
-    planner passes ``N``: more replicas than devices cannot all sit on distinct devices), experts
-    at the cap get no more slots unless every expert is capped.
+    Highest-averages apportionment: the ``P - E`` spare slots go one by one to the expert with
+    the largest current rows per replica, which is optimal for that objective. Computed at once:
+    the ``k``-th spare slot of expert ``e`` has priority ``n_e / k``, and the spare slots are the
+    ``P - E`` highest priorities (a threshold found by bisection, ties to the lowest expert id).
+    With ``max_replicas`` (the planner passes ``N``: more replicas than devices cannot all sit
+    on distinct devices), experts at the cap get no more slots unless every expert is capped.
 
     Args:
       counts: ``[E]`` rows per expert.
@@ -47,20 +48,76 @@ def apportion(counts: np.ndarray, num_slots: int, max_replicas: int | None = Non
     Returns:
       ``[E]`` int64 replica counts.
     """
+    counts = np.asarray(counts, np.float64)
     num_experts = counts.shape[0]
     if num_slots < num_experts:
         raise ValueError(f"num_slots must be >= E={num_experts}, got {num_slots}")
     cap = num_slots if max_replicas is None else max_replicas
-    r = np.ones(num_experts, np.int64)
-    heap = [(-float(c), e) for e, c in enumerate(counts)]
-    heapq.heapify(heap)
-    for _ in range(num_slots - num_experts):
-        while heap and r[heap[0][1]] >= cap:
-            heapq.heappop(heap)
-        e = heapq.heappop(heap)[1] if heap else int(np.argmin(r))
-        r[e] += 1
-        heapq.heappush(heap, (-float(counts[e]) / r[e], e))
+    spare = num_slots - num_experts
+
+    def extra(threshold: float) -> np.ndarray:  # spare slots with priority above threshold
+        return np.clip(np.ceil(counts / threshold) - 1, 0, cap - 1).astype(np.int64)
+
+    # Below total / P the spare slots cannot fit (sum of n_e / t - 1 >= spare), above max n_e
+    # none is taken: bisect in between, down to float resolution.
+    lo, hi = float(counts.sum()) / num_slots, float(counts.max())
+    if hi > 0:
+        while hi > lo * (1.0 + 1e-12):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if extra(mid).sum() <= spare else (mid, hi)
+        r = 1 + extra(hi)
+    else:
+        r = np.ones(num_experts, np.int64)
+    while r.sum() < num_slots:  # ties at the threshold (and zero counts): highest next priority
+        open_ = np.flatnonzero(r < cap)
+        if open_.size == 0:
+            r[np.argmin(r)] += 1
+            continue
+        order = open_[np.argsort(-counts[open_] / r[open_], kind="stable")]
+        r[order[: num_slots - r.sum()]] += 1
     return r
+
+
+def replica_counts(counts: np.ndarray, num_devices: int, slots_per_device: int) -> np.ndarray:
+    """Replica counts ``[E]`` for ``pack``, chosen among a few apportionments by packed balance.
+
+    ``apportion`` minimises the largest replica, which is not the same as packing well into
+    exactly ``S`` slots per device: with ``E = 2N`` and ``S = 3`` it leaves more unsplit experts
+    than devices, so some device holds two of them plus a third replica (~5% above the mean at
+    ``N = 2048``). Candidates therefore also split the ``c`` coldest experts in two (``c`` on a
+    grid up to ``N / 4``, then refined around the best), each packed by balanced differencing
+    alone (milliseconds); ``c = 0`` is plain ``apportion``, so the choice is never worse by
+    that measure.
+
+    Args:
+      counts: ``[E]`` rows per expert (float64).
+      num_devices: ``N``.
+      slots_per_device: ``S``.
+
+    Returns:
+      ``[E]`` int64 replica counts, each in ``[1, N]`` unless every expert is capped.
+    """
+    num_experts, num_slots = counts.shape[0], num_devices * slots_per_device
+    coldest = np.argsort(counts, kind="stable")
+    limit = min(num_devices // 4, num_slots - num_experts, num_experts)
+    if num_devices < 2:
+        limit = 0
+
+    def candidate(c: int) -> tuple[float, np.ndarray]:
+        r = np.full(num_experts, 2, np.int64)
+        rest = coldest[c:]
+        r[rest] = apportion(counts[rest], num_slots - 2 * c, num_devices)
+        w = np.sort(np.repeat(counts / r, r))[::-1]
+        return float(_differencing(w, num_devices)[1].max()), r
+
+    step = max(1, limit // 8)
+    tried = {c: candidate(c) for c in range(0, limit + 1, step)}
+    best = min(tried, key=lambda c: (tried[c][0], c))
+    for c in range(max(0, best - step + 1), min(limit, best + step - 1) + 1, max(1, step // 4)):
+        if c not in tried:
+            tried[c] = candidate(c)
+    best = min(tried, key=lambda c: (tried[c][0], c))
+    return tried[best][1]
 
 
 def pack(weights: np.ndarray, experts: np.ndarray, num_devices: int) -> np.ndarray:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.placement.packing import align, apportion, pack
+from moejax.placement.packing import align, apportion, pack, replica_counts
 from moejax.placement.table import Placement, check_counts
 
 __all__ = ["apportion", "plan"]
@@ -234,7 +234,7 @@ def _repack(placement: Placement, counts: np.ndarray) -> Placement:
     """Global re-pack (``packing.py``): apportioned replica counts, balanced packing, devices
     relabelled onto the current placement to keep experts in place."""
     n_dev = placement.num_devices
-    r = apportion(counts, placement.num_slots, n_dev)
+    r = replica_counts(counts, n_dev, placement.slots_per_device)
     experts = np.repeat(np.arange(placement.num_experts), r)  # [P]
     packed = pack(counts[experts] / r[experts], experts, n_dev)  # [N, S]
     return placement.with_table(align(placement.device_table(), packed, placement.num_experts))
