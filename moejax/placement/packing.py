@@ -25,6 +25,8 @@ import math
 
 import numpy as np
 
+_GRID = 4  # coarse grid of cold-split counts in replica_counts
+_REFINE = 2  # finer steps per coarse step around the best one
 _MAX_SPLITS = 256  # above this many 2S-item splits per pair, rebalancing tries single swaps
 _MAX_PASSES = 16  # pairwise rebalancing passes at most
 _STALL_PASSES = 2  # stop after this many passes without a lower maximum
@@ -110,10 +112,11 @@ def replica_counts(counts: np.ndarray, num_devices: int, slots_per_device: int) 
         w = np.sort(np.repeat(counts / r, r))[::-1]
         return float(_differencing(w, num_devices)[1].max()), r
 
-    step = max(1, limit // 8)
+    step = max(1, limit // _GRID)
     tried = {c: candidate(c) for c in range(0, limit + 1, step)}
     best = min(tried, key=lambda c: (tried[c][0], c))
-    for c in range(max(0, best - step + 1), min(limit, best + step - 1) + 1, max(1, step // 4)):
+    fine = max(1, step // _REFINE)
+    for c in range(max(0, best - step + fine), min(limit, best + step - fine) + 1, fine):
         if c not in tried:
             tried[c] = candidate(c)
     best = min(tried, key=lambda c: (tried[c][0], c))
@@ -269,11 +272,19 @@ def _match_devices(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> 
     pairs, shared = np.unique(
         np.repeat(bins, reps) * n + old_dev[by_expert][pos], return_counts=True
     )
+    order = np.argsort(-shared, kind="stable")
+    bins, olds = pairs[order] // n, pairs[order] % n  # candidate pairs, most shared first
     device = np.full(n, -1, np.int64)
     taken = np.zeros(n, bool)
-    for pair in pairs[np.argsort(-shared, kind="stable")].tolist():
-        b, d = divmod(pair, n)
-        if device[b] < 0 and not taken[d]:
-            device[b], taken[d] = d, True
+    while bins.size:
+        # Accept every pair that is the best remaining one of both its packed and old device.
+        first_bin = np.zeros(bins.size, bool)
+        first_bin[np.unique(bins, return_index=True)[1]] = True
+        first_old = np.zeros(bins.size, bool)
+        first_old[np.unique(olds, return_index=True)[1]] = True
+        accept = first_bin & first_old
+        device[bins[accept]], taken[olds[accept]] = olds[accept], True
+        keep = (device[bins] < 0) & ~taken[olds]
+        bins, olds = bins[keep], olds[keep]
     device[device < 0] = np.flatnonzero(~taken)
     return device
