@@ -75,6 +75,36 @@ def test_replaces_on_drift_and_reduces_modeled_imbalance():
         assert current.imbalance(trace[phase_end - 20 : phase_end, 0].mean(axis=0)) < 1.15
 
 
+def test_change_detector_replaces_right_after_an_abrupt_shift():
+    # Counts arrive one step late; a shift at step t0 is confirmed by the counts of steps t0 and
+    # t0 + 1 (react_steps = 2) and re-placed at once, off the decide_every schedule.
+    s = zipf_exponent_for(E, 4.0)
+    trace = drifting_zipf(600, E, TOKENS, s=s, shift_every=150, seed=0)
+    ctl = _run(trace)
+    assert [d.step for d in ctl.accepted] == [1, 151, 301, 451]
+    # Re-planned on the re-seeded EMA: balanced for the new phase.
+    for d in ctl.accepted:
+        phase = trace[d.step + 1 : d.step + 101, 0].mean(axis=0)
+        assert d.new.imbalance(phase) < 1.15 < d.old.imbalance(phase)
+    # Without the detector, only the scheduled checks run (one every 5 observed steps).
+    off = _run(trace, ControllerConfig(react_gain=None))
+    assert all(d.step % 5 == 4 for d in off.log)
+    for start in (150, 300, 450):  # it reacts later: at the next scheduled check at best
+        assert min(d.step for d in off.accepted if d.step >= start) >= start + 4
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_step_spike_is_not_a_change(seed):
+    s = zipf_exponent_for(E, 4.0)
+    trace = zipf(300, E, TOKENS, s=s, seed=seed)
+    trace[200] = zipf(1, E, TOKENS, s=s, seed=seed + 100)[0]  # another hot set, for one step
+    ctl = _run(trace)
+    assert ctl.accepted[0].step == 1  # the initial skew is a change (two steps confirm it)
+    assert all(d.step % 5 == 4 for d in ctl.log[1:])  # the spike triggered no extra check
+    trace[201] = trace[200]  # the same shift for two steps is a change
+    assert 201 in [d.step for d in _run(trace).log]
+
+
 def test_bookkeeping_matches_accepted_decisions():
     s = zipf_exponent_for(E, 4.0)
     ctl = _run(drifting_zipf(300, E, TOKENS, s=s, shift_every=100, seed=1))
@@ -132,6 +162,8 @@ def test_observe_accepts_1d_counts_and_validates():
         (dict(ema_decay=1.0), "ema_decay must lie in \\[0, 1\\), got 1.0"),
         (dict(min_interval=-1), "min_interval must be >= 0, got -1"),
         (dict(urgent_gain=0.01), "urgent_gain must be >= min_relative_gain"),
+        (dict(react_gain=0.0), "react_gain must be > 0 or None, got 0.0"),
+        (dict(react_steps=0), "react_steps must be >= 1, got 0"),
     ],
 )
 def test_config_validation(kwargs, match):
