@@ -14,7 +14,7 @@ A recorded trace (``--trace``) gives the routing distribution: by default each s
 are scaled to the workload's ``N·T·K`` rows (``--trace-rows as-is`` keeps its counts), so the
 modeled times mean most when it was recorded at the ``Workload``'s batch size.
 
-Run (about a minute on 2 CPU cores):
+Run (10-20 s on 2 CPU cores):
   .venv/bin/python experiments/simulate_placement.py
   .venv/bin/python experiments/simulate_placement.py --trace counts.npy --devices 8
 """
@@ -135,12 +135,13 @@ def main() -> None:
 
     print(f"\nhardware={hw.name} workload={wl} controller={config}")
     header = f"{'trace':<18}{'N':>6}{'E':>6}  {'method':<11}{'step ms':>9}{'vs static':>10}"
-    print(header + f"{'gap to perfect':>15}{'overhead':>10}{'(migr.)':>9}{'re-placed':>10}")
+    header += f"{'gap to perfect':>15}{'overhead':>10}{'(migr.)':>9}{'host s':>8}"
+    print(header + f"{'re-placed':>10}")
     for r in rows:
         print(
             f"{r['trace']:<18}{r['devices']:>6}{r['experts']:>6}  {r['method']:<11}"
             f"{r['step_ms']:>9.2f}{r['speedup']:>9.2f}x{r['gap']:>14.1%}"
-            f"{r['overhead']:>10.2%}{r['migration']:>9.2%}{r['replacements']:>10}"
+            f"{r['overhead']:>10.2%}{r['migration']:>9.2%}{r['host_s']:>8.3f}{r['replacements']:>10}"
         )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "placement.json"), "w") as f:

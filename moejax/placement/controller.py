@@ -8,7 +8,11 @@ arrays, never blocks on them, and never imports jax). The controller keeps an ex
 average of the counts per layer; every ``decide_every`` observed steps it checks each layer.
 The planner runs only when the layer's imbalance (busiest device / mean, on the EMA) exceeds
 ``(1 + min_relative_gain)`` times what the last plan left (1.0 at the start), so a settled
-layer costs almost no host time. A candidate is accepted only when
+layer costs almost no host time. A change detector (``react_gain``) also tests every step, in
+O(P) per layer, whether the current placement is far more imbalanced on the raw counts than the
+last plan left it; confirmed over ``react_steps`` steps, the layer's EMA is re-seeded from those
+steps' counts and the layer is checked at once, so an abrupt routing shift is re-placed one
+step after it is confirmed instead of after the EMA catches up. A candidate is accepted only when
 
 * the predicted per-step gain (cost model, on the EMA counts) is at least
   ``min_relative_gain`` of the current predicted step time,

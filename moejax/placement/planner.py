@@ -19,10 +19,12 @@ The planner balances *compute*: it minimises the busiest device's rows, where an
    which makes the loop terminate. It stops early once ``L <= (1 + tolerance) · mean``.
 
 **Re-pack** (when the greedy pass gets stuck above tolerance, or the input is more than
-``_REPACK_FIRST`` x the mean): replica counts by highest-averages apportionment, packed
-heaviest-first onto the least-loaded device with a free slot, preferring devices that already
-held the expert (to save migration), then refined by another greedy pass. It is used only if
-it beats the greedy result by ``_GLOBAL_MARGIN``.
+``_REPACK_FIRST`` x the mean; ``packing.py``, vectorised, ~20 ms at ``P = 6144``): replica
+counts by highest-averages apportionment, also trying to split some of the coldest experts
+(which packs better into exactly ``S`` slots), packed by balanced largest differencing and
+pairwise rebalancing, the devices then relabelled onto the current placement so that experts
+stay where they are when they can. It is used only if it beats the greedy result by
+``_GLOBAL_MARGIN``.
 
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
 ``S`` slots, and the returned placement's busiest-device rows are strictly lower than the
@@ -38,7 +40,7 @@ import numpy as np
 from moejax.placement.packing import align, apportion, pack, replica_counts
 from moejax.placement.table import Placement, check_counts
 
-__all__ = ["apportion", "plan"]
+__all__ = ["apportion", "plan"]  # apportion lives in packing.py; re-exported here
 
 _CANDIDATES = 8  # donor slots / light devices checked exactly per move
 _LIGHT = 64  # least-loaded devices searched first for donor slots

@@ -181,7 +181,8 @@ def compare(
 
 def summarize(results: dict[str, MethodResult]) -> list[dict]:
     """One row per strategy: mean step ms, speedup vs static, gap to perfect, overhead (host
-    decision + migration) and its migration-only part, as fractions of the modeled time."""
+    decision + migration) and its migration-only part, as fractions of the modeled time, and
+    the measured host decision time in seconds."""
     static, perfect = results["static"].total_s, results["perfect"].total_s
     rows = []
     for name, r in results.items():
@@ -193,6 +194,7 @@ def summarize(results: dict[str, MethodResult]) -> list[dict]:
                 gap=r.total_s / perfect - 1.0,
                 overhead=r.overhead_fraction,
                 migration=r.migration_s / r.total_s,
+                host_s=r.decision_wall_s,
                 replacements=r.replacements,
             )
         )
