@@ -101,6 +101,20 @@ def test_replica_counts_split_cold_experts_at_scale():
     assert _packed_max(counts, r, n) < 1.03
 
 
+def test_replica_counts_split_a_cold_expert_many_ways_on_mild_skew():
+    # Hot ratio 2 at N = 512: the hottest expert needs 3 replicas, which leaves one device with
+    # two unsplit experts of >= 0.44 M each; only a third replica of ~0.1 M fits beside them, so
+    # a cold expert is split 5 ways.
+    n, e = 512, 1024
+    rng = np.random.default_rng(0)
+    counts = zipf_probs(e, zipf_exponent_for(e, 2.0))[rng.permutation(e)] * n * 65536
+    r = replica_counts(counts, n, 3)
+    assert r.sum() == 3 * n and r.min() >= 1
+    assert _packed_max(counts, apportion(counts, 3 * n, n), n) > 1.08
+    assert _packed_max(counts, r, n) < 1.03
+    assert r[np.argsort(counts)[:8]].max() >= 4
+
+
 def test_replica_counts_never_worse_than_plain_apportionment():
     for n in (8, 64, 512):
         counts = _zipf_counts(n, seed=n)
