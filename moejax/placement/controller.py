@@ -246,7 +246,7 @@ class PlacementController:
             if placement.imbalance(counts[layer]) <= trigger:
                 shifted.clear()
                 continue
-            shifted.append(counts[layer])
+            shifted.append(counts[layer].copy())
             if len(shifted) >= cfg.react_steps:
                 self._ema[layer] = np.mean(shifted, axis=0)
                 shifted.clear()
