@@ -18,13 +18,18 @@ The planner balances *compute*: it minimises the busiest device's rows, where an
    below ``L``; so the maximum never rises and the number of devices at the maximum falls,
    which makes the loop terminate. It stops early once ``L <= (1 + tolerance) · mean``.
 
-**Re-pack** (when the greedy pass gets stuck above tolerance, or the input is more than
-``_REPACK_FIRST`` x the mean; ``packing.py``, vectorised, ~20 ms at ``P = 6144``): replica
-counts by highest-averages apportionment, also trying to split some of the coldest experts
-(which packs better into exactly ``S`` slots), packed by balanced largest differencing and
-pairwise rebalancing, the devices then relabelled onto the current placement so that experts
-stay where they are when they can. It is used only if it beats the greedy result by
-``_GLOBAL_MARGIN``.
+**Re-pack** (``packing.py``, vectorised, ~20 ms at ``P = 6144``): replica counts by
+highest-averages apportionment, also trying splits of the coldest experts (which pack better
+into exactly ``S`` slots), packed by balanced largest differencing and pairwise rebalancing, the
+devices then relabelled onto the current placement so that experts stay where they are.
+
+**Order**: a short greedy pass (``_QUICK_MOVES``) first, when the input is within
+``_REPACK_FIRST`` x the mean; if it reaches tolerance, done. Otherwise the re-pack, and the
+greedy pass continues only while it could still be the lighter migration: at most as many moves
+as the re-pack sends expert copies (and not at all when more devices than that are above the
+target: a move lowers the busiest device and, at most, the other holders of one expert),
+stopping once within ``_GLOBAL_MARGIN`` of the re-pack's balance (then it is chosen); else the
+re-pack is.
 
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
 ``S`` slots, and the returned placement's busiest-device rows are strictly lower than the
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moejax.placement.cost_model import copies_needed
 from moejax.placement.packing import align, apportion, pack, replica_counts
 from moejax.placement.table import Placement, check_counts
 
@@ -46,6 +52,7 @@ _CANDIDATES = 8  # donor slots / light devices checked exactly per move
 _LIGHT = 64  # least-loaded devices searched first for donor slots
 _DEFAULT_MAX_MOVES = 256  # greedy moves per pass; bounds planner time at thousands of slots
 _REPACK_FIRST = 1.5  # above this imbalance the greedy pass from the input is skipped
+_QUICK_MOVES = 16  # greedy moves tried before the re-pack
 _GLOBAL_MARGIN = 0.02  # a full re-pack must beat the greedy result by 2% to be chosen
 _REL_TOL = 1e-12  # relative tolerance on "strictly lower" for float loads
 
@@ -219,15 +226,24 @@ def plan(
     before = placement.device_load(counts).max()
     if before <= good_enough:
         return placement
-    if before > _REPACK_FIRST * counts.sum() / placement.num_devices:
-        candidate, after = placement, before  # far off balance: go straight to the re-pack
-    else:
-        candidate = _greedy(placement, counts, max_moves, good_enough)
+    greedy = before <= _REPACK_FIRST * counts.sum() / placement.num_devices
+    candidate, after = placement, before
+    if greedy:  # a few migration-light moves may be all it takes
+        candidate = _greedy(placement, counts, min(max_moves, _QUICK_MOVES), good_enough)
         after = candidate.device_load(counts).max()
-    if after > good_enough:  # greedy got stuck: re-pack from scratch
+    if after > good_enough:
         repacked = _repack(placement, counts)
-        if repacked.device_load(counts).max() < after * (1.0 - _GLOBAL_MARGIN):
-            candidate, after = repacked, repacked.device_load(counts).max()
+        packed_max = repacked.device_load(counts).max()
+        target = max(good_enough, packed_max / (1.0 - _GLOBAL_MARGIN))
+        budget = min(max_moves, int(copies_needed(placement, repacked).sum())) - _QUICK_MOVES
+        # A greedy move lowers the busiest device (and the other holders of one expert): with
+        # more devices above the target than the budget, it would not get there.
+        above = int(np.sum(candidate.device_load(counts) > target))
+        if greedy and 0 < above <= budget:  # it may still be the lighter migration
+            candidate = _greedy(candidate, counts, budget, target)
+            after = candidate.device_load(counts).max()
+        if after > target:
+            candidate, after = repacked, packed_max
     tol = _REL_TOL * counts.sum()
     return candidate if after < before - tol else placement
 
