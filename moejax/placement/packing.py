@@ -236,8 +236,11 @@ def _rebalance_pairs(tab: np.ndarray, w: np.ndarray, loads: np.ndarray, shift: i
     mask = _splits(s)  # [C, 2S]
     side_a = item_w @ mask.T  # [half, C]
     worst = np.maximum(side_a, item_w.sum(axis=1, keepdims=True) - side_a)
-    if s > 1:
-        worst = worst + np.where(_has_duplicates(items, mask), np.inf, 0.0)
+    if s > 1:  # only pairs that hold some expert twice can put it twice on one device
+        grouped = np.sort(items, axis=1)
+        repeated = np.flatnonzero(np.any(grouped[:, 1:] == grouped[:, :-1], axis=1))
+        if repeated.size:
+            worst[repeated] += np.where(_has_duplicates(items[repeated], mask), np.inf, 0.0)
     worst[:, 0] = np.maximum(side_a[:, 0], item_w.sum(axis=1) - side_a[:, 0])  # always allowed
     pick = mask[np.argmin(worst, axis=1)]  # [half, 2S]
     tab, w, loads = tab.copy(), w.copy(), loads.copy()
