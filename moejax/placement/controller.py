@@ -10,9 +10,11 @@ The planner runs only when the layer's imbalance (busiest device / mean, on the 
 ``(1 + min_relative_gain)`` times what the last plan left (1.0 at the start), so a settled
 layer costs almost no host time. A change detector (``react_gain``) also tests every step, in
 O(P) per layer, whether the current placement is far more imbalanced on the raw counts than the
-last plan left it; confirmed over ``react_steps`` steps, the layer's EMA is re-seeded from those
-steps' counts and the layer is checked at once, so an abrupt routing shift is re-placed one
-step after it is confirmed instead of after the EMA catches up. A candidate is accepted only when
+last plan left it and than on the EMA; confirmed over ``react_steps`` steps, the layer's EMA is
+re-seeded from those steps' counts and the layer is checked at once, so an abrupt routing shift
+is re-placed as soon as it is confirmed instead of after the EMA catches up.
+
+A candidate is accepted only when
 
 * the predicted per-step gain (cost model, on the EMA counts) is at least
   ``min_relative_gain`` of the current predicted step time,
@@ -64,9 +66,10 @@ class ControllerConfig:
       max_moves: move budget handed to the planner (None: the planner's default).
       react_gain: change detector (None: off). A layer whose current placement is more than
         ``1 + react_gain`` times as imbalanced on the raw counts of each of ``react_steps``
-        consecutive steps as the last plan left it is checked at once, off the
-        ``decide_every`` schedule, with its EMA re-seeded from the mean of those steps' counts
-        (so an abrupt routing shift is not fitted on a lagging average). An O(P) test per
+        consecutive steps as the last plan left it, and as on the EMA before those steps, is
+        checked at once, off the ``decide_every`` schedule, with its EMA re-seeded from the
+        mean of those steps' counts (so an abrupt routing shift is not fitted on a lagging
+        average; a router drifting at the EMA's pace stays with the schedule). An O(P) test per
         layer and step; per-step noise moves a device's load by a few percent, far below it.
       react_steps: consecutive shifted steps that confirm a change (a one-step spike does not).
     """
@@ -176,6 +179,7 @@ class PlacementController:
         self._last_change = [None] * num_layers
         self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
         self._shifted: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # raw counts
+        self._shift_base = [1.0] * num_layers  # imbalance a streak of shifted steps is beyond
 
     @property
     def num_layers(self) -> int:
@@ -211,10 +215,13 @@ class PlacementController:
             raise ValueError(f"counts must have shape [L, E] = {expected}, got {counts.shape}")
         if not np.all(np.isfinite(counts)) or np.any(counts < 0):
             raise ValueError("counts must be finite and >= 0")
+        start = time.perf_counter()
+        seeds = self._changed_layers(counts)  # {layer: EMA seed}, against the EMA so far
         decay = self.config.ema_decay
         self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
-        start = time.perf_counter()
-        layers = self._changed_layers(counts)  # checked now, off schedule
+        for layer, seed in seeds.items():
+            self._ema[layer] = seed
+        layers = list(seeds)  # checked now, off schedule
         self._since_check += 1
         if self._since_check >= self.config.decide_every:
             self._since_check = 0
@@ -233,24 +240,30 @@ class PlacementController:
             self._last_change[d.layer] = step
         return accepted
 
-    def _changed_layers(self, counts: np.ndarray) -> list[int]:
-        """Change detector (``ControllerConfig.react_gain``): layers whose routing shifted
-        abruptly for ``react_steps`` steps in a row; their EMA is re-seeded from those steps."""
+    def _changed_layers(self, counts: np.ndarray) -> dict[int, np.ndarray]:
+        """Change detector (``ControllerConfig.react_gain``), run before the EMA takes
+        ``counts [L, E]``: layers whose placement is far more imbalanced on the raw counts than
+        the last plan left it and than on the EMA so far, for ``react_steps`` steps in a row.
+        Returns ``{layer: mean of those steps' counts}``, the layer's new EMA."""
         cfg = self.config
         if cfg.react_gain is None:
-            return []
-        changed = []
+            return {}
+        changed = {}
         for layer, placement in enumerate(self.placements):
-            trigger = max(1.0, self._settled[layer]) * (1.0 + cfg.react_gain)
-            shifted = self._shifted[layer]
-            if placement.imbalance(counts[layer]) <= trigger:
+            shifted, raw = self._shifted[layer], placement.imbalance(counts[layer])
+            if not shifted:  # a new streak is measured against the EMA before it
+                base = max(1.0, self._settled[layer])
+                if self._ema is not None and raw > base * (1.0 + cfg.react_gain):
+                    # A router drifting at the EMA's pace is no shift.
+                    base = max(base, placement.imbalance(self._ema[layer]))
+                self._shift_base[layer] = base
+            if raw <= self._shift_base[layer] * (1.0 + cfg.react_gain):
                 shifted.clear()
                 continue
             shifted.append(counts[layer].copy())
             if len(shifted) >= cfg.react_steps:
-                self._ema[layer] = np.mean(shifted, axis=0)
+                changed[layer] = np.mean(shifted, axis=0)
                 shifted.clear()
-                changed.append(layer)
         return changed
 
     def _check(self, step: int, layer: int) -> Decision:
