@@ -6,7 +6,9 @@ candidate splits of a device pair.
 Every function here is vectorised numpy over all devices at once (no per-slot Python loop), so a
 re-pack of ``P = 6144`` slots takes milliseconds:
 
-1. ``apportion``: replica counts ``r_e`` by highest averages (smallest largest ``n_e / r_e``).
+1. ``replica_counts``: replica counts ``r_e``, the best-packing of a few apportionments
+   (``apportion``: highest averages, smallest largest ``n_e / r_e``; other divisor methods; the
+   coldest experts split ``k`` ways).
 2. ``pack``: the ``P`` replicas, of weight ``n_e / r_e`` each, into ``N`` devices of exactly ``S``
    slots: balanced largest differencing (Karmarkar-Karp for a fixed number of items per device),
    then pairwise rebalancing passes (the busiest devices paired with the least busy; each pair's
@@ -165,8 +167,9 @@ def pack(weights: np.ndarray, experts: np.ndarray, num_devices: int) -> np.ndarr
       num_devices: ``N`` (divides ``P``).
 
     Returns:
-      ``[N, S]`` int64 experts per device. Replicas of one expert land on distinct devices
-      unless a pair rebalancing could not avoid it (the table stays valid either way).
+      ``[N, S]`` int64 experts per device. Replicas of one expert normally land on distinct
+      devices: the rebalancing never puts two on one device, the differencing start rarely
+      does (two on one device are still a valid placement, merely less useful).
     """
     order = np.argsort(-weights, kind="stable")
     weights, experts = weights[order], experts[order]
