@@ -168,7 +168,7 @@ def pack(weights: np.ndarray, experts: np.ndarray, num_devices: int) -> np.ndarr
 
     Returns:
       ``[N, S]`` int64 experts per device. Replicas of one expert normally land on distinct
-      devices: the rebalancing never puts two on one device, the differencing start rarely
+      devices: the rebalancing never adds two on one device, the differencing start rarely
       does (two on one device are still a valid placement, merely less useful).
     """
     order = np.argsort(-weights, kind="stable")
