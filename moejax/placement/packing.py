@@ -223,6 +223,53 @@ def _splits(s: int) -> np.ndarray:
     return mask
 
 
+def rebalance(table: np.ndarray, weights: np.ndarray, target: float, rounds: int) -> np.ndarray:
+    """Migration-light repair: the busiest device swaps replicas with its best partner.
+
+    Each round takes the busiest device and, over every other device and every split of the
+    pair's ``2S`` replicas into two devices of ``S``, applies the split with the lowest pair
+    maximum (vectorised over the ``N - 1`` partners); replica counts are unchanged, so only
+    the two devices of a round exchange experts. It stops once every device is within
+    ``target``, when the busiest device cannot be lowered, or after ``rounds`` rounds.
+
+    Args:
+      table: ``[N, S]`` experts per device.
+      weights: ``[N, S]`` rows of each slot.
+      target: load to get every device under.
+      rounds: most rounds.
+
+    Returns:
+      ``[N, S]`` experts per device.
+    """
+    n, s = table.shape
+    tab, w = table.copy(), weights.astype(np.float64, copy=True)
+    loads = w.sum(axis=1)
+    mask = _splits(s)  # [C, 2S]
+    for _ in range(rounds):
+        d = int(np.argmax(loads))
+        if loads[d] <= target or n < 2:
+            break
+        items = np.concatenate([np.broadcast_to(tab[d], (n, s)), tab], axis=1)  # [N, 2S]
+        item_w = np.concatenate([np.broadcast_to(w[d], (n, s)), w], axis=1)
+        side_a = item_w @ mask.T  # [N, C]
+        worst = np.maximum(side_a, item_w.sum(axis=1, keepdims=True) - side_a)
+        worst[:, 0] = np.inf  # the current split changes nothing
+        worst[d] = np.inf
+        grouped = np.sort(items, axis=1)
+        repeated = np.flatnonzero(np.any(grouped[:, 1:] == grouped[:, :-1], axis=1))
+        if repeated.size:
+            worst[repeated] += np.where(_has_duplicates(items[repeated], mask), np.inf, 0.0)
+        partner, split = np.unravel_index(np.argmin(worst), worst.shape)
+        if not worst[partner, split] < loads[d]:
+            break
+        pick = mask[split]
+        pair_items, pair_w = items[partner], item_w[partner]
+        tab[d], tab[partner] = pair_items[pick], pair_items[~pick]
+        w[d], w[partner] = pair_w[pick], pair_w[~pick]
+        loads[d], loads[partner] = w[d].sum(), w[partner].sum()
+    return tab
+
+
 def _rebalance_pairs(tab: np.ndarray, w: np.ndarray, loads: np.ndarray, shift: int):
     """One pass: the ``N // 2`` busiest devices are paired with the least busy ones (rotated by
     ``shift`` between passes) and each pair's ``2S`` replicas are re-split to minimise the

@@ -1,4 +1,4 @@
-"""Greedy placement planner (after FlexMoE's expand / shrink / migrate operations).
+"""Placement planner: greedy moves (after FlexMoE's expand / shrink / migrate), repair, re-pack.
 
 Shape letters: ``E`` experts, ``N`` devices, ``S`` slots per device, ``P = N·S`` slots.
 
@@ -24,12 +24,13 @@ into exactly ``S`` slots), packed by balanced largest differencing and pairwise 
 devices then relabelled onto the current placement so that experts stay where they are.
 
 **Order**: a short greedy pass (``_QUICK_MOVES``) first, when the input is within
-``_REPACK_FIRST`` x the mean; if it reaches tolerance, done. Otherwise the re-pack, and the
-greedy pass continues only while it could still be the lighter migration: at most as many moves
-as the re-pack sends expert copies (and not at all when more devices than that are above the
-target: a move lowers the busiest device and, at most, the other holders of one expert),
-stopping once within ``_GLOBAL_MARGIN`` of the re-pack's balance (then it is chosen); else the
-re-pack is.
+``_REPACK_FIRST`` x the mean; if it reaches tolerance, done. Otherwise the re-pack sets the
+target (its balance, plus ``_GLOBAL_MARGIN``), and two migration-light ways to reach it are
+tried before taking it: the **repair** (``packing.rebalance``: the busiest device swaps replicas
+with its best partner device, a few dozen rounds at most, replica counts unchanged; skipped when
+too many devices are above the target), then more greedy moves, at most as many as the re-pack
+sends expert copies (and none when more devices than that are above the target: a move lowers
+the busiest device and, at most, the other holders of one expert).
 
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
 ``S`` slots, and the returned placement's busiest-device rows are strictly lower than the
@@ -43,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from moejax.placement.cost_model import copies_needed
-from moejax.placement.packing import align, apportion, pack, replica_counts
+from moejax.placement.packing import align, apportion, pack, rebalance, replica_counts
 from moejax.placement.table import Placement, check_counts
 
 __all__ = ["apportion", "plan"]  # apportion lives in packing.py; re-exported here
@@ -53,6 +54,7 @@ _LIGHT = 64  # least-loaded devices searched first for donor slots
 _DEFAULT_MAX_MOVES = 256  # greedy moves per pass; bounds planner time at thousands of slots
 _REPACK_FIRST = 1.5  # above this imbalance the greedy pass from the input is skipped
 _QUICK_MOVES = 16  # greedy moves tried before the re-pack
+_REPAIR_ROUNDS = 64  # most pairwise swaps of the repair (each: 2 devices exchange replicas)
 _GLOBAL_MARGIN = 0.02  # a full re-pack must beat the greedy result by 2% to be chosen
 _REL_TOL = 1e-12  # relative tolerance on "strictly lower" for float loads
 
@@ -235,6 +237,11 @@ def plan(
         repacked = _repack(placement, counts)
         packed_max = repacked.device_load(counts).max()
         target = max(good_enough, packed_max / (1.0 - _GLOBAL_MARGIN))
+        if after > target:  # swap replicas between busy and idle devices, counts unchanged
+            repaired = _repair(candidate, counts, target)
+            repaired_max = repaired.device_load(counts).max()
+            if repaired_max < after:
+                candidate, after = repaired, repaired_max
         budget = min(max_moves, int(copies_needed(placement, repacked).sum())) - _QUICK_MOVES
         # A greedy move lowers the busiest device (and the other holders of one expert): with
         # more devices above the target than the budget, it would not get there.
@@ -256,6 +263,19 @@ def _repack(placement: Placement, counts: np.ndarray) -> Placement:
     experts = np.repeat(np.arange(placement.num_experts), r)  # [P]
     packed = pack(counts[experts] / r[experts], experts, n_dev)  # [N, S]
     return placement.with_table(align(placement.device_table(), packed, placement.num_experts))
+
+
+def _repair(placement: Placement, counts: np.ndarray, target: float) -> Placement:
+    """Replica swaps between the devices above ``target`` and their best partners
+    (``packing.rebalance``); the input when too many devices are above it to repair."""
+    table = placement.device_table()
+    r = placement.expert_replica_counts()
+    weights = counts[table] / r[table]  # [N, S]
+    above = int(np.sum(weights.sum(axis=1) > target))  # a round lowers one of them
+    if above > _REPAIR_ROUNDS // 2:
+        return placement
+    fixed = rebalance(table, weights, target, min(2 * above + _CANDIDATES, _REPAIR_ROUNDS))
+    return placement.with_table(align(table, fixed, placement.num_experts))
 
 
 def _greedy(placement: Placement, counts: np.ndarray, max_moves: int, good_enough: float):
