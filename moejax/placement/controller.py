@@ -238,6 +238,7 @@ class PlacementController:
             self.migration_s += d.migration_s
             self.bytes_moved += d.bytes_moved
             self._last_change[d.layer] = step
+            self._shifted[d.layer].clear()  # a streak is measured against one placement
         return accepted
 
     def _changed_layers(self, counts: np.ndarray) -> dict[int, np.ndarray]:
