@@ -126,21 +126,23 @@ def replica_counts(counts: np.ndarray, num_devices: int, slots_per_device: int) 
         return r
 
     tried = [_divisor_method(counts, num_slots, num_devices, off) for off in (0.0, 0.5, 1.0)]
+    scores = [packed_max(r) for r in tried]
     for k in _cold_split_ways(counts, num_devices):
         limit = min(num_devices // 4, (num_slots - num_experts) // (k - 1), num_experts)
         grid = sorted({0, limit} | {2**i for i in range(limit.bit_length()) if 2**i <= limit})
-        scores = {c: packed_max(split_cold(k, c)) for c in grid[1:]}
-        scores[0] = packed_max(tried[0])
-        best = min(scores, key=lambda c: (scores[c], c))
-        i = grid.index(best)
+        by_c = {0: (scores[0], tried[0])}  # c = 0 is plain apportion
+        for c in grid[1:]:
+            r = split_cold(k, c)
+            by_c[c] = (packed_max(r), r)
+        i = grid.index(min(by_c, key=lambda c: (by_c[c][0], c)))
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
         for c in np.unique(np.linspace(lo, hi, _REFINE + 2).round().astype(int)).tolist():
-            if c not in scores:
-                scores[c] = packed_max(split_cold(k, c))
-        best = min(scores, key=lambda c: (scores[c], c))
-        if best:
-            tried.append(split_cold(k, best))
-    scores = [packed_max(r) for r in tried]
+            if c not in by_c:
+                r = split_cold(k, c)
+                by_c[c] = (packed_max(r), r)
+        score, r = min(by_c.values(), key=lambda item: item[0])
+        scores.append(score)
+        tried.append(r)
     return tried[int(np.argmin(scores))]
 
 
