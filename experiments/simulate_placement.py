@@ -3,7 +3,11 @@
 Replays routing traces through the analytic cost model (moejax/placement/cost_model.py) at
 8 to 2048 devices and prints, per trace and device count: modeled step time, speedup over static
 placement, gap to the perfect-balance bound, and controller overhead ((host decision wall time +
-modeled migration time) / total modeled time). Saves a PNG and a JSON of the table.
+modeled migration time) / total modeled time). Saves a PNG and a JSON of the table. The last
+column, ``repl. sync``, is what combining the gradients of experts replicated across devices
+would add every step (``cost_model.replica_sync_s``, a ring all-reduce with no overlap), as a
+fraction of the modeled time: training does it, ``step_cost`` leaves it out, so it is shown
+beside the totals rather than in them (shadowing's per-step sync is in its time already).
 
 Scaling: ``E = 2N`` experts (two home experts per device) and ``S = E/N + spare`` slots per
 device (default one spare slot, the same expert memory for every strategy). Synthetic traces use
@@ -14,7 +18,7 @@ A recorded trace (``--trace``) gives the routing distribution: by default each s
 are scaled to the workload's ``N·T·K`` rows (``--trace-rows as-is`` keeps its counts), so the
 modeled times mean most when it was recorded at the ``Workload``'s batch size.
 
-Run (about a minute on 2 CPU cores):
+Run (10-20 s on 2 CPU cores):
   .venv/bin/python experiments/simulate_placement.py
   .venv/bin/python experiments/simulate_placement.py --trace counts.npy --devices 8
 """
@@ -135,12 +139,14 @@ def main() -> None:
 
     print(f"\nhardware={hw.name} workload={wl} controller={config}")
     header = f"{'trace':<18}{'N':>6}{'E':>6}  {'method':<11}{'step ms':>9}{'vs static':>10}"
-    print(header + f"{'gap to perfect':>15}{'overhead':>10}{'(migr.)':>9}{'re-placed':>10}")
+    header += f"{'gap to perfect':>15}{'overhead':>10}{'(migr.)':>9}{'host s':>8}"
+    print(header + f"{'re-placed':>10}{'repl. sync':>11}")
     for r in rows:
         print(
             f"{r['trace']:<18}{r['devices']:>6}{r['experts']:>6}  {r['method']:<11}"
             f"{r['step_ms']:>9.2f}{r['speedup']:>9.2f}x{r['gap']:>14.1%}"
-            f"{r['overhead']:>10.2%}{r['migration']:>9.2%}{r['replacements']:>10}"
+            f"{r['overhead']:>10.2%}{r['migration']:>9.2%}{r['host_s']:>8.3f}{r['replacements']:>10}"
+            f"{r['replica_sync']:>11.1%}"
         )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "placement.json"), "w") as f:

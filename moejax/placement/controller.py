@@ -8,7 +8,13 @@ arrays, never blocks on them, and never imports jax). The controller keeps an ex
 average of the counts per layer; every ``decide_every`` observed steps it checks each layer.
 The planner runs only when the layer's imbalance (busiest device / mean, on the EMA) exceeds
 ``(1 + min_relative_gain)`` times what the last plan left (1.0 at the start), so a settled
-layer costs almost no host time. A candidate is accepted only when
+layer costs almost no host time. A change detector (``react_gain``) also tests every step, in
+O(P) per layer, whether the current placement is far more imbalanced on the raw counts than the
+last plan left it and than on the EMA; confirmed over ``react_steps`` steps, the layer's EMA is
+re-seeded from those steps' counts and the layer is checked at once, so an abrupt routing shift
+is re-placed as soon as it is confirmed instead of after the EMA catches up.
+
+A candidate is accepted only when
 
 * the predicted per-step gain (cost model, on the EMA counts) is at least
   ``min_relative_gain`` of the current predicted step time,
@@ -63,6 +69,14 @@ class ControllerConfig:
         of the imbalance a layout will measure step by step); by default about the EMA's
         effective window (``(1 + decay) / (1 - decay)`` = 9 steps at 0.8), the steps the
         decision saw.
+      react_gain: change detector (None: off). A layer whose current placement is more than
+        ``1 + react_gain`` times as imbalanced on the raw counts of each of ``react_steps``
+        consecutive steps as the last plan left it, and as on the EMA before those steps, is
+        checked at once, off the ``decide_every`` schedule, with its EMA re-seeded from the
+        mean of those steps' counts (so an abrupt routing shift is not fitted on a lagging
+        average; a router drifting at the EMA's pace stays with the schedule). An O(P) test per
+        layer and step; per-step noise moves a device's load by a few percent, far below it.
+      react_steps: consecutive shifted steps that confirm a change (a one-step spike does not).
     """
 
     decide_every: int = 5
@@ -74,9 +88,11 @@ class ControllerConfig:
     min_interval: int = 10
     max_moves: int | None = None
     forecast_window: int = 10
+    react_gain: float | None = 0.25
+    react_steps: int = 2
 
     def __post_init__(self):
-        for name in ("decide_every", "horizon_steps", "patience", "forecast_window"):
+        for name in ("decide_every", "horizon_steps", "patience", "forecast_window", "react_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.min_interval < 0:
@@ -88,6 +104,8 @@ class ControllerConfig:
                 f"urgent_gain must be >= min_relative_gain={self.min_relative_gain}, "
                 f"got {self.urgent_gain!r}"
             )
+        if self.react_gain is not None and not self.react_gain > 0:
+            raise ValueError(f"react_gain must be > 0 or None, got {self.react_gain!r}")
         if self.min_relative_gain < 0:
             raise ValueError(f"min_relative_gain must be >= 0, got {self.min_relative_gain!r}")
 
@@ -167,6 +185,8 @@ class PlacementController:
         self._streak = [0] * num_layers
         self._last_change = [None] * num_layers
         self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
+        self._shifted: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # raw counts
+        self._shift_base = [1.0] * num_layers  # imbalance a streak of shifted steps is beyond
 
     @property
     def num_layers(self) -> int:
@@ -221,14 +241,21 @@ class PlacementController:
         if not np.all(np.isfinite(counts)) or np.any(counts < 0):
             raise ValueError("counts must be finite and >= 0")
         self._recent.append(counts)
+        start = time.perf_counter()
+        seeds = self._changed_layers(counts)  # {layer: EMA seed}, against the EMA so far
         decay = self.config.ema_decay
         self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
+        for layer, seed in seeds.items():
+            self._ema[layer] = seed
+        layers = list(seeds)  # checked now, off schedule
         self._since_check += 1
-        if self._since_check < self.config.decide_every:
+        if self._since_check >= self.config.decide_every:
+            self._since_check = 0
+            layers = range(self.num_layers)
+        elif not layers:
+            self.decision_wall_s += time.perf_counter() - start
             return []
-        self._since_check = 0
-        start = time.perf_counter()
-        decisions = [self._check(step, layer) for layer in range(self.num_layers)]
+        decisions = [self._check(step, layer) for layer in layers]
         self.decision_wall_s += time.perf_counter() - start
         self.log.extend(decisions)
         accepted = [d for d in decisions if d.accepted]
@@ -237,7 +264,34 @@ class PlacementController:
             self.migration_s += d.migration_s
             self.bytes_moved += d.bytes_moved
             self._last_change[d.layer] = step
+            self._shifted[d.layer].clear()  # a streak is measured against one placement
         return accepted
+
+    def _changed_layers(self, counts: np.ndarray) -> dict[int, np.ndarray]:
+        """Change detector (``ControllerConfig.react_gain``), run before the EMA takes
+        ``counts [L, E]``: layers whose placement is far more imbalanced on the raw counts than
+        the last plan left it and than on the EMA so far, for ``react_steps`` steps in a row.
+        Returns ``{layer: mean of those steps' counts}``, the layer's new EMA."""
+        cfg = self.config
+        if cfg.react_gain is None:
+            return {}
+        changed = {}
+        for layer, placement in enumerate(self.placements):
+            shifted, raw = self._shifted[layer], placement.imbalance(counts[layer])
+            if not shifted:  # a new streak is measured against the EMA before it
+                base = max(1.0, self._settled[layer])
+                if self._ema is not None and raw > base * (1.0 + cfg.react_gain):
+                    # A router drifting at the EMA's pace is no shift.
+                    base = max(base, placement.imbalance(self._ema[layer]))
+                self._shift_base[layer] = base
+            if raw <= self._shift_base[layer] * (1.0 + cfg.react_gain):
+                shifted.clear()
+                continue
+            shifted.append(counts[layer].copy())
+            if len(shifted) >= cfg.react_steps:
+                changed[layer] = np.mean(shifted, axis=0)
+                shifted.clear()
+        return changed
 
     def _check(self, step: int, layer: int) -> Decision:
         cfg, hw, wl = self.config, self.hardware, self.workload

@@ -246,3 +246,30 @@ def migration_s(old: Placement, new: Placement, hw: HardwareModel, wl: Workload)
     received = copies_needed(old, new).reshape(new.num_devices, -1).sum(axis=1)
     nbytes = received.astype(np.float64) * wl.expert_state_bytes
     return float(hw.transfer_s(nbytes, new.num_devices).max())
+
+
+def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> float:
+    """Modeled seconds per step to combine the gradients of experts replicated across devices.
+
+    Training sums each expert's replica gradients and hands the sum to every replica (so the
+    math is the unreplicated model's). Modeled as a ring all-reduce of the bf16 gradients among
+    the ``d_e`` devices holding expert ``e``: each of them sends ``2 (d_e - 1) / d_e`` x the
+    expert's gradient bytes; the busiest device sets the time, nothing overlapped. Replicas on
+    one device cost nothing. This is *not* part of ``step_cost`` (the simulator reports it
+    beside the step time): an upper bound, since gradient reductions usually overlap the rest of
+    the backward pass.
+
+    Args:
+      placement: the layer's placement.
+      hw: hardware figures.
+      wl: layer shape.
+
+    Returns:
+      Seconds per step (0.0 when no expert spans two devices).
+    """
+    keys = placement.device_expert_keys()  # (device, expert) pairs present
+    e = placement.num_experts
+    holders = np.bincount(keys % e, minlength=e)[keys % e]  # devices holding each pair's expert
+    share = 2.0 * (holders - 1) / holders * wl.expert_params * wl.param_bytes
+    nbytes = np.bincount(keys // e, weights=share, minlength=placement.num_devices)
+    return float(hw.transfer_s(nbytes, placement.num_devices).max())

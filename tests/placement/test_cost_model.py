@@ -105,3 +105,18 @@ def test_migration_counts_remote_copies_only():
 def test_migration_shape_mismatch():
     with pytest.raises(ValueError, match="differ in shape"):
         migration_bytes(Placement.identity(4, 2, 2), Placement.identity(4, 2, 3), WL)
+
+
+def test_replica_sync_counts_only_replicas_on_other_devices():
+    from moejax.placement.cost_model import replica_sync_s
+
+    wl = Workload(tokens_per_device=512, top_k=2, d_model=1024, d_ff=1024)
+    flat = HardwareModel("flat", flops_per_s=1e15, link_bytes_per_s=1e11)
+    # Identity's spare slots duplicate home experts on their own device: nothing to combine.
+    assert replica_sync_s(Placement.identity(8, 4, 3), flat, wl) == 0.0
+    # Expert 0 on all 4 devices: each sends 2 (4 - 1) / 4 of its bf16 gradient (ring).
+    table = np.array([0, 1, 2, 0, 3, 4, 0, 5, 6, 0, 7, 1])
+    p = Placement(table, 8, 4, 3)
+    grad = wl.expert_params * wl.param_bytes
+    expected_device0 = 2 * 3 / 4 * grad + 2 * 1 / 2 * grad  # experts 0 (4 devices), 1 (2)
+    assert replica_sync_s(p, flat, wl) == pytest.approx(expected_device0 / 1e11)
