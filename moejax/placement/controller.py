@@ -26,6 +26,14 @@ A candidate is accepted only when
 Every check is logged as a ``Decision`` (accepted or not, with the reason). Accepted decisions
 are returned by ``observe``; the training loop applies them.
 
+Forecasts (``forecast``): the imbalance a re-placement will measure step by step. The planner's
+candidate is scored on the steps it was planned on, which overstates its fall when routing drifts
+(on the tiny LM, about 2x: BENCHMARKS.md, "Placement in training"). So the controller follows
+every accepted re-placement over the ``forecast_window`` steps it runs (from ``apply_lag`` steps
+after its last counts), scores old and new table on those steps' counts, and scales new forecasts
+by the fall realized so far over the fall forecast in-sample (``realized_ratio``): an online
+calibration from the run's own routing, with nothing fitted offline.
+
 Applying a decision (done by the JAX side): the physical expert weights of a layer are
 ``w_phys = w[new.slot_to_expert]`` with shape ``[P, ...]``, slot ``p`` on device ``p // S``;
 optimizer state is gathered the same way (or kept per logical expert ``[E, ...]`` and only the
@@ -77,6 +85,10 @@ class ControllerConfig:
         average; a router drifting at the EMA's pace stays with the schedule). An O(P) test per
         layer and step; per-step noise moves a device's load by a few percent, far below it.
       react_steps: consecutive shifted steps that confirm a change (a one-step spike does not).
+      apply_lag: steps from the last counts a decision saw to the first step that runs its
+        layout; the training loop reads counts one step late and migrates after the next step
+        (2). Only where the controller follows a re-placement's realized fall
+        (``realized_ratio``) depends on it.
     """
 
     decide_every: int = 5
@@ -90,9 +102,11 @@ class ControllerConfig:
     forecast_window: int = 10
     react_gain: float | None = 0.25
     react_steps: int = 2
+    apply_lag: int = 2
 
     def __post_init__(self):
-        for name in ("decide_every", "horizon_steps", "patience", "forecast_window", "react_steps"):
+        names = ("decide_every", "horizon_steps", "patience", "forecast_window", "react_steps")
+        for name in (*names, "apply_lag"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.min_interval < 0:
@@ -135,6 +149,19 @@ class Decision:
     migration_s: float
     accepted: bool
     reason: str
+
+
+@dataclasses.dataclass
+class _Followed:
+    """An accepted re-placement whose realized fall is still being measured."""
+
+    layer: int
+    old: Placement
+    new: Placement
+    first: int  # first step run on ``new``
+    last: int  # last step of the measurement
+    forecast_fall: float  # in-sample: per-step imbalance of old minus new on the planned steps
+    falls: list = dataclasses.field(default_factory=list)  # old minus new, step by step
 
 
 class PlacementController:
@@ -187,6 +214,10 @@ class PlacementController:
         self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
         self._shifted: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # raw counts
         self._shift_base = [1.0] * num_layers  # imbalance a streak of shifted steps is beyond
+        self._followed: list[_Followed] = []  # accepted re-placements being measured
+        self.forecast_fall_sum = 0.0  # in-sample falls of the matured re-placements
+        self.realized_fall_sum = 0.0  # their realized falls
+        self.matured = 0  # re-placements measured over their whole window
 
     @property
     def num_layers(self) -> int:
@@ -213,12 +244,34 @@ class PlacementController:
         was over the window (a drifting router makes the measured one higher). On the steps
         the planner fitted, it is optimistic for the planner's candidate (which fits their
         noise) and pessimistic for the old layout (checks fire on bad excursions, which
-        revert): on the tiny LM's training runs the predicted fall was about twice the
-        measured one (BENCHMARKS.md, "Placement in training").
+        revert): on the tiny LM's training runs this in-sample fall was about twice the
+        measured one (BENCHMARKS.md, "Placement in training"); ``forecast`` calibrates it.
         """
         if not self._recent:
             raise ValueError("per_step_imbalance needs at least one observed step")
         return float(np.mean([placement.imbalance(c[layer]) for c in self._recent]))
+
+    @property
+    def realized_ratio(self) -> float:
+        """Realized over in-sample imbalance fall, summed over the re-placements measured to
+        the end of their window so far (1.0 before the first; negative when they made things
+        worse)."""
+        if self.forecast_fall_sum <= 0:
+            return 1.0
+        return self.realized_fall_sum / self.forecast_fall_sum
+
+    def forecast(self, layer: int, old: Placement, new: Placement) -> tuple[float, float]:
+        """Forecast per-step imbalance of ``layer`` over the steps after replacing ``old`` by
+        ``new``: ``(before, after)``.
+
+        ``before`` is ``old``'s mean per-step imbalance over the last ``forecast_window``
+        steps; the in-sample fall ``before - per_step_imbalance(layer, new)`` is scaled by
+        ``realized_ratio``, the share of such falls that this run's earlier re-placements
+        realized on the steps after them (routing drifts away from the steps a plan fitted).
+        """
+        before, after = self.per_step_imbalance(layer, old), self.per_step_imbalance(layer, new)
+        # after + (1 - r) fall, not before - r fall: exactly the in-sample figure while r = 1.
+        return before, after + (1.0 - self.realized_ratio) * (before - after)
 
     def observe(self, step: int, counts: np.ndarray) -> list[Decision]:
         """Feeds the expert counts of ``step``; returns the decisions accepted now.
@@ -242,6 +295,7 @@ class PlacementController:
             raise ValueError("counts must be finite and >= 0")
         self._recent.append(counts)
         start = time.perf_counter()
+        self._follow(step, counts)
         seeds = self._changed_layers(counts)  # {layer: EMA seed}, against the EMA so far
         decay = self.config.ema_decay
         self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
@@ -265,7 +319,26 @@ class PlacementController:
             self.bytes_moved += d.bytes_moved
             self._last_change[d.layer] = step
             self._shifted[d.layer].clear()  # a streak is measured against one placement
+            first = step + self.config.apply_lag
+            fall = self.per_step_imbalance(d.layer, d.old) - self.per_step_imbalance(d.layer, d.new)
+            last = first + self.config.forecast_window - 1
+            self._followed.append(_Followed(d.layer, d.old, d.new, first, last, fall))
         return accepted
+
+    def _follow(self, step: int, counts: np.ndarray) -> None:
+        """Score followed re-placements on ``counts [L, E]`` of ``step``; retire the matured."""
+        going = []
+        for f in self._followed:
+            if f.first <= step <= f.last:
+                c = counts[f.layer]
+                f.falls.append(f.old.imbalance(c) - f.new.imbalance(c))
+            if step < f.last:
+                going.append(f)
+            elif f.falls:
+                self.matured += 1
+                self.forecast_fall_sum += f.forecast_fall
+                self.realized_fall_sum += float(np.mean(f.falls))
+        self._followed = going
 
     def _changed_layers(self, counts: np.ndarray) -> dict[int, np.ndarray]:
         """Change detector (``ControllerConfig.react_gain``), run before the EMA takes

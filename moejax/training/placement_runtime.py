@@ -13,6 +13,9 @@ re-placement (`placement_events.jsonl`, one JSON object per event):
   step), `predicted_gain_fraction` (of the modeled step), `imbalance_before`, `imbalance_after`
   (busiest device over the mean), `modeled_migration_s`, `bytes_moved` (parameters and
   optimizer state, at the cost model's byte sizes);
+- forecast per step: `per_step_before/after` (old and new table on the steps planned on, in
+  sample), `forecast_before/after` (the same fall scaled by `realized_ratio`, the share of
+  the in-sample fall the run's earlier re-placements realized: `PlacementController.forecast`);
 - measured: `migration_wall_s` (the gathers of this step's moved layers on this machine,
   timed alone; events of one step share it) and
   `decision_wall_s` (host time of the controller's checks so far).
@@ -133,8 +136,10 @@ class PlacementRuntime:
         self._tables = placed.slot_tables(new)
         ema = getattr(self.controller, "ema", None)
         per_step = getattr(self.controller, "per_step_imbalance", None)
+        forecast = getattr(self.controller, "forecast", None)
         for d in decisions:
             smoothed = np.asarray(counts if ema is None else ema)[d.layer]
+            before, after = (None, None) if forecast is None else forecast(d.layer, d.old, d.new)
             self._log(
                 {
                     "step": int(step),
@@ -147,6 +152,9 @@ class PlacementRuntime:
                     "imbalance_after": float(d.new.imbalance(smoothed)),
                     "per_step_before": None if per_step is None else per_step(d.layer, d.old),
                     "per_step_after": None if per_step is None else per_step(d.layer, d.new),
+                    "forecast_before": before,
+                    "forecast_after": after,
+                    "realized_ratio": getattr(self.controller, "realized_ratio", None),
                     "num_devices": int(d.new.num_devices),
                     "bytes_moved": int(d.bytes_moved),
                     "modeled_migration_s": float(d.migration_s),
@@ -250,9 +258,10 @@ def measured_effect(records: list[dict], events: list[dict], window: int = 10) -
     - measured_after` is the fall caused by the re-placement alone, with the routing drift of
     the before/after comparison taken out.
 
-    Predicted: `predicted_before/after` on the controller's EMA (what it decided on) and
+    Predicted: `predicted_before/after` on the controller's EMA (what it decided on),
     `per_step_before/after`, the mean per-step imbalance over its forecast window
-    (`PlacementController.per_step_imbalance`; None for controllers without it).
+    (`PlacementController.per_step_imbalance`, in sample) and `forecast_before/after`, the
+    calibrated forecast (`PlacementController.forecast`); None for controllers without them.
     """
     by_step = {r["step"]: r for r in records}
     rows = []
@@ -282,6 +291,8 @@ def measured_effect(records: list[dict], events: list[dict], window: int = 10) -
                 "predicted_after": e["imbalance_after"],
                 "per_step_before": e.get("per_step_before"),
                 "per_step_after": e.get("per_step_after"),
+                "forecast_before": e.get("forecast_before"),
+                "forecast_after": e.get("forecast_after"),
                 "measured_before": mean(range(t - window + 1, t + 1)),
                 "measured_after": mean(range(t + 1, t + window + 1)),
                 "counterfactual_before": counterfactual,
@@ -292,11 +303,20 @@ def measured_effect(records: list[dict], events: list[dict], window: int = 10) -
 
 def mean_fall(rows: list[dict]) -> dict:
     """Mean imbalance fall per event over `measured_effect` rows that have every figure:
-    `predicted_fall` (per-step forecast), `measured_fall` (window before -> after) and
+    `predicted_fall` (the controller's calibrated forecast), `in_sample_fall` (the per-step
+    forecast on the steps planned on), `measured_fall` (window before -> after) and
     `counterfactual_fall` (old -> new table on the same steps after); `fall_events` counts
     the rows used. Empty when no row qualifies."""
-    keys = ("per_step_before", "per_step_after", "measured_before", "measured_after")
-    rows = [r for r in rows if all(r.get(k) is not None for k in (*keys, "counterfactual_before"))]
+    keys = (
+        "forecast_before",
+        "forecast_after",
+        "per_step_before",
+        "per_step_after",
+        "measured_before",
+        "measured_after",
+        "counterfactual_before",
+    )
+    rows = [r for r in rows if all(r.get(k) is not None for k in keys)]
     if not rows:
         return {}
 
@@ -305,7 +325,8 @@ def mean_fall(rows: list[dict]) -> dict:
 
     return {
         "fall_events": len(rows),
-        "predicted_fall": fall("per_step_before", "per_step_after"),
+        "predicted_fall": fall("forecast_before", "forecast_after"),
+        "in_sample_fall": fall("per_step_before", "per_step_after"),
         "measured_fall": fall("measured_before", "measured_after"),
         "counterfactual_fall": fall("counterfactual_before", "measured_after"),
     }

@@ -186,10 +186,10 @@ def _placement_rows(summary: dict | None) -> list[tuple[str, str]]:
         rows.append(
             (
                 "imbalance fall per re-placement",
-                f"predicted {summary['predicted_fall']:.3f}, measured "
-                f"{summary['measured_fall']:.3f} (10 steps before -> after; old -> new table on "
-                f"the steps after: {summary['counterfactual_fall']:.3f}; "
-                f"{summary['fall_events']} events)",
+                f"predicted {summary['predicted_fall']:.3f} (in sample "
+                f"{summary['in_sample_fall']:.3f}), measured {summary['measured_fall']:.3f} "
+                f"(10 steps before -> after; old -> new table on the steps after: "
+                f"{summary['counterfactual_fall']:.3f}; {summary['fall_events']} events)",
             )
         )
     return rows

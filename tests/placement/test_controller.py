@@ -185,6 +185,62 @@ def test_per_step_imbalance_is_the_window_mean_and_above_the_ema_figure():
         PlacementController(p, H100_IB, WL).per_step_imbalance(0, p)
 
 
+def _skewed_counts(perm_seed=None):
+    probs = zipf_probs(E, zipf_exponent_for(E, 4.0))
+    if perm_seed is not None:
+        probs = probs[np.random.default_rng(perm_seed).permutation(E)]
+    return probs * TOKENS
+
+
+FAST = ControllerConfig(decide_every=1, patience=1, min_interval=0, forecast_window=4)
+
+
+def test_forecast_is_in_sample_until_a_replacement_is_measured():
+    ctl = PlacementController(Placement.identity(E, N, S), H100_IB, WL, FAST)
+    counts = _skewed_counts()
+    (d,) = ctl.observe(0, counts)
+    assert ctl.realized_ratio == 1.0 and ctl.matured == 0
+    before, after = ctl.forecast(0, d.old, d.new)
+    assert before == d.old.imbalance(counts) and after == d.new.imbalance(counts) < before
+
+
+def test_realized_ratio_is_one_on_stationary_routing():
+    # Identical counts every step: the steps after a re-placement are the steps it planned on.
+    ctl = PlacementController(Placement.identity(E, N, S), H100_IB, WL, FAST)
+    counts = _skewed_counts()
+    (d,) = ctl.observe(0, counts)
+    for t in range(1, 1 + FAST.apply_lag + FAST.forecast_window):
+        assert ctl.observe(t, counts) == []
+    assert ctl.matured == 1
+    assert ctl.realized_ratio == pytest.approx(1.0, rel=1e-12)
+
+
+def test_realized_ratio_measures_the_steps_after_a_replacement_under_drift():
+    once = ControllerConfig(decide_every=1, patience=1, min_interval=100, forecast_window=4)
+    ctl = PlacementController(Placement.identity(E, N, S), H100_IB, WL, once)
+    first = _skewed_counts()
+    (d,) = ctl.observe(0, first)
+    in_sample = d.old.imbalance(first) - d.new.imbalance(first)
+    shifted = _skewed_counts(perm_seed=1)  # the hot experts move right after the decision
+    window = range(FAST.apply_lag, FAST.apply_lag + FAST.forecast_window)  # steps run on `new`
+    ctl.observe(1, first)  # step 1 still runs the old layout: not measured
+    for t in window:
+        if t == window[-1]:
+            assert ctl.matured == 0  # matured only once the window's last step is seen
+        assert ctl.observe(t, shifted) == []  # min_interval: no second re-placement
+    realized = d.old.imbalance(shifted) - d.new.imbalance(shifted)
+    assert ctl.matured == 1
+    assert ctl.realized_ratio == pytest.approx(realized / in_sample, rel=1e-12)
+    assert ctl.realized_ratio < 0.5  # the layout fitted the old hot set
+    # New forecasts scale the in-sample fall by it.
+    old, new = d.new, d.old
+    before = ctl.per_step_imbalance(0, old)
+    fall = before - ctl.per_step_imbalance(0, new)
+    assert ctl.forecast(0, old, new) == pytest.approx(
+        (before, before - ctl.realized_ratio * fall), rel=1e-12, abs=1e-12
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -195,6 +251,7 @@ def test_per_step_imbalance_is_the_window_mean_and_above_the_ema_figure():
         (dict(forecast_window=0), "forecast_window must be >= 1, got 0"),
         (dict(react_gain=0.0), "react_gain must be > 0 or None, got 0.0"),
         (dict(react_steps=0), "react_steps must be >= 1, got 0"),
+        (dict(apply_lag=0), "apply_lag must be >= 1, got 0"),
     ],
 )
 def test_config_validation(kwargs, match):

@@ -141,7 +141,9 @@ def test_checkpoint_restores_across_placements(reference, replaced, tmp_path):
 
 
 def test_real_controller_logs_predictions_and_measurements(tmp_path):
-    skew = ControllerConfig(decide_every=2, patience=1, min_interval=4, min_relative_gain=0.02)
+    skew = ControllerConfig(
+        decide_every=2, patience=1, min_interval=4, min_relative_gain=0.02, forecast_window=3
+    )
     factory = placed.controller_factory(MODEL, PLACED, mesh(), MODEL.max_seq_len, config=skew)
     cfg = PLACED.replace(steps=16, warmup_steps=2)
     result = _run(tmp_path, cfg, controller=factory)
@@ -160,17 +162,27 @@ def test_real_controller_logs_predictions_and_measurements(tmp_path):
     for e, row in zip(events, rows, strict=True):
         # The controller's per-step prediction, and the old table on the steps after the event.
         assert e["per_step_before"] >= 1 and e["per_step_after"] >= 1
+        # The calibrated forecast scales the in-sample fall by the realized share so far.
+        r, fall = e["realized_ratio"], e["per_step_before"] - e["per_step_after"]
+        assert e["forecast_before"] == e["per_step_before"]
+        np.testing.assert_allclose(e["forecast_after"], e["per_step_before"] - r * fall, rtol=1e-12)
         old = Placement(np.array(e["old"]), MODEL.moe.num_experts, e["num_devices"], SLOTS)
         t = e["applied_after_step"]
         steps = [s for s in range(t + 1, t + 4) if s in by_step]
         if steps:
             want = np.mean([old.imbalance(by_step[s]["expert_counts"][e["layer"]]) for s in steps])
             np.testing.assert_allclose(row["counterfactual_before"], want, rtol=1e-12)
+    # Later events are forecast with the realized share of earlier ones (measured 3 steps).
+    assert any(e["realized_ratio"] != 1.0 for e in events)
     full = [r for r in rows if r["counterfactual_before"] is not None]
     fall = mean_fall(rows)
     assert fall["fall_events"] == len(full) > 0
     want = np.mean([r["counterfactual_before"] - r["measured_after"] for r in full])
     np.testing.assert_allclose(fall["counterfactual_fall"], want, rtol=1e-12)
+    want = np.mean([r["forecast_before"] - r["forecast_after"] for r in full])
+    np.testing.assert_allclose(fall["predicted_fall"], want, rtol=1e-12)
+    want = np.mean([r["per_step_before"] - r["per_step_after"] for r in full])
+    np.testing.assert_allclose(fall["in_sample_fall"], want, rtol=1e-12)
     assert summary.keys() >= {"replacements", "overhead_fraction"}
 
 
