@@ -55,6 +55,7 @@ import numpy as np
 from moejax.placement.cost_model import HardwareModel, Workload, migration_bytes, migration_s
 from moejax.placement.cost_model import step_cost as _step_cost
 from moejax.placement.planner import plan as _plan
+from moejax.placement.realized import FallTracker
 from moejax.placement.table import Placement
 
 
@@ -151,19 +152,6 @@ class Decision:
     reason: str
 
 
-@dataclasses.dataclass
-class _Followed:
-    """An accepted re-placement whose realized fall is still being measured."""
-
-    layer: int
-    old: Placement
-    new: Placement
-    first: int  # first step run on ``new``
-    last: int  # last step of the measurement
-    forecast_fall: float  # in-sample: per-step imbalance of old minus new on the planned steps
-    falls: list = dataclasses.field(default_factory=list)  # old minus new, step by step
-
-
 class PlacementController:
     """Decides per-layer re-placements from asynchronously observed expert counts.
 
@@ -214,10 +202,7 @@ class PlacementController:
         self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
         self._shifted: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # raw counts
         self._shift_base = [1.0] * num_layers  # imbalance a streak of shifted steps is beyond
-        self._followed: list[_Followed] = []  # accepted re-placements being measured
-        self.forecast_fall_sum = 0.0  # in-sample falls of the matured re-placements
-        self.realized_fall_sum = 0.0  # their realized falls
-        self.matured = 0  # re-placements measured over their whole window
+        self.realized = FallTracker()  # accepted re-placements, followed over the steps after
 
     @property
     def num_layers(self) -> int:
@@ -253,12 +238,9 @@ class PlacementController:
 
     @property
     def realized_ratio(self) -> float:
-        """Realized over in-sample imbalance fall, summed over the re-placements measured to
-        the end of their window so far (1.0 before the first; negative when they made things
-        worse)."""
-        if self.forecast_fall_sum <= 0:
-            return 1.0
-        return self.realized_fall_sum / self.forecast_fall_sum
+        """Realized over in-sample imbalance fall of the re-placements measured to the end of
+        their window so far (``FallTracker.ratio``; 1.0 before the first)."""
+        return self.realized.ratio
 
     def forecast(self, layer: int, old: Placement, new: Placement) -> tuple[float, float]:
         """Forecast per-step imbalance of ``layer`` over the steps after replacing ``old`` by
@@ -295,7 +277,7 @@ class PlacementController:
             raise ValueError("counts must be finite and >= 0")
         self._recent.append(counts)
         start = time.perf_counter()
-        self._follow(step, counts)
+        self.realized.observe(step, counts)
         seeds = self._changed_layers(counts)  # {layer: EMA seed}, against the EMA so far
         decay = self.config.ema_decay
         self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
@@ -320,25 +302,61 @@ class PlacementController:
             self._last_change[d.layer] = step
             self._shifted[d.layer].clear()  # a streak is measured against one placement
             first = step + self.config.apply_lag
-            fall = self.per_step_imbalance(d.layer, d.old) - self.per_step_imbalance(d.layer, d.new)
+            fall = self.per_step_imbalance(d.layer, d.old)
+            fall -= self.per_step_imbalance(d.layer, d.new)
             last = first + self.config.forecast_window - 1
-            self._followed.append(_Followed(d.layer, d.old, d.new, first, last, fall))
+            self.realized.follow(d.layer, d.old, d.new, first=first, last=last, forecast_fall=fall)
         return accepted
 
-    def _follow(self, step: int, counts: np.ndarray) -> None:
-        """Score followed re-placements on ``counts [L, E]`` of ``step``; retire the matured."""
-        going = []
-        for f in self._followed:
-            if f.first <= step <= f.last:
-                c = counts[f.layer]
-                f.falls.append(f.old.imbalance(c) - f.new.imbalance(c))
-            if step < f.last:
-                going.append(f)
-            elif f.falls:
-                self.matured += 1
-                self.forecast_fall_sum += f.forecast_fall
-                self.realized_fall_sum += float(np.mean(f.falls))
-        self._followed = going
+    def state_dict(self) -> dict:
+        """The controller's state as JSON-serialisable data, for checkpoints.
+
+        Everything later decisions depend on: current tables, EMA, the forecast window, the
+        check schedule, per-layer streaks, last re-placement steps and settled imbalances, the
+        change detector's streaks and the followed re-placements, and the modeled migration
+        totals. Not the decision ``log`` (history: the training loop keeps an event file) nor
+        ``decision_wall_s`` (host time of this process). ``load_state_dict`` of it in a
+        controller built with the same config makes the same decisions from then on.
+        """
+        return {
+            "tables": [p.slot_to_expert.tolist() for p in self.placements],
+            "ema": None if self._ema is None else self._ema.tolist(),
+            "recent": [c.tolist() for c in self._recent],
+            "since_check": self._since_check,
+            "streak": list(self._streak),
+            "last_change": list(self._last_change),
+            "settled": list(self._settled),
+            "shifted": [[c.tolist() for c in layer] for layer in self._shifted],
+            "shift_base": list(self._shift_base),
+            "realized": self.realized.state_dict(),
+            "migration_s": self.migration_s,
+            "bytes_moved": self.bytes_moved,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` (of a controller with the same layers, experts and slots).
+
+        Raises:
+          ValueError: the state is for another number of layers or placement shape.
+        """
+        tables = [np.asarray(t, np.int64) for t in state["tables"]]
+        shapes = [t.shape for t in tables]
+        want = [(p.num_slots,) for p in self.placements]
+        if shapes != want:
+            raise ValueError(f"controller state holds tables of shapes {shapes}, expected {want}")
+        self.placements = [p.with_table(t) for p, t in zip(self.placements, tables, strict=True)]
+        self._ema = None if state["ema"] is None else np.asarray(state["ema"], np.float64)
+        self._recent.clear()
+        self._recent.extend(np.asarray(c, np.float64) for c in state["recent"])
+        self._since_check = int(state["since_check"])
+        self._streak = [int(x) for x in state["streak"]]
+        self._last_change = list(state["last_change"])
+        self._settled = [float(x) for x in state["settled"]]
+        self._shifted = [[np.asarray(c, np.float64) for c in layer] for layer in state["shifted"]]
+        self._shift_base = [float(x) for x in state["shift_base"]]
+        self.realized.load_state_dict(state["realized"], self.placements)
+        self.migration_s = float(state["migration_s"])
+        self.bytes_moved = int(state["bytes_moved"])
 
     def _changed_layers(self, counts: np.ndarray) -> dict[int, np.ndarray]:
         """Change detector (``ControllerConfig.react_gain``), run before the EMA takes

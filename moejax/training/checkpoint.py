@@ -6,7 +6,8 @@ A checkpoint of step `t` is the orbax step directory `<dir>/<t>/` with two items
   expert order `[E, ...]`, `opt_state`, `rng`), saved with `StandardSave`;
 - `meta`: JSON: `format`, the model config, the data-iterator state (`seed`, `epoch`,
   `position`), the expert placement of every MoE layer (`slot_to_expert [Lm][P]`, `num_devices`,
-  `slots_per_device`), the mesh it was written on, and the train config (informational).
+  `slots_per_device`), the placement controller's state (`PlacementRuntime.checkpoint_state`,
+  None without a controller), the mesh it was written on, and the train config (informational).
 
 Atomicity: orbax writes `<t>.orbax-checkpoint-tmp*` and renames it to `<t>` only when every
 process has finished writing, so a save cut short (crash, kill -9, full disk) leaves a tmp
@@ -105,7 +106,14 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(
-        self, state: TrainState, *, data_state: dict, placements, mesh=None, wait: bool = False
+        self,
+        state: TrainState,
+        *,
+        data_state: dict,
+        placements,
+        controller: dict | None = None,
+        mesh=None,
+        wait: bool = False,
     ) -> int:
         """Save `state` as checkpoint `int(state.step)`; returns the step.
 
@@ -120,6 +128,7 @@ class Checkpointer:
             "train": _flat_config(self.train_cfg),
             "data": data_state,
             "placement": _placement_meta(placements),
+            "controller": controller,
             "mesh": None if mesh is None else dict(mesh.shape),
         }
         ocp = self._ocp

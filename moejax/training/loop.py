@@ -118,9 +118,9 @@ def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
     return seq_len
 
 
-def _resumed_placements(meta: dict, current: list[Placement]) -> list[Placement]:
-    """The saved placements if they fit the current run's slots (same `N` and `S`), else
-    `current` (parameters are saved logical, so any placement can take them)."""
+def _saved_placements(meta: dict, current: list[Placement]) -> list[Placement] | None:
+    """The checkpoint's placements if they fit the current run's slots (same `N` and `S`), else
+    None (parameters are saved logical: the run's initial placements take them)."""
     saved = meta["placement"]
     first = current[0]
     fits = (
@@ -129,7 +129,7 @@ def _resumed_placements(meta: dict, current: list[Placement]) -> list[Placement]
         and saved["slots_per_device"] == first.slots_per_device
     )
     if not fits:
-        return current
+        return None
     return [p.with_table(t) for p, t in zip(current, saved["slot_to_expert"], strict=True)]
 
 
@@ -225,6 +225,7 @@ def train(
     shardings = None if mesh is None else state_shardings(model_cfg, train_cfg, mesh)
     latest = ckpt.latest_step()
     placements = placed.initial_placements(model_cfg, train_cfg, mesh)
+    resumed = None  # the controller state of the checkpoint resumed, if its tables apply
     if latest is not None:
         target = restore_target(abstract_state(model_cfg, train_cfg), shardings)
         try:
@@ -233,11 +234,20 @@ def train(
         except ValueError:
             ckpt.close()
             raise
-        placements = _resumed_placements(meta, placements)
+        saved = _saved_placements(meta, placements)
+        if saved is not None:  # the saved tables apply here: so does their controller's state
+            placements, resumed = saved, meta.get("controller")
     else:
         state = init_train_state(model_cfg, train_cfg, mesh)
     placing, state = PlacementRuntime.start(
-        state, placements, controller, model_cfg, train_cfg, mesh, run_dir if primary else None
+        state,
+        placements,
+        controller,
+        model_cfg,
+        train_cfg,
+        mesh,
+        run_dir if primary else None,
+        resumed=resumed,
     )
     start = int(jax.device_get(state.step))
     skipped = int(jax.device_get(state.skipped))
@@ -257,9 +267,16 @@ def train(
             placing.logical(state),
             data_state=iterator.state(),
             placements=placing.placements,
+            controller=placing.checkpoint_state(unobserved()),
             mesh=mesh,
             wait=wait,
         )
+
+    def unobserved():
+        """The step the loop fetched (or dispatched) last and the controller has not seen."""
+        if pending is None or placing.controller is None:
+            return None
+        return pending[0], np.asarray(jax.device_get(pending[1].expert_counts))
 
     bar = _progress_bar(start, stop, progress and primary)
     pending, t_prev = None, time.perf_counter()
@@ -296,6 +313,8 @@ def train(
                 # Counts of step `pending`, one step late; a re-placement applies to the state
                 # after the step just dispatched, so step + 1 runs on the new layout.
                 state = placing.observe(state, pending[0], fetched.expert_counts, step + 1)
+            elif (saved := placing.take_unobserved()) is not None:  # resumed: the same place
+                state = placing.observe(state, *saved, step + 1)
             pending = (step + 1, metrics, layout)
             every = train_cfg.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < stop:

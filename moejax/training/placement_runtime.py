@@ -60,9 +60,12 @@ class PlacementRuntime:
     _events_path: str | None = None
     _compile: threading.Thread | None = None
     _migrate: object = None
+    _unobserved: tuple | None = None  # (step, counts [Lm, E]) saved unobserved by a checkpoint
 
     @classmethod
-    def start(cls, state, placements, controller, model_cfg, train_cfg, mesh, run_dir):
+    def start(
+        cls, state, placements, controller, model_cfg, train_cfg, mesh, run_dir, resumed=None
+    ):
         """Set up for a run starting from the logical `state`; returns `(runtime, state)`, the
         state to train on (physical when placement is enabled).
 
@@ -74,6 +77,9 @@ class PlacementRuntime:
           model_cfg, train_cfg, mesh: the run's.
           run_dir: where to write `placement_events.jsonl` (None: not written, e.g. on processes
             other than 0).
+          resumed: the checkpoint's `checkpoint_state` when `placements` are its tables: the
+            controller continues from its state, as if the run had not stopped (None: a fresh
+            controller).
         """
         enabled = train_cfg.expert_slots_per_device > 0
         if controller is not None and not enabled:
@@ -95,6 +101,11 @@ class PlacementRuntime:
         runtime._tables = placed.slot_tables(placements)
         if controller is not None:
             runtime.controller = controller(list(placements))
+            if resumed is not None and hasattr(runtime.controller, "load_state_dict"):
+                runtime.controller.load_state_dict(resumed["controller"])
+                if resumed["unobserved_step"] is not None:
+                    counts = np.asarray(resumed["unobserved_counts"], np.float64)
+                    runtime._unobserved = (resumed["unobserved_step"], counts)
             runtime._start_compile(state)
             if run_dir is not None:
                 runtime._events_path = os.path.join(run_dir, EVENTS_FILE)
@@ -165,6 +176,28 @@ class PlacementRuntime:
                 }
             )
         return state
+
+    def take_unobserved(self) -> tuple | None:
+        """`(step, counts)` a resumed checkpoint saved before the controller saw them, once
+        (the loop feeds them where the stopped run would have: after the first step)."""
+        out, self._unobserved = self._unobserved, None
+        return out
+
+    def checkpoint_state(self, unobserved: tuple | None) -> dict | None:
+        """The controller's state for a checkpoint (None without a controller that has one).
+
+        Args:
+          unobserved: `(step, counts [Lm, E])` of the step the loop fetched but has not fed to
+            the controller yet (counts arrive one step late), or None.
+        """
+        if not hasattr(self.controller, "state_dict"):
+            return None
+        step, counts = unobserved if unobserved is not None else (None, None)
+        return {
+            "controller": self.controller.state_dict(),
+            "unobserved_step": step,
+            "unobserved_counts": None if counts is None else np.asarray(counts).tolist(),
+        }
 
     def close(self) -> None:
         if self._compile is not None:

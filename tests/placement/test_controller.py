@@ -1,5 +1,7 @@
 """Controller: hysteresis (no flapping), reaction to drift, per-layer state, bookkeeping."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -199,7 +201,7 @@ def test_forecast_is_in_sample_until_a_replacement_is_measured():
     ctl = PlacementController(Placement.identity(E, N, S), H100_IB, WL, FAST)
     counts = _skewed_counts()
     (d,) = ctl.observe(0, counts)
-    assert ctl.realized_ratio == 1.0 and ctl.matured == 0
+    assert ctl.realized_ratio == 1.0 and ctl.realized.matured == 0
     before, after = ctl.forecast(0, d.old, d.new)
     assert before == d.old.imbalance(counts) and after == d.new.imbalance(counts) < before
 
@@ -211,7 +213,7 @@ def test_realized_ratio_is_one_on_stationary_routing():
     (d,) = ctl.observe(0, counts)
     for t in range(1, 1 + FAST.apply_lag + FAST.forecast_window):
         assert ctl.observe(t, counts) == []
-    assert ctl.matured == 1
+    assert ctl.realized.matured == 1
     assert ctl.realized_ratio == pytest.approx(1.0, rel=1e-12)
 
 
@@ -226,10 +228,10 @@ def test_realized_ratio_measures_the_steps_after_a_replacement_under_drift():
     ctl.observe(1, first)  # step 1 still runs the old layout: not measured
     for t in window:
         if t == window[-1]:
-            assert ctl.matured == 0  # matured only once the window's last step is seen
+            assert ctl.realized.matured == 0  # matured only once the window's last step is seen
         assert ctl.observe(t, shifted) == []  # min_interval: no second re-placement
     realized = d.old.imbalance(shifted) - d.new.imbalance(shifted)
-    assert ctl.matured == 1
+    assert ctl.realized.matured == 1
     assert ctl.realized_ratio == pytest.approx(realized / in_sample, rel=1e-12)
     assert ctl.realized_ratio < 0.5  # the layout fitted the old hot set
     # New forecasts scale the in-sample fall by it.
@@ -239,6 +241,44 @@ def test_realized_ratio_measures_the_steps_after_a_replacement_under_drift():
     assert ctl.forecast(0, old, new) == pytest.approx(
         (before, before - ctl.realized_ratio * fall), rel=1e-12, abs=1e-12
     )
+
+
+# Cut after the counts of step 100 (a change-detector streak open: the hot set moved at 100),
+# of step 103 (two re-placements followed, not yet measured to the end), of step 149 (quiet).
+@pytest.mark.parametrize("cut", [101, 104, 150])
+def test_state_dict_round_trip_makes_the_same_decisions(cut):
+    # Two layers, a drifting trace. A controller restored from the JSON state
+    # decides exactly as the one that kept running.
+    trace = drifting_zipf(
+        400, E, TOKENS, s=zipf_exponent_for(E, 4.0), shift_every=100, seed=5, num_layers=2
+    )
+    base = [Placement.identity(E, N, S)] * 2
+    config = ControllerConfig(forecast_window=6)
+    ctl = PlacementController(base, H100_IB, WL, config)
+    for t in range(cut):
+        ctl.observe(t, trace[t])
+    state = ctl.state_dict()
+    in_flight = {101: any(state["shifted"]), 104: state["realized"]["followed"], 150: True}
+    assert in_flight[cut]
+    restored = PlacementController(base, H100_IB, WL, config)
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.placements == ctl.placements
+    for t in range(cut, trace.shape[0]):
+        got, want = restored.observe(t, trace[t]), ctl.observe(t, trace[t])
+        assert [(d.layer, d.new) for d in got] == [(d.layer, d.new) for d in want], t
+    assert len(ctl.accepted) > len(restored.accepted) > 0
+    np.testing.assert_array_equal(restored.ema, ctl.ema)
+    assert restored.realized_ratio == ctl.realized_ratio
+    assert restored.realized.matured == ctl.realized.matured > 0
+    assert restored.state_dict()["realized"] == ctl.state_dict()["realized"]
+
+
+def test_load_state_dict_rejects_another_shape():
+    ctl = PlacementController(Placement.identity(E, N, S), H100_IB, WL)
+    ctl.observe(0, np.ones(E))
+    other = PlacementController(Placement.identity(E, N, S + 1), H100_IB, WL)
+    with pytest.raises(ValueError, match=r"tables of shapes \[\(24,\)\], expected \[\(32,\)\]"):
+        other.load_state_dict(ctl.state_dict())
 
 
 @pytest.mark.parametrize(

@@ -140,14 +140,24 @@ def test_checkpoint_restores_across_placements(reference, replaced, tmp_path):
         jax.tree.map(lambda a, b: _close(a, b), got, want)
 
 
-def test_real_controller_logs_predictions_and_measurements(tmp_path):
-    skew = ControllerConfig(
-        decide_every=2, patience=1, min_interval=4, min_relative_gain=0.02, forecast_window=3
-    )
-    factory = placed.controller_factory(MODEL, PLACED, mesh(), MODEL.max_seq_len, config=skew)
-    cfg = PLACED.replace(steps=16, warmup_steps=2)
-    result = _run(tmp_path, cfg, controller=factory)
-    events = read_events(str(tmp_path))
+SKEW = ControllerConfig(
+    decide_every=2, patience=1, min_interval=4, min_relative_gain=0.02, forecast_window=3
+)
+REAL = PLACED.replace(steps=16, warmup_steps=2)
+
+
+def _real_factory():
+    return placed.controller_factory(MODEL, PLACED, mesh(), MODEL.max_seq_len, config=SKEW)
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("real"), REAL, controller=_real_factory())
+
+
+def test_real_controller_logs_predictions_and_measurements(real):
+    result = real
+    events = read_events(result.run_dir)
     summary = result.placement
     assert events, "micro's early routing is skewed enough to re-place (see the controller log)"
     assert summary["replacements"] == len(events)
@@ -184,6 +194,30 @@ def test_real_controller_logs_predictions_and_measurements(tmp_path):
     want = np.mean([r["per_step_before"] - r["per_step_after"] for r in full])
     np.testing.assert_allclose(fall["in_sample_fall"], want, rtol=1e-12)
     assert summary.keys() >= {"replacements", "overhead_fraction"}
+
+
+# 7: the checkpoint holds a re-placement just applied; 9: one followed (steps 8-10), unmeasured.
+@pytest.mark.parametrize("stop", [7, 9])
+def test_resumed_controller_decides_as_if_never_stopped(real, tmp_path, stop):
+    # The checkpoint holds the controller's state and the counts it had not seen yet: the
+    # resumed run re-places at the same steps with the same tables, and ends equal.
+    cfg = REAL.replace(checkpoint_every=4)
+    first = _run(tmp_path, cfg, controller=_real_factory(), stop_at=stop)
+    assert first.step == stop
+    resumed = _run(tmp_path, REAL, controller=_real_factory())
+    assert resumed.steps_this_run == REAL.steps - stop
+    fields = ("step", "applied_after_step", "layer", "old", "new", "per_step_before")
+    got = [{k: e[k] for k in fields} for e in read_events(str(tmp_path))]
+    want = [{k: e[k] for k in fields} for e in read_events(real.run_dir)]
+    assert got == want
+    assert any(e["applied_after_step"] > stop for e in want), "a re-placement after the cut"
+    losses = lambda r: [rec["loss"] for rec in r.records]
+    assert losses(resumed) == losses(real)
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        _logical_params(resumed, REAL),
+        _logical_params(real, REAL),
+    )
 
 
 def test_placement_setup_errors(tmp_path):
