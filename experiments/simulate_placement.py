@@ -4,10 +4,10 @@ Replays routing traces through the analytic cost model (moejax/placement/cost_mo
 8 to 2048 devices and prints, per trace and device count: modeled step time, speedup over static
 placement, gap to the perfect-balance bound, and controller overhead ((host decision wall time +
 modeled migration time) / total modeled time). Saves a PNG and a JSON of the table. The last
-column, ``repl. sync``, is what combining the gradients of experts replicated across devices
-would add every step (``cost_model.replica_sync_s``, a ring all-reduce with no overlap), as a
-fraction of the modeled time: training does it, ``step_cost`` leaves it out, so it is shown
-beside the totals rather than in them (shadowing's per-step sync is in its time already).
+column, ``repl. sync``, is the part of the modeled time spent combining the gradients of
+experts replicated across devices every step (``cost_model.replica_sync_s``, a ring all-reduce
+with no overlap): ``step_cost`` charges it and the controller's planner weighs it against
+balance (shadowing pays its own per-step sync, in its migration column).
 
 Scaling: ``E = 2N`` experts (two home experts per device) and ``S = E/N + spare`` slots per
 device (default one spare slot, the same expert memory for every strategy). Synthetic traces use

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -160,7 +161,8 @@ class PlacementController:
       hardware: hardware figures for the cost model.
       workload: layer shape for the cost model.
       config: thresholds and intervals.
-      planner: ``(placement, counts [E], max_moves=) -> Placement``; default ``plan``.
+      planner: ``(placement, counts [E], max_moves=) -> Placement``; default ``plan`` given
+        ``hardware`` and ``workload`` (weighing replica gradient sync against balance).
 
     >>> p = Placement.identity(num_experts=4, num_devices=2, slots_per_device=3)
     >>> from moejax.placement.cost_model import H100_NVLINK, Workload
@@ -176,8 +178,10 @@ class PlacementController:
         hardware: HardwareModel,
         workload: Workload,
         config: ControllerConfig = ControllerConfig(),
-        planner: Callable[..., Placement] = _plan,
+        planner: Callable[..., Placement] | None = None,
     ):
+        if planner is None:
+            planner = functools.partial(_plan, hardware=hardware, workload=workload)
         if isinstance(placements, Placement):
             placements = [placements]
         self.placements: list[Placement] = list(placements)  # [L] current placements

@@ -9,8 +9,11 @@ One layer's step (forward + backward) is modeled as
 * all-to-all: ``passes`` exchanges (dispatch + combine, forward + backward) of ``D``-wide rows;
   each device's time is ``max(rows sent, rows received)`` x ``D`` x bytes / link bandwidth, split
   between the in-node and the cross-node link, and the slowest device sets the time;
-* no overlap between the two (the Lancet overlap is modeled elsewhere; placement only changes
-  how big each part is).
+* replica gradient sync: the gradients of an expert replicated on several devices are combined
+  every step (a ring all-reduce among its holders, ``replica_sync_s``), the part not hidden
+  behind the backward pass (``Workload.replica_sync_overlap``, default none) is charged;
+* no overlap between compute and all-to-all (the Lancet overlap is modeled elsewhere; placement
+  only changes how big each part is).
 
 Token sources are assumed uniform over devices: each device produces ``total/N`` rows, and the
 rows of an expert that has a replica on the source device stay there (``n_e/N`` per device
@@ -113,6 +116,10 @@ class Workload:
       state_bytes_per_param: bytes per parameter moved on migration: bf16 params (2) + fp32
         master copy (4) + Adam moments (8) = 14.
       all_to_all_passes: exchanges per step (dispatch + combine, forward + backward = 4).
+      replica_sync_overlap: fraction in ``[0, 1]`` of the replica gradient all-reduce hidden
+        behind the rest of the backward pass (0: none hidden, the honest upper bound; the
+        gradients of an expert are ready only after its backward GEMMs, so the real figure
+        depends on the schedule).
     """
 
     tokens_per_device: int = 8192
@@ -124,12 +131,19 @@ class Workload:
     param_bytes: int = 2
     state_bytes_per_param: int = 14
     all_to_all_passes: int = 4
+    replica_sync_overlap: float = 0.0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
+            if field.name == "replica_sync_overlap":
+                continue
             value = getattr(self, field.name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field.name} must be a positive int, got {value!r}")
+        if not 0.0 <= self.replica_sync_overlap <= 1.0:
+            raise ValueError(
+                f"replica_sync_overlap must lie in [0, 1], got {self.replica_sync_overlap!r}"
+            )
 
     @property
     def expert_params(self) -> int:
@@ -151,17 +165,31 @@ class Workload:
         """Rows routed per device per step, ``T·K``."""
         return self.tokens_per_device * self.top_k
 
+    @property
+    def expert_grad_bytes(self) -> int:
+        """Bytes of one expert's gradient as combined across replicas (``param_bytes`` each)."""
+        return self.expert_params * self.param_bytes
+
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """Modeled time of one layer step, in seconds."""
+    """Modeled time of one layer step, in seconds.
+
+    Attributes:
+      compute_s: the busiest device's expert FLOPs (forward + backward) at peak.
+      all_to_all_s: dispatch + combine exchanges, forward + backward.
+      replica_sync_s: the exposed part of the per-step all-reduce of the gradients of experts
+        replicated across devices (``replica_sync_s``); 0 without such replicas.
+    """
 
     compute_s: float
     all_to_all_s: float
+    replica_sync_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.all_to_all_s
+        """Step time: the three parts one after the other (each set by its slowest device)."""
+        return self.compute_s + self.all_to_all_s + self.replica_sync_s
 
 
 def _a2a_s(load, local, total, num_devices, hw, wl) -> float:
@@ -174,7 +202,7 @@ def _a2a_s(load, local, total, num_devices, hw, wl) -> float:
 def step_cost(
     placement: Placement, counts: np.ndarray, hw: HardwareModel, wl: Workload
 ) -> StepCost:
-    """Modeled compute + all-to-all time of one layer step.
+    """Modeled compute + all-to-all + exposed replica gradient sync of one layer step.
 
     Args:
       placement: the layer's placement (``N`` devices, ``P`` slots).
@@ -193,11 +221,42 @@ def step_cost(
     # [N] rows whose source device holds a replica of their expert stay local.
     local = np.bincount(keys // e, weights=counts[keys % e], minlength=n) / n
     compute = float(load.max()) * wl.flops_per_row / hw.flops_per_s
-    return StepCost(compute, _a2a_s(load, local, counts.sum(), n, hw, wl))
+    sync = (1.0 - wl.replica_sync_overlap) * replica_sync_s(placement, hw, wl)
+    return StepCost(compute, _a2a_s(load, local, counts.sum(), n, hw, wl), sync)
+
+
+def rows_per_gradient(hw: HardwareModel, wl: Workload, num_devices: int) -> float:
+    """Rows of the busiest device worth one expert gradient sent in the replica all-reduce.
+
+    The planner balances rows; this converts replica gradient sync into rows so that it can
+    weigh both: a device sending ``x`` expert gradients (``x = sum 2 (d_e - 1) / d_e`` over the
+    replicated experts it holds, ``replica_sync_s``) costs as much as ``x`` times this many
+    extra rows on the busiest device, whose time per row is its compute plus the all-to-all of
+    receiving the row (the receiving side sets the busiest device's exchange time).
+
+    Args:
+      hw: hardware figures.
+      wl: layer shape.
+      num_devices: ``N``.
+
+    Returns:
+      Rows per exposed expert gradient (0.0 when the sync is fully overlapped).
+    """
+    per_byte = float(hw.transfer_s(1.0, num_devices))  # transfer time is linear in bytes
+    row_s = wl.flops_per_row / hw.flops_per_s
+    row_s += wl.all_to_all_passes * wl.d_model * wl.activation_bytes * per_byte
+    grad_s = (1.0 - wl.replica_sync_overlap) * wl.expert_grad_bytes * per_byte
+    return grad_s / row_s
 
 
 def perfect_cost(counts: np.ndarray, num_devices: int, hw: HardwareModel, wl: Workload) -> StepCost:
     """Perfect-balance bound: every device computes ``total/N`` rows, ``1/N`` of them local.
+
+    No expert is replicated, so no replica gradient sync is charged (``replica_sync_s = 0``),
+    which keeps it a lower bound on compute + sync for every placement of the same counts
+    (compute is at least ``total/N`` rows, sync at least 0). Its all-to-all is the one of a
+    device holding each expert's rows in ``1/N``: a placement with many replicas keeps more
+    rows local and can undercut it (negative gaps with several spare slots per device).
 
     Args:
       counts: ``[E]`` rows per expert in this step.
@@ -255,9 +314,8 @@ def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> flo
     math is the unreplicated model's). Modeled as a ring all-reduce of the bf16 gradients among
     the ``d_e`` devices holding expert ``e``: each of them sends ``2 (d_e - 1) / d_e`` x the
     expert's gradient bytes; the busiest device sets the time, nothing overlapped. Replicas on
-    one device cost nothing. This is *not* part of ``step_cost`` (the simulator reports it
-    beside the step time): an upper bound, since gradient reductions usually overlap the rest of
-    the backward pass.
+    one device cost nothing. ``step_cost`` charges it, less the part
+    ``Workload.replica_sync_overlap`` hides behind the backward pass.
 
     Args:
       placement: the layer's placement.
@@ -270,6 +328,6 @@ def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> flo
     keys = placement.device_expert_keys()  # (device, expert) pairs present
     e = placement.num_experts
     holders = np.bincount(keys % e, minlength=e)[keys % e]  # devices holding each pair's expert
-    share = 2.0 * (holders - 1) / holders * wl.expert_params * wl.param_bytes
+    share = 2.0 * (holders - 1) / holders * wl.expert_grad_bytes
     nbytes = np.bincount(keys // e, weights=share, minlength=placement.num_devices)
     return float(hw.transfer_s(nbytes, placement.num_devices).max())

@@ -89,7 +89,9 @@ def _divisor_method(counts: np.ndarray, num_slots: int, cap: int, offset: float 
     return r
 
 
-def replica_counts(counts: np.ndarray, num_devices: int, slots_per_device: int) -> np.ndarray:
+def replica_counts(
+    counts: np.ndarray, num_devices: int, slots_per_device: int, sync_rows: float = 0.0
+) -> np.ndarray:
     """Replica counts ``[E]`` for ``pack``, chosen among a few apportionments by packed balance.
 
     ``apportion`` minimises the largest replica, which is not the same as packing well into
@@ -104,20 +106,38 @@ def replica_counts(counts: np.ndarray, num_devices: int, slots_per_device: int) 
       ``k`` that makes a replica of the coldest expert fit beside two of the smallest unsplit
       experts, ``c`` on a doubling grid up to ``N / 4``, refined around the best.
 
+    Replicas on different devices are not free: their gradients are combined every step. With
+    ``sync_rows > 0`` a candidate's score is its packed maximum plus ``sync_rows`` x the busiest
+    device's share of the ring all-reduces, ``sum 2 (r_e - 1) / r_e`` over the replicated
+    experts it holds; and candidates that leave spare slots to ``fill_spare`` (a duplicate on
+    the same device, no sync) are tried too: the ``B`` highest apportionment priorities only,
+    ``B`` on a doubling grid below ``P - E``.
+
     Args:
       counts: ``[E]`` rows per expert (float64).
       num_devices: ``N``.
       slots_per_device: ``S``.
+      sync_rows: rows the busiest device computes and exchanges in the time one device sends
+        a whole expert gradient in the replica all-reduce (``cost_model.rows_per_gradient``);
+        0 to balance rows alone.
 
     Returns:
-      ``[E]`` int64 replica counts, each in ``[1, N]`` unless every expert is capped.
+      ``[E]`` int64 replica counts, each in ``[1, N]`` unless every expert is capped, summing to
+      ``P`` (always when ``sync_rows == 0``) or less (the rest of the slots for ``fill_spare``).
     """
     num_experts, num_slots = counts.shape[0], num_devices * slots_per_device
     coldest = np.argsort(counts, kind="stable")
 
     def packed_max(r: np.ndarray) -> float:
-        weights = np.sort(np.repeat(counts / r, r))[::-1]
-        return float(_differencing(weights, num_devices)[1].max())
+        weights = np.repeat(counts / r, r)
+        order = np.argsort(-weights, kind="stable")
+        spare = np.zeros(num_slots - weights.size)  # fill_spare's slots, last among equals
+        table, loads = _differencing(np.concatenate([weights[order], spare]), num_devices)
+        if sync_rows <= 0:
+            return float(loads.max())
+        share = np.repeat(np.where(r > 1, 2.0 * (r - 1) / r, 0.0), r)[order]
+        share = np.concatenate([share, spare])[table].sum(axis=1)  # [N]
+        return float(loads.max() + sync_rows * share.max())
 
     def split_cold(k: int, c: int) -> np.ndarray:
         r = np.full(num_experts, k, np.int64)
@@ -143,7 +163,37 @@ def replica_counts(counts: np.ndarray, num_devices: int, slots_per_device: int) 
         score, r = min(by_c.values(), key=lambda item: item[0])
         scores.append(score)
         tried.append(r)
+    if sync_rows > 0:  # fewer replicas across devices, the other spare slots duplicated in place
+        least = max(num_devices - num_experts, 0)  # every device needs one expert of its own
+        top = num_slots - num_experts
+        grid = {least} | {2**i for i in range(top.bit_length()) if 2**i > least}
+        for extra in sorted(x for x in grid if x < top):
+            r = _divisor_method(counts, num_experts + extra, num_devices)
+            scores.append(packed_max(r))
+            tried.append(r)
     return tried[int(np.argmin(scores))]
+
+
+def fill_spare(table: np.ndarray, replicas: np.ndarray) -> np.ndarray:
+    """Fills the empty slots (ids < 0) of a packing with duplicates of an expert of the device.
+
+    A duplicate of an expert the device alone holds (``replicas[e] == 1``) changes nothing: the
+    expert's rows stay on that device, split over two of its slots, and nothing is synced. A
+    device holding only replicated experts duplicates its first one (which then takes a larger
+    share of that expert's rows); one holding nothing gets expert 0.
+
+    Args:
+      table: ``[N, S]`` experts per device, ids < 0 for empty slots.
+      replicas: ``[E]`` devices holding each expert in ``table``.
+
+    Returns:
+      ``[N, S]`` int64 experts per device, every slot filled.
+    """
+    real = table >= 0
+    own = real & (replicas[np.maximum(table, 0)] == 1)
+    column = np.where(own.any(axis=1), np.argmax(own, axis=1), np.argmax(real, axis=1))
+    host = np.where(real.any(axis=1), table[np.arange(table.shape[0]), column], 0)
+    return np.where(real, table, host[:, None]).astype(np.int64)
 
 
 def _cold_split_ways(counts: np.ndarray, num_devices: int) -> list[int]:

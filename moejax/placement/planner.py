@@ -32,9 +32,19 @@ too many devices are above the target), then more greedy moves, at most as many 
 sends expert copies (and none when more devices than that are above the target: a move lowers
 the busiest device and, at most, the other holders of one expert).
 
+**Replica sync** (when ``plan`` is given the ``hardware`` and ``workload``): a replica on
+another device is not free, its gradients are combined with the others' every step
+(``cost_model.replica_sync_s``), so the result above, which balances rows alone, is weighed by
+the full modeled step time (compute + all-to-all + sync) against a sync-aware re-pack: replica
+counts scored by packed rows plus the busiest device's sync in rows
+(``cost_model.rows_per_gradient``), with candidates that replicate fewer experts across devices
+and fill the spare slots with same-device duplicates (free). The re-pack must beat a candidate
+that sends fewer expert copies by ``_GLOBAL_MARGIN``.
+
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
-``S`` slots, and the returned placement's busiest-device rows are strictly lower than the
-input's, or the input object itself is returned.
+``S`` slots, and the returned placement's busiest-device rows (with ``hardware`` and
+``workload``: its modeled step time) are strictly lower than the input's, or the input object
+itself is returned.
 
 Plain numpy; no jax.
 """
@@ -43,8 +53,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.placement.cost_model import copies_needed
-from moejax.placement.packing import align, apportion, pack, rebalance, replica_counts
+from moejax.placement.cost_model import (
+    HardwareModel,
+    Workload,
+    copies_needed,
+    rows_per_gradient,
+    step_cost,
+)
+from moejax.placement.packing import align, apportion, fill_spare, pack, rebalance, replica_counts
 from moejax.placement.table import Placement, check_counts
 
 __all__ = ["apportion", "plan"]  # apportion lives in packing.py; re-exported here
@@ -196,8 +212,10 @@ def plan(
     *,
     max_moves: int | None = None,
     tolerance: float = 0.01,
+    hardware: HardwareModel | None = None,
+    workload: Workload | None = None,
 ) -> Placement:
-    """Greedy re-placement that lowers the busiest device's rows for ``counts``.
+    """Re-placement that lowers the busiest device's rows (or the modeled step time).
 
     Args:
       placement: the current placement (``N`` devices, ``S`` slots each).
@@ -206,10 +224,14 @@ def plan(
         copy, each swap two.
       tolerance: stop once the busiest device is within ``1 + tolerance`` of the mean load
         (further moves would buy almost nothing and cost migration).
+      hardware: with ``workload``, weigh replica gradient sync against balance (module
+        docstring) and return a placement of strictly lower ``step_cost``; None: rows alone.
+      workload: the layer shape for ``hardware``.
 
     Returns:
-      A placement whose busiest device computes strictly fewer rows than in ``placement``, or
-      ``placement`` itself when no move helps.
+      A placement whose busiest device computes strictly fewer rows than in ``placement`` (with
+      ``hardware``: whose modeled step time is strictly lower), or ``placement`` itself when
+      nothing helps.
 
     >>> p = Placement.identity(num_experts=4, num_devices=2, slots_per_device=3)
     >>> counts = np.array([90.0, 2.0, 4.0, 4.0])
@@ -220,10 +242,25 @@ def plan(
     max_moves = _DEFAULT_MAX_MOVES if max_moves is None else max_moves
     if max_moves < 0:
         raise ValueError(f"max_moves must be >= 0, got {max_moves!r}")
+    if (hardware is None) != (workload is None):
+        raise ValueError(
+            f"hardware and workload must be given together, got hardware={hardware!r}, "
+            f"workload={workload!r}"
+        )
     if counts.sum() <= 0 or placement.num_devices == 1:
         return placement
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+    if hardware is None:
+        return _balance_rows(placement, counts, max_moves, tolerance)
+    sync_rows = rows_per_gradient(hardware, workload, placement.num_devices)
+    candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows)
+    return _weigh_sync(placement, candidate, counts, hardware, workload, sync_rows)
+
+
+def _balance_rows(placement, counts, max_moves: int, tolerance: float, sync_rows: float = 0.0):
+    """Greedy pass, repair and re-pack (module docstring; the re-pack weighs replica sync at
+    ``sync_rows``): a placement of strictly fewer rows on the busiest device, or ``placement``."""
     good_enough = (1.0 + tolerance) * counts.sum() / placement.num_devices
     before = placement.device_load(counts).max()
     if before <= good_enough:
@@ -234,7 +271,7 @@ def plan(
         candidate = _greedy(placement, counts, min(max_moves, _QUICK_MOVES), good_enough)
         after = candidate.device_load(counts).max()
     if after > good_enough:
-        repacked = _repack(placement, counts)
+        repacked = _repack(placement, counts, sync_rows)
         packed_max = repacked.device_load(counts).max()
         target = max(good_enough, packed_max / (1.0 - _GLOBAL_MARGIN))
         if after > target:  # swap replicas between busy and idle devices, counts unchanged
@@ -255,13 +292,31 @@ def plan(
     return candidate if after < before - tol else placement
 
 
-def _repack(placement: Placement, counts: np.ndarray) -> Placement:
-    """Global re-pack (``packing.py``): apportioned replica counts, balanced packing, devices
+def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float) -> Placement:
+    """``candidate`` if its modeled step time (sync included) is strictly below the input's.
+    When rows alone found nothing to do but the input pays replica sync, the sync-aware
+    re-pack is tried instead, and kept if it saves ``_GLOBAL_MARGIN`` of the step."""
+    now = step_cost(placement, counts, hw, wl).total_s
+    limit = now * (1.0 - _REL_TOL)
+    if candidate is placement:
+        if step_cost(placement, counts, hw, wl).replica_sync_s == 0:
+            return placement  # balanced within tolerance (or stuck) with nothing to sync
+        candidate = _repack(placement, counts, sync_rows)
+        limit = now * (1.0 - _GLOBAL_MARGIN)
+    return candidate if step_cost(candidate, counts, hw, wl).total_s < limit else placement
+
+
+def _repack(placement: Placement, counts: np.ndarray, sync_rows: float = 0.0) -> Placement:
+    """Global re-pack (``packing.py``): apportioned replica counts (weighing replica sync at
+    ``sync_rows``; spare slots left over are duplicated in place), balanced packing, devices
     relabelled onto the current placement to keep experts in place."""
     n_dev = placement.num_devices
-    r = replica_counts(counts, n_dev, placement.slots_per_device)
-    experts = np.repeat(np.arange(placement.num_experts), r)  # [P]
-    packed = pack(counts[experts] / r[experts], experts, n_dev)  # [N, S]
+    r = replica_counts(counts, n_dev, placement.slots_per_device, sync_rows)
+    experts = np.repeat(np.arange(placement.num_experts), r)
+    spare = placement.num_slots - experts.size  # 0 unless sync_rows > 0
+    ids = np.concatenate([experts, -1 - np.arange(spare)])  # [P]; distinct ids < 0: empty
+    weights = np.concatenate([counts[experts] / r[experts], np.zeros(spare)])
+    packed = fill_spare(pack(weights, ids, n_dev), r)  # [N, S]
     return placement.with_table(align(placement.device_table(), packed, placement.num_experts))
 
 

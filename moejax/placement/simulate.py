@@ -7,10 +7,13 @@ Strategies, all with the same ``S`` slots per device (the same expert memory):
 * ``static``: ``Placement.identity`` (expert ``e`` on device ``e // (E/N)``), never changed.
 * ``shadowing``: FasterMoE-style; each step, from the previous step's counts, the ``k`` hottest
   experts are replicated on every device in the spare slots. Their tokens stay local, but every
-  step pays a broadcast of their parameters and a reduction of their gradients.
-* ``controller``: ``PlacementController`` fed the counts one step late; accepted re-placements
-  take effect at the next step and pay their modeled migration time.
-* ``perfect``: the perfect-balance bound (``total rows / N`` on every device).
+  step pays a broadcast of their parameters and a reduction of their gradients (its own
+  figure; ``step_cost``'s replica sync is not charged on top).
+* ``controller``: ``PlacementController`` fed the counts one step late (its default planner
+  weighs replica sync against balance); accepted re-placements take effect at
+  the next step and pay their modeled migration time, and every step pays the replica gradient
+  sync of its placements (in ``step_cost``).
+* ``perfect``: the perfect-balance bound (``total rows / N`` on every device, no replicas).
 
 Modeled time is the sum over steps and layers of ``step_cost`` plus migration/sync time.
 """
@@ -26,7 +29,6 @@ from moejax.placement.cost_model import (
     HardwareModel,
     Workload,
     perfect_cost,
-    replica_sync_s,
     step_cost,
 )
 from moejax.placement.table import Placement
@@ -38,14 +40,14 @@ class MethodResult:
 
     Attributes:
       name: strategy name.
-      step_s: ``[steps]`` modeled step time summed over layers (seconds), excluding migration.
+      step_s: ``[steps]`` modeled step time summed over layers (seconds), excluding migration,
+        including the replica gradient sync of ``step_cost``.
       migration_s: modeled time spent moving experts (or syncing shadowed experts).
       decision_wall_s: measured host wall time of the controller's checks.
       replacements: accepted re-placements (summed over layers).
-      replica_sync_s: modeled per-step combination of gradients of experts replicated across
-        devices (``cost_model.replica_sync_s``), summed over steps and layers; reported beside
-        the total, not included in it (shadowing's per-step sync is already in its
-        ``migration_s``).
+      replica_sync_s: the part of ``step_s`` spent combining the gradients of experts
+        replicated across devices (``StepCost.replica_sync_s``), summed over steps and layers
+        (0 for shadowing, whose per-step sync is its ``migration_s``).
     """
 
     name: str
@@ -66,14 +68,17 @@ class MethodResult:
         return (self.decision_wall_s + self.migration_s) / self.total_s
 
 
-def _layer_costs(trace: np.ndarray, placements: list[Placement], hw, wl) -> float:
-    return sum(step_cost(p, c, hw, wl).total_s for p, c in zip(placements, trace, strict=True))
+def _layer_costs(trace: np.ndarray, placements: list[Placement], hw, wl) -> list:
+    """``StepCost`` of each layer's placement for its counts ``trace [L, E]``."""
+    return [step_cost(p, c, hw, wl) for p, c in zip(placements, trace, strict=True)]
 
 
 def run_static(trace: np.ndarray, placement: Placement, hw: HardwareModel, wl: Workload):
     """Static placement on every layer. ``trace``: ``[steps, L, E]``. Returns a MethodResult."""
-    steps = np.array([_layer_costs(c, [placement] * len(c), hw, wl) for c in trace])
-    return MethodResult("static", steps)
+    costs = [_layer_costs(c, [placement] * len(c), hw, wl) for c in trace]
+    steps = np.array([sum(c.total_s for c in layers) for layers in costs])
+    sync = sum(c.replica_sync_s for layers in costs for c in layers)  # 0 without spare slots
+    return MethodResult("static", steps, replica_sync_s=sync)
 
 
 def run_perfect(trace: np.ndarray, num_devices: int, hw: HardwareModel, wl: Workload):
@@ -81,7 +86,7 @@ def run_perfect(trace: np.ndarray, num_devices: int, hw: HardwareModel, wl: Work
     steps = np.array(
         [sum(perfect_cost(c, num_devices, hw, wl).total_s for c in layers) for layers in trace]
     )
-    return MethodResult("perfect", steps)
+    return MethodResult("perfect", steps)  # no replicas: no sync
 
 
 def shadow_placement(base: Placement, counts: np.ndarray, k: int) -> Placement:
@@ -117,7 +122,8 @@ def run_shadowing(trace, base: Placement, hw: HardwareModel, wl: Workload, k: in
     for t in range(steps):
         previous = trace[max(t - 1, 0)]
         placements = [shadow_placement(base, previous[layer], k) for layer in range(num_layers)]
-        step_s[t] = _layer_costs(trace[t], placements, hw, wl)
+        costs = _layer_costs(trace[t], placements, hw, wl)
+        step_s[t] = sum(c.compute_s + c.all_to_all_s for c in costs)  # sync: below
     return MethodResult("shadowing", step_s, migration_s=sync_s * steps if k else 0.0)
 
 
@@ -128,7 +134,7 @@ def run_controller(
     wl: Workload,
     config: ControllerConfig | None = None,
 ):
-    """Our controller, fed each step's counts one step late.
+    """Our controller, fed each step's counts one step late, planning with replica sync weighed.
 
     Args:
       trace: ``[steps, L, E]`` counts.
@@ -143,15 +149,13 @@ def run_controller(
     config = ControllerConfig() if config is None else config
     ctl = PlacementController([base] * trace.shape[1], hw, wl, config)
     step_s = np.empty(trace.shape[0])
-    sync_s, sync_of = 0.0, {}  # replica gradient combination, memoised per placement
+    sync_s = 0.0
     for t in range(trace.shape[0]):
         if t > 0:
             ctl.observe(t - 1, trace[t - 1])  # read one step late; applies from step t on
-        step_s[t] = _layer_costs(trace[t], ctl.placements, hw, wl)
-        for p in ctl.placements:
-            if p not in sync_of:
-                sync_of[p] = replica_sync_s(p, hw, wl)
-            sync_s += sync_of[p]
+        costs = _layer_costs(trace[t], ctl.placements, hw, wl)
+        step_s[t] = sum(c.total_s for c in costs)
+        sync_s += sum(c.replica_sync_s for c in costs)
     return MethodResult(
         "controller",
         step_s,
@@ -200,7 +204,7 @@ def summarize(results: dict[str, MethodResult]) -> list[dict]:
     """One row per strategy: mean step ms, speedup vs static, gap to perfect, overhead (host
     decision + migration) and its migration-only part, as fractions of the modeled time, and
     the measured host decision time in seconds; ``replica_sync``: replica gradient combination
-    as a fraction of the modeled time (not included in it, see ``MethodResult``)."""
+    as a fraction of the modeled time (included in it, see ``MethodResult``)."""
     static, perfect = results["static"].total_s, results["perfect"].total_s
     rows = []
     for name, r in results.items():

@@ -120,3 +120,39 @@ def test_replica_sync_counts_only_replicas_on_other_devices():
     grad = wl.expert_params * wl.param_bytes
     expected_device0 = 2 * 3 / 4 * grad + 2 * 1 / 2 * grad  # experts 0 (4 devices), 1 (2)
     assert replica_sync_s(p, flat, wl) == pytest.approx(expected_device0 / 1e11)
+
+
+def test_step_cost_charges_replica_sync_by_hand():
+    # Expert 0 on both devices (twice on device 0, a free local duplicate): 3 slots, 100 rows
+    # each. Loads 200 + 60 = 260 and 100 + 90 + 30 = 220 rows; each device makes 240 rows and
+    # keeps those of experts it holds: local (300 + 60) / 2 = 180 and (300 + 90 + 30) / 2 = 210.
+    hw = H100_NVLINK
+    p = Placement(np.array([0, 1, 0, 0, 2, 3]), 4, 2, 3)
+    counts = np.array([300.0, 60, 90, 30])
+    cost = step_cost(p, counts, hw, WL)
+    compute = 260 * WL.flops_per_row / 989e12
+    a2a = 4 * max(240 - 180, 260 - 180) * 512 * 2 / 450e9
+    sync = 2 * (2 - 1) / 2 * (3 * 512 * 1024 * 2) / 450e9  # ring all-reduce of 2 bf16 replicas
+    assert (cost.compute_s, cost.all_to_all_s) == pytest.approx((compute, a2a), rel=1e-12)
+    assert cost.replica_sync_s == pytest.approx(sync, rel=1e-12)
+    assert cost.total_s == pytest.approx(compute + a2a + sync, rel=1e-12)
+    hidden = dataclasses.replace(WL, replica_sync_overlap=0.25)
+    assert step_cost(p, counts, hw, hidden).replica_sync_s == pytest.approx(0.75 * sync)
+    # No replica across devices, no sync; the perfect bound never has any.
+    assert step_cost(Placement.identity(4, 2, 3), counts, hw, WL).replica_sync_s == 0.0
+    assert perfect_cost(counts, 2, hw, WL).replica_sync_s == 0.0
+
+
+def test_replica_sync_overlap_validation():
+    with pytest.raises(ValueError, match="replica_sync_overlap must lie in \\[0, 1\\], got 1.5"):
+        Workload(replica_sync_overlap=1.5)
+
+
+def test_rows_per_gradient_converts_sync_to_busiest_device_rows():
+    from moejax.placement.cost_model import rows_per_gradient
+
+    grad_s = 3 * 512 * 1024 * 2 / 450e9
+    row_s = WL.flops_per_row / 989e12 + 4 * 512 * 2 / 450e9
+    assert rows_per_gradient(H100_NVLINK, WL, 8) == pytest.approx(grad_s / row_s, rel=1e-12)
+    hidden = dataclasses.replace(WL, replica_sync_overlap=1.0)
+    assert rows_per_gradient(H100_NVLINK, hidden, 8) == 0.0

@@ -117,3 +117,45 @@ def test_apportion_caps_replicas_at_devices():
     assert capped.tolist() == [4, 2, 1, 1, 1, 1, 1, 1]
     with pytest.raises(ValueError, match="num_slots must be >= E=8, got 7"):
         apportion(counts, 7)
+
+
+def _spans_devices(p: Placement) -> np.ndarray:
+    """``[E]`` number of devices holding each expert."""
+    keys = p.device_expert_keys()
+    return np.bincount(keys % p.num_experts, minlength=p.num_experts)
+
+
+def test_plan_weighs_replica_sync_against_balance():
+    from moejax.placement import H100_NVLINK, Workload, step_cost
+
+    wl = Workload(tokens_per_device=64, top_k=2, d_model=8192, d_ff=16384)
+    p = Placement.identity(num_experts=2, num_devices=2, slots_per_device=2)
+    # Tiny skew: 110 vs 90 rows, which only a replica across the devices can balance; its
+    # per-step gradient all-reduce costs far more than 10 rows of work.
+    tiny = np.array([110.0, 90])
+    assert _spans_devices(plan(p, tiny)).max() == 2  # rows alone replicate
+    assert plan(p, tiny, hardware=H100_NVLINK, workload=wl) is p
+    # Large skew: the hot expert is worth its sync.
+    hot = np.array([90_000.0, 100])
+    q = plan(p, hot, hardware=H100_NVLINK, workload=wl)
+    assert _spans_devices(q)[0] == 2
+    cost = step_cost(q, hot, H100_NVLINK, wl)
+    assert cost.replica_sync_s > 0
+    assert cost.total_s < step_cost(p, hot, H100_NVLINK, wl).total_s
+    with pytest.raises(ValueError, match="hardware and workload must be given together"):
+        plan(p, hot, hardware=H100_NVLINK)
+
+
+@settings(max_examples=60, deadline=None)
+@given(placements_and_counts(), st.sampled_from([16, 4096]))
+def test_plan_with_sync_lowers_the_modeled_step_or_returns_input(case, d_model):
+    from moejax.placement import H100_IB, Workload, step_cost
+
+    start, counts, max_moves = case
+    wl = Workload(tokens_per_device=256, top_k=2, d_model=d_model, d_ff=2 * d_model)
+    new = plan(start, counts, max_moves=max_moves, hardware=H100_IB, workload=wl)
+    assert new.expert_replica_counts().min() >= 1
+    assert new.device_table().shape == (start.num_devices, start.slots_per_device)
+    if new is not start:
+        before = step_cost(start, counts.astype(float), H100_IB, wl).total_s
+        assert step_cost(new, counts.astype(float), H100_IB, wl).total_s < before
