@@ -6,9 +6,11 @@ The training loop calls ``observe(step, counts)`` with the per-layer expert coun
 a step, read back one step late and asynchronously (the controller never touches device
 arrays, never blocks on them, and never imports jax). The controller keeps an exponential moving
 average of the counts per layer; every ``decide_every`` observed steps it checks each layer.
-The planner runs only when the layer's imbalance (busiest device / mean, on the EMA) exceeds
+The planner runs only when the layer's modeled step time on the EMA (compute of the busiest
+device, all-to-all and replica gradient sync), over the perfect-balance bound, exceeds
 ``(1 + min_relative_gain)`` times what the last plan left (1.0 at the start), so a settled
-layer costs almost no host time. A change detector (``react_gain``) also tests every step, in
+layer costs almost no host time (and replicas that only cost sync once routing moved on are
+re-planned, though the imbalance did not rise). A change detector (``react_gain``) also tests every step, in
 O(P) per layer, whether the current placement is far more imbalanced on the raw counts than the
 last plan left it and than on the EMA; confirmed over ``react_steps`` steps, the layer's EMA is
 re-seeded from those steps' counts and the layer is checked at once, so an abrupt routing shift
@@ -53,7 +55,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from moejax.placement.cost_model import HardwareModel, Workload, migration_bytes, migration_s
+from moejax.placement.cost_model import (
+    HardwareModel,
+    Workload,
+    migration_bytes,
+    migration_s,
+    perfect_cost,
+)
 from moejax.placement.cost_model import step_cost as _step_cost
 from moejax.placement.planner import plan as _plan
 from moejax.placement.realized import FallTracker
@@ -204,6 +212,7 @@ class PlacementController:
         self._streak = [0] * num_layers
         self._last_change = [None] * num_layers
         self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
+        self._settled_cost = [1.0] * num_layers  # its modeled step over the perfect bound
         self._shifted: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # raw counts
         self._shift_base = [1.0] * num_layers  # imbalance a streak of shifted steps is beyond
         self.realized = FallTracker()  # accepted re-placements, followed over the steps after
@@ -330,6 +339,7 @@ class PlacementController:
             "streak": list(self._streak),
             "last_change": list(self._last_change),
             "settled": list(self._settled),
+            "settled_cost": list(self._settled_cost),
             "shifted": [[c.tolist() for c in layer] for layer in self._shifted],
             "shift_base": list(self._shift_base),
             "realized": self.realized.state_dict(),
@@ -356,6 +366,7 @@ class PlacementController:
         self._streak = [int(x) for x in state["streak"]]
         self._last_change = list(state["last_change"])
         self._settled = [float(x) for x in state["settled"]]
+        self._settled_cost = [float(x) for x in state["settled_cost"]]
         self._shifted = [[np.asarray(c, np.float64) for c in layer] for layer in state["shifted"]]
         self._shift_base = [float(x) for x in state["shift_base"]]
         self.realized.load_state_dict(state["realized"], self.placements)
@@ -403,22 +414,25 @@ class PlacementController:
                 reason=f"min_interval: {step - last} < {cfg.min_interval} steps",
             )
         imbalance = old.imbalance(ema)
-        floor = max(1.0, self._settled[layer]) * (1.0 + cfg.min_relative_gain)
-        if imbalance < floor:
-            # Cheap trigger: the planner only runs once balance degraded noticeably since the
-            # last plan for this layer (or is far from perfect), which keeps host time small.
+        now = _step_cost(old, ema, hw, wl).total_s
+        over = now / perfect_cost(ema, old.num_devices, hw, wl).total_s
+        floor = self._settled_cost[layer] * (1.0 + cfg.min_relative_gain)
+        if over < floor:
+            # Cheap trigger: the planner only runs once the modeled step (replica sync
+            # included) degraded noticeably, relative to the perfect-balance bound, since the
+            # last plan for this layer, which keeps host time small.
             self._streak[layer] = 0
             return Decision(
                 **record,
                 bytes_moved=0,
                 migration_s=0.0,
                 accepted=False,
-                reason=f"imbalance {imbalance:.3f} below re-plan trigger {floor:.3f}",
+                reason=f"modeled step {over:.3f}x perfect, below re-plan trigger {floor:.3f}",
             )
         new = self.planner(old, ema, max_moves=cfg.max_moves)
         if new == old:
             self._streak[layer] = 0
-            self._settled[layer] = imbalance
+            self._settled[layer], self._settled_cost[layer] = imbalance, over
             return Decision(
                 **record,
                 bytes_moved=0,
@@ -426,7 +440,6 @@ class PlacementController:
                 accepted=False,
                 reason="planner found no better placement",
             )
-        now = _step_cost(old, ema, hw, wl).total_s
         gain = now - _step_cost(new, ema, hw, wl).total_s
         move_s = migration_s(old, new, hw, wl)
         record.update(
@@ -434,7 +447,7 @@ class PlacementController:
         )
         if gain < cfg.min_relative_gain * now:
             self._streak[layer] = 0
-            self._settled[layer] = imbalance
+            self._settled[layer], self._settled_cost[layer] = imbalance, over
             reason = f"gain {gain / now:.1%} of step < min_relative_gain {cfg.min_relative_gain}"
             return Decision(**record, accepted=False, reason=reason)
         if gain * cfg.horizon_steps <= move_s:
@@ -447,5 +460,6 @@ class PlacementController:
             return Decision(**record, accepted=False, reason=reason)
         self._streak[layer] = 0
         self._settled[layer] = new.imbalance(ema)
+        self._settled_cost[layer] = over * (now - gain) / now
         reason = f"gain {gain / now:.1%} per step repays migration {move_s:.3g}s"
         return Decision(**record, accepted=True, reason=reason)

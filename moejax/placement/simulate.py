@@ -147,6 +147,7 @@ def run_controller(
       A MethodResult with the controller's migration and decision bookkeeping.
     """
     config = ControllerConfig() if config is None else config
+    config = dataclasses.replace(config, apply_lag=1)  # counts of step t - 1 run at step t
     ctl = PlacementController([base] * trace.shape[1], hw, wl, config)
     step_s = np.empty(trace.shape[0])
     sync_s = 0.0

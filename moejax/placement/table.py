@@ -14,6 +14,7 @@ This module is plain numpy: no jax, no device arrays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -148,8 +149,16 @@ class Placement:
         return out
 
     def device_expert_keys(self) -> np.ndarray:
-        """Sorted unique keys ``device * E + expert`` of every (device, expert) pair present."""
-        return np.unique(self.slot_devices() * self.num_experts + self.slot_to_expert)
+        """Sorted unique keys ``device * E + expert`` of every (device, expert) pair present
+        (read-only; computed once per placement: the cost model asks for it at every step)."""
+        return self._device_expert_keys
+
+    @functools.cached_property
+    def _device_expert_keys(self) -> np.ndarray:
+        keys = np.sort(self.slot_devices() * self.num_experts + self.slot_to_expert)
+        keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]
+        keys.flags.writeable = False
+        return keys
 
     # -- load -----------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from moejax.placement import (
     drifting_zipf,
     migration_bytes,
     migration_s,
+    step_cost,
     zipf,
 )
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
@@ -185,6 +186,26 @@ def test_per_step_imbalance_is_the_window_mean_and_above_the_ema_figure():
     assert ctl.per_step_imbalance(0, p) > p.imbalance(ctl.ema[0])
     with pytest.raises(ValueError, match="at least one observed step"):
         PlacementController(p, H100_IB, WL).per_step_imbalance(0, p)
+
+
+def test_stale_replicas_that_mostly_cost_sync_are_replanned():
+    # Expert 0 was hot and is replicated on every device; now it gets only 2x the rows of the
+    # others. Its 9 replicas still balance the devices within 5%, but their gradient sync is
+    # paid every step: the re-plan trigger watches the modeled step (sync included), not the
+    # imbalance alone, so the controller drops most of them.
+    table = Placement.identity(E, N, S).device_table().copy()
+    table[:, -1] = 0  # the spare slot of every device holds expert 0
+    stale = Placement.identity(E, N, S).with_table(table.reshape(-1))
+    warm = np.full(E, TOKENS / (E + 1))
+    warm[0] *= 2
+    assert stale.imbalance(warm) < 1.05  # an imbalance trigger at 5% would not fire
+    before = step_cost(stale, warm, H100_IB, WL)
+    assert before.replica_sync_s > 0.2 * before.total_s
+    ctl = PlacementController(stale, H100_IB, WL, ControllerConfig(decide_every=1, patience=1))
+    (d,) = ctl.observe(0, warm)
+    after = step_cost(d.new, warm, H100_IB, WL)
+    assert after.total_s < before.total_s and after.replica_sync_s < before.replica_sync_s
+    assert d.new.expert_replica_counts()[0] < 9
 
 
 def _skewed_counts(perm_seed=None):
