@@ -57,6 +57,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="expert slots per device of the expert axis (default with --placement: "
         "E/N + max(1, E/N // 2))",
     )
+    p.add_argument(
+        "--placement-hardware",
+        default="h100-nvlink",
+        choices=("h100-nvlink", "h100-ib", "tpu-v5p-ici", "measured"),
+        help="hardware figures the placement controller's cost model decides with: datasheet "
+        "figures, or 'measured' on this mesh at start (a matmul and an all-to-all)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-outputs", action="store_true", help="skip plots and summary")
     p.add_argument("--coordinator", help="jax.distributed coordinator address host:port")
@@ -168,10 +175,14 @@ def _setup(args):
 def _controller(args, model_cfg, train_cfg, mesh):
     if not args.placement:
         return None
+    from moejax import placement
     from moejax.training import placed
 
     seq_len = train_cfg.seq_len or model_cfg.max_seq_len
-    return placed.controller_factory(model_cfg, train_cfg, mesh, seq_len)
+    named = {"h100-nvlink": placement.H100_NVLINK, "h100-ib": placement.H100_IB}
+    named["tpu-v5p-ici"] = placement.TPU_V5P_ICI
+    hardware = named.get(args.placement_hardware, args.placement_hardware)
+    return placed.controller_factory(model_cfg, train_cfg, mesh, seq_len, hardware=hardware)
 
 
 def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:

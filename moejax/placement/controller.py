@@ -10,11 +10,11 @@ The planner runs only when the layer's modeled step time on the EMA (compute of 
 device, all-to-all and replica gradient sync), over the perfect-balance bound, exceeds
 ``(1 + min_relative_gain)`` times what the last plan left (1.0 at the start), so a settled
 layer costs almost no host time (and replicas that only cost sync once routing moved on are
-re-planned, though the imbalance did not rise). A change detector (``react_gain``) also tests every step, in
-O(P) per layer, whether the current placement is far more imbalanced on the raw counts than the
-last plan left it and than on the EMA; confirmed over ``react_steps`` steps, the layer's EMA is
-re-seeded from those steps' counts and the layer is checked at once, so an abrupt routing shift
-is re-placed as soon as it is confirmed instead of after the EMA catches up.
+re-planned, though the imbalance did not rise). A change detector (``react_gain``) also tests
+every step, in O(P) per layer, whether the current placement is far more imbalanced on the raw
+counts than the last plan left it and than on the EMA; confirmed over ``react_steps`` steps, the
+layer's EMA is re-seeded from those steps' counts and the layer is checked at once, so an abrupt
+routing shift is re-placed as soon as it is confirmed instead of after the EMA catches up.
 
 A candidate is accepted only when
 
@@ -188,6 +188,7 @@ class PlacementController:
         config: ControllerConfig = ControllerConfig(),
         planner: Callable[..., Placement] | None = None,
     ):
+        self._default_planner = planner is None
         if planner is None:
             planner = functools.partial(_plan, hardware=hardware, workload=workload)
         if isinstance(placements, Placement):
@@ -324,14 +325,16 @@ class PlacementController:
     def state_dict(self) -> dict:
         """The controller's state as JSON-serialisable data, for checkpoints.
 
-        Everything later decisions depend on: current tables, EMA, the forecast window, the
-        check schedule, per-layer streaks, last re-placement steps and settled imbalances, the
-        change detector's streaks and the followed re-placements, and the modeled migration
-        totals. Not the decision ``log`` (history: the training loop keeps an event file) nor
-        ``decision_wall_s`` (host time of this process). ``load_state_dict`` of it in a
-        controller built with the same config makes the same decisions from then on.
+        Everything later decisions depend on: the hardware figures, current tables, EMA, the
+        forecast window, the check schedule, per-layer streaks, last re-placement steps and
+        settled figures, the change detector's streaks and the followed re-placements, and the
+        modeled migration totals. Not the decision ``log`` (history: the training loop keeps
+        an event file) nor ``decision_wall_s`` (host time of this process). ``load_state_dict``
+        of it in a controller built with the same config makes the same decisions from then
+        on.
         """
         return {
+            "hardware": dataclasses.asdict(self.hardware),
             "tables": [p.slot_to_expert.tolist() for p in self.placements],
             "ema": None if self._ema is None else self._ema.tolist(),
             "recent": [c.tolist() for c in self._recent],
@@ -359,6 +362,10 @@ class PlacementController:
         if shapes != want:
             raise ValueError(f"controller state holds tables of shapes {shapes}, expected {want}")
         self.placements = [p.with_table(t) for p, t in zip(self.placements, tables, strict=True)]
+        # The figures decided on so far (a measured model would be timed anew on resume).
+        self.hardware = HardwareModel(**state["hardware"])
+        if self._default_planner:
+            self.planner = functools.partial(_plan, hardware=self.hardware, workload=self.workload)
         self._ema = None if state["ema"] is None else np.asarray(state["ema"], np.float64)
         self._recent.clear()
         self._recent.extend(np.asarray(c, np.float64) for c in state["recent"])

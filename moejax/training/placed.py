@@ -195,9 +195,16 @@ def controller_factory(
     """A factory `placements -> moejax.placement.PlacementController` for `train(controller=)`.
 
     The cost model gets this run's layer shapes (`Workload`: tokens per device per step, top-k,
-    `D`, `F`, bytes per element of the parameter dtype, Adam's two moments) and `hardware`
-    (default `moejax.placement.H100_NVLINK`: the controller models the accelerator the layout is
-    meant for; on simulated CPU devices only its relative figures matter).
+    `D`, `F`, bytes per element of the parameter dtype, Adam's two moments) and `hardware`: a
+    `moejax.placement.HardwareModel` (default `H100_NVLINK`: the accelerator the layout is meant
+    for), or `"measured"`: this mesh's own figures (`moejax.training.hardware.measure_hardware`,
+    timed once, here).
+
+    Replica gradient sync is not charged (`Workload.replica_sync_overlap=1`): this training step
+    combines replica gradients with a `segment_sum` over all `P` slots whose table is an
+    argument (`moejax.parallel.placed.combine_replica_grads`), so its collectives are the same
+    whatever the placement and no layout changes them. The per-replica all-reduce the simulator
+    charges models an implementation that syncs only the replicated experts.
     """
     from moejax.parallel import mesh as mesh_lib
     from moejax.placement import H100_NVLINK, ControllerConfig, PlacementController, Workload
@@ -214,7 +221,14 @@ def controller_factory(
         activation_bytes=jnp.dtype(model_cfg.dtype).itemsize,
         param_bytes=param_bytes,
         state_bytes_per_param=3 * param_bytes,  # the parameter and Adam's two moments
+        replica_sync_overlap=1.0,  # placement-independent here (docstring)
     )
+    if isinstance(hardware, str):
+        if hardware != "measured":
+            raise ValueError(f"hardware must be a HardwareModel or 'measured', got {hardware!r}")
+        from moejax.training.hardware import measure_hardware
+
+        hardware = measure_hardware(mesh, workload)
     return functools.partial(
         PlacementController,
         hardware=hardware or H100_NVLINK,

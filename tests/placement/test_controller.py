@@ -7,6 +7,7 @@ import pytest
 
 from moejax.placement import (
     H100_IB,
+    H100_NVLINK,
     ControllerConfig,
     Placement,
     PlacementController,
@@ -281,8 +282,10 @@ def test_state_dict_round_trip_makes_the_same_decisions(cut):
     state = ctl.state_dict()
     in_flight = {101: any(state["shifted"]), 104: state["realized"]["followed"], 150: True}
     assert in_flight[cut]
-    restored = PlacementController(base, H100_IB, WL, config)
+    # Built with other figures (as a re-measured model would be): the saved ones are restored.
+    restored = PlacementController(base, H100_NVLINK, WL, config)
     restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.hardware == H100_IB
     assert restored.placements == ctl.placements
     for t in range(cut, trace.shape[0]):
         got, want = restored.observe(t, trace[t]), ctl.observe(t, trace[t])

@@ -69,3 +69,13 @@ def test_experts_that_do_not_divide_over_the_expert_axis():
     six = MODEL.replace(moe=MODEL.moe.replace(num_experts=6))
     with pytest.raises(SetupError, match=r"num_experts=6: does not divide over the mesh's expert"):
         check_setup(six, TRAIN, mesh((2, 4)))
+
+
+def test_placement_with_measured_hardware(capsys, tmp_path):
+    out = tmp_path / "run"
+    args = ["--preset", "micro", "--out", str(out), "--no-progress", "--placement"]
+    code = train_lm.main([*args, "--placement-hardware", "measured"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert (out / "placement_events.jsonl").exists()
+    assert "expert re-placements" in printed.out and "placement overhead" in printed.out

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from _helpers import MODEL, TRAIN, corpus, host_tree, mesh
 
-from moejax.placement import ControllerConfig, Decision, Placement
+from moejax.placement import ControllerConfig, Decision, Placement, Workload
 from moejax.training import placed, train
+from moejax.training.hardware import measure_hardware
 from moejax.training.loop import SetupError
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
 
@@ -218,6 +219,20 @@ def test_resumed_controller_decides_as_if_never_stopped(real, tmp_path, stop):
         _logical_params(resumed, REAL),
         _logical_params(real, REAL),
     )
+
+
+def test_measured_hardware_figures():
+    workload = Workload(tokens_per_device=64, top_k=2, d_model=32, d_ff=64, activation_bytes=4)
+    hw = measure_hardware(mesh(), workload, repeats=2)
+    assert hw.name == "measured" and hw.devices_per_node == 1
+    for figure in (hw.flops_per_s, hw.link_bytes_per_s):
+        assert np.isfinite(figure) and figure > 0
+    with pytest.raises(ValueError, match="expert axis of >= 2, got 1"):
+        measure_hardware(mesh((8, 1)), workload)
+    factory = placed.controller_factory(MODEL, PLACED, mesh(), 16, hardware="measured")
+    assert factory(placed.initial_placements(MODEL, PLACED, mesh())).hardware.name == "measured"
+    with pytest.raises(ValueError, match="HardwareModel or 'measured', got 'h200'"):
+        placed.controller_factory(MODEL, PLACED, mesh(), 16, hardware="h200")
 
 
 def test_placement_setup_errors(tmp_path):
