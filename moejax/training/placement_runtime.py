@@ -211,7 +211,9 @@ class PlacementRuntime:
             return None
         decide = float(getattr(self.controller, "decision_wall_s", 0.0))
         overhead = decide + self.migration_wall_s
+        hw = getattr(self.controller, "hardware", None)
         return {
+            "hardware": None if hw is None else dataclasses.asdict(hw),
             "replacements": len(self.events),
             "decision_wall_s": decide,
             "migration_wall_s": self.migration_wall_s,

@@ -175,8 +175,17 @@ def _placement_rows(summary: dict | None) -> list[tuple[str, str]]:
     if not summary:
         return []
     overhead = summary["decision_wall_s"] + summary["migration_wall_s"]
-    rows = [
-        ("expert re-placements", str(summary["replacements"])),
+    rows = [("expert re-placements", str(summary["replacements"]))]
+    if summary.get("hardware"):
+        hw = summary["hardware"]
+        rows.append(
+            (
+                "placement cost model",
+                f"{hw['name']}: {hw['flops_per_s'] / 1e9:,.1f} GFLOP/s, "
+                f"{hw['link_bytes_per_s'] / 1e9:,.3f} GB/s per device",
+            )
+        )
+    rows += [
         (
             "placement overhead (decide + migrate)",
             f"{overhead:.2f} s = {_fmt(summary['overhead_fraction'], '{:.2%}')} of wall time",

@@ -79,3 +79,4 @@ def test_placement_with_measured_hardware(capsys, tmp_path):
     assert code == 0, printed.err
     assert (out / "placement_events.jsonl").exists()
     assert "expert re-placements" in printed.out and "placement overhead" in printed.out
+    assert "placement cost model" in printed.out and "measured: " in printed.out
