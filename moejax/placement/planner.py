@@ -61,6 +61,7 @@ from moejax.placement.cost_model import (
     step_cost,
 )
 from moejax.placement.packing import align, apportion, fill_spare, pack, rebalance, replica_counts
+from moejax.placement.packing_sync import limit_sync, sync_shares
 from moejax.placement.table import Placement, check_counts
 
 __all__ = ["apportion", "plan"]  # apportion lives in packing.py; re-exported here
@@ -316,7 +317,12 @@ def _repack(placement: Placement, counts: np.ndarray, sync_rows: float = 0.0) ->
     spare = placement.num_slots - experts.size  # 0 unless sync_rows > 0
     ids = np.concatenate([experts, -1 - np.arange(spare)])  # [P]; distinct ids < 0: empty
     weights = np.concatenate([counts[experts] / r[experts], np.zeros(spare)])
-    packed = fill_spare(pack(weights, ids, n_dev), r)  # [N, S]
+    packed = pack(weights, ids, n_dev)  # [N, S]
+    if sync_rows > 0:  # the same replicas, moved so that fewer devices sync several experts
+        slot_r = np.where(packed >= 0, r[np.maximum(packed, 0)], 1)
+        slot_w = np.where(packed >= 0, counts[np.maximum(packed, 0)] / slot_r, 0.0)
+        packed = limit_sync(packed, slot_w, sync_shares(packed, r))
+    packed = fill_spare(packed, r)
     return placement.with_table(align(placement.device_table(), packed, placement.num_experts))
 
 
