@@ -38,7 +38,9 @@ another device is not free, its gradients are combined with the others' every st
 the full modeled step time (compute + all-to-all + sync) against a sync-aware re-pack: replica
 counts scored by packed rows plus the busiest device's sync in rows
 (``cost_model.rows_per_gradient``), with candidates that replicate fewer experts across devices
-and fill the spare slots with same-device duplicates (free). The re-pack must beat a candidate
+and fill the spare slots with same-device duplicates (free); the packed replicas are then moved
+between device pairs (``packing_sync.limit_sync``) so that the largest per-device sync share
+falls while neither it nor the busiest load rises. The re-pack must beat a candidate
 that sends fewer expert copies by ``_GLOBAL_MARGIN``.
 
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
