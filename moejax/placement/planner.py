@@ -38,7 +38,9 @@ another device is not free, its gradients are combined with the others' every st
 the full modeled step time (compute + all-to-all + sync) against a sync-aware re-pack: replica
 counts scored by packed rows plus the busiest device's sync in rows
 (``cost_model.rows_per_gradient``), with candidates that replicate fewer experts across devices
-and fill the spare slots with same-device duplicates (free). The re-pack must beat a candidate
+and fill the spare slots with same-device duplicates (free); the packed replicas are then moved
+between device pairs (``packing_sync.limit_sync``) so that the largest per-device sync share
+falls while neither it nor the busiest load rises. The re-pack must beat a candidate
 that sends fewer expert copies by ``_GLOBAL_MARGIN``.
 
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
@@ -61,6 +63,7 @@ from moejax.placement.cost_model import (
     step_cost,
 )
 from moejax.placement.packing import align, apportion, fill_spare, pack, rebalance, replica_counts
+from moejax.placement.packing_sync import limit_sync, sync_shares
 from moejax.placement.table import Placement, check_counts
 
 __all__ = ["apportion", "plan"]  # apportion lives in packing.py; re-exported here
@@ -316,7 +319,12 @@ def _repack(placement: Placement, counts: np.ndarray, sync_rows: float = 0.0) ->
     spare = placement.num_slots - experts.size  # 0 unless sync_rows > 0
     ids = np.concatenate([experts, -1 - np.arange(spare)])  # [P]; distinct ids < 0: empty
     weights = np.concatenate([counts[experts] / r[experts], np.zeros(spare)])
-    packed = fill_spare(pack(weights, ids, n_dev), r)  # [N, S]
+    packed = pack(weights, ids, n_dev)  # [N, S]
+    if sync_rows > 0:  # the same replicas, moved so that fewer devices sync several experts
+        slot_r = np.where(packed >= 0, r[np.maximum(packed, 0)], 1)
+        slot_w = np.where(packed >= 0, counts[np.maximum(packed, 0)] / slot_r, 0.0)
+        packed = limit_sync(packed, slot_w, sync_shares(packed, r))
+    packed = fill_spare(packed, r)
     return placement.with_table(align(placement.device_table(), packed, placement.num_experts))
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from moejax.placement import Placement, plan
 from moejax.placement.packing import align, apportion, pack, rebalance, replica_counts
+from moejax.placement.packing_sync import limit_sync, sync_shares
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 
 
@@ -180,3 +181,73 @@ def test_plan_repairs_a_local_change_with_few_copies():
     assert q.imbalance(hotter) > 1.1
     assert new.imbalance(hotter) < 1.035
     assert copies_needed(q, new).sum() <= 32
+
+
+def _limit_sync_inputs(table, counts):
+    """Slot weights and shares of a packed ``[N, S]`` table (ids < 0: empty)."""
+    r = np.bincount(table[table >= 0], minlength=counts.size)
+    slot_r = np.where(table >= 0, r[np.maximum(table, 0)], 1)
+    weights = np.where(table >= 0, counts[np.maximum(table, 0)] / slot_r, 0.0)
+    return weights, sync_shares(table, r), r
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_limit_sync_keeps_replicas_and_never_raises_either_maximum(n, s, seed):
+    rng = np.random.default_rng(seed)
+    e = max(1, n * s // 2)
+    counts = rng.integers(0, 1000, e).astype(np.float64)
+    r = apportion(counts, n * s, n)
+    experts = np.repeat(np.arange(e), r)
+    table = pack(counts[experts] / r[experts], experts, n)  # [N, S]
+    weights, shares, _ = _limit_sync_inputs(table, counts)
+    out = limit_sync(table, weights, shares)
+    assert out.shape == (n, s)
+    assert np.sort(out.reshape(-1)).tolist() == np.sort(table.reshape(-1)).tolist()
+    new_w, new_sh, _ = _limit_sync_inputs(out, counts)
+    tol = 1e-9 * max(counts.sum(), 1.0)
+    assert new_w.sum(axis=1).max() <= weights.sum(axis=1).max() + tol
+    assert new_sh.sum(axis=1).max() <= shares.sum(axis=1).max() + 1e-9
+    had_pairs = sum(len(set(row)) for row in table.tolist())  # no new same-device duplicates
+    assert sum(len(set(row)) for row in out.tolist()) >= had_pairs
+
+
+def test_limit_sync_moves_a_second_replicated_expert_off_a_device():
+    from moejax.placement import H100_IB, Workload, step_cost
+    from moejax.placement.cost_model import replica_sync_s
+
+    # A balanced packing (3 rows per device) whose device 0 holds both replicated experts
+    # (0 and 1, 2 rows each, split over two devices); device 3 holds none: a replica of one of
+    # them traded for an unreplicated expert of device 3 keeps every load and halves the
+    # largest share.
+    counts = np.array([2.0, 2, 1, 1, 1, 1, 1, 1, 1, 1])
+    table = np.array([[0, 1, 2], [0, 3, 4], [1, 5, 6], [7, 8, 9]])
+    weights, shares, _ = _limit_sync_inputs(table, counts)
+    assert shares.sum(axis=1).tolist() == [2.0, 1.0, 1.0, 0.0]
+    out = limit_sync(table, weights, shares)
+    new_w, new_sh, _ = _limit_sync_inputs(out, counts)
+    assert new_sh.sum(axis=1).max() == 1.0
+    assert new_w.sum(axis=1).tolist() == [3.0] * 4
+    dense = Placement(table.reshape(-1), num_experts=10, num_devices=4, slots_per_device=3)
+    limited = dense.with_table(out.reshape(-1))
+    wl = Workload(tokens_per_device=64, top_k=2, d_model=512, d_ff=1024)
+    assert replica_sync_s(limited, H100_IB, wl) < replica_sync_s(dense, H100_IB, wl)
+    assert (
+        step_cost(limited, counts, H100_IB, wl).total_s
+        < step_cost(dense, counts, H100_IB, wl).total_s
+    )
+
+
+def test_sync_shares_match_the_cost_model():
+    from moejax.placement import H100_IB, Workload
+    from moejax.placement.cost_model import replica_sync_s
+
+    table = np.array([[0, 1, -1], [0, 2, 3], [0, 1, 4]])  # expert 0 on 3 devices, 1 on 2
+    r = np.bincount(table[table >= 0], minlength=5)
+    shares = sync_shares(table, r)
+    assert np.allclose(shares.sum(axis=1), [4 / 3 + 1, 4 / 3, 4 / 3 + 1])
+    wl = Workload(tokens_per_device=64, top_k=2, d_model=512, d_ff=1024)
+    filled = np.where(table < 0, 1, table)  # the empty slot duplicates expert 1 (free)
+    placement = Placement(filled.reshape(-1), num_experts=5, num_devices=3, slots_per_device=3)
+    expected = H100_IB.transfer_s(shares.sum(axis=1).max() * wl.expert_grad_bytes, 3)
+    assert np.isclose(replica_sync_s(placement, H100_IB, wl), expected)
