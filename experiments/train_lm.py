@@ -221,6 +221,8 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
     if primary and not args.no_outputs:
         print(report.summary_table(result))
         events = ", placement_events.jsonl" if args.placement else ""
+        if result.placement and result.placement["replacements"]:
+            events += ", placement_forecast.png"
         print(
             f"outputs: {run_dir}/{{metrics.jsonl, tensorboard/, checkpoints/, "
             f"routing_trace.npy, loss.png, expert_load.png{events}}}"

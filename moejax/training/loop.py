@@ -31,7 +31,7 @@ from moejax.training import placed, report
 from moejax.training._config import TrainConfig
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import MetricsWriter, flops_per_token, step_record
-from moejax.training.placement_runtime import PlacementRuntime
+from moejax.training.placement_runtime import PlacementRuntime, measured_effect
 from moejax.training.state import (
     TrainState,
     abstract_state,
@@ -414,7 +414,7 @@ def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, i
 
 def write_outputs(run_dir: str, result: RunResult, events=()) -> None:
     """`routing_trace.npy`, `loss.png` (re-placement `events` marked), `expert_load.png` from
-    the run's records."""
+    the run's records, and with events `placement_forecast.png` (forecast vs measured fall)."""
     counts = np.array([r["expert_counts"] for r in result.records], np.int64)
     save_trace(os.path.join(run_dir, "routing_trace.npy"), counts)
     report.plot_loss(
@@ -425,3 +425,6 @@ def write_outputs(run_dir: str, result: RunResult, events=()) -> None:
         events=events,
     )
     report.plot_expert_load(result.records, os.path.join(run_dir, "expert_load.png"))
+    if events:
+        rows = measured_effect(result.records, list(events))
+        report.plot_placement_forecast(rows, os.path.join(run_dir, "placement_forecast.png"))

@@ -129,6 +129,66 @@ def plot_expert_load(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_placement_forecast(rows: list[dict], path: str) -> None:
+    """Per re-placement (`placement_runtime.measured_effect` rows): the forecast imbalance fall
+    against the measured one (10 steps before -> after, and old -> new table on the same steps
+    after), with the in-sample forecast beside it; color is the step. On the diagonal the
+    forecast was right."""
+    plt = _pyplot()
+    keys = ("forecast_before", "forecast_after", "measured_before", "measured_after")
+    rows = [r for r in rows if all(r.get(k) is not None for k in keys)]
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    if not rows:
+        ax.text(0.5, 0.5, "no re-placement with a full window", ha="center", transform=ax.transAxes)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
+    forecast = np.array([r["forecast_before"] - r["forecast_after"] for r in rows])
+    measured = np.array([r["measured_before"] - r["measured_after"] for r in rows])
+    steps = np.array([r["applied_after_step"] for r in rows])
+    dots = ax.scatter(forecast, measured, c=steps, cmap="viridis", s=28, zorder=3)
+    ax.scatter(
+        [], [], color="gray", s=28, label=f"measured, before -> after (mean {measured.mean():.3f})"
+    )
+    same = [r for r in rows if r.get("counterfactual_before") is not None]
+    if same:
+        x = np.array([r["forecast_before"] - r["forecast_after"] for r in same])
+        y = np.array([r["counterfactual_before"] - r["measured_after"] for r in same])
+        ax.scatter(
+            x,
+            y,
+            facecolors="none",
+            edgecolors="tab:red",
+            s=40,
+            lw=0.8,
+            label=f"measured, old -> new table on the same steps (mean {y.mean():.3f})",
+        )
+    if rows[0].get("per_step_before") is not None:
+        inside = np.array([r["per_step_before"] - r["per_step_after"] for r in rows])
+        ax.scatter(
+            inside,
+            measured,
+            marker="x",
+            color="gray",
+            s=18,
+            lw=0.7,
+            label=f"in-sample forecast vs measured (mean {inside.mean():.3f})",
+        )
+    ax.set_title(f"imbalance fall per re-placement: forecast mean {forecast.mean():.3f}")
+    lo = min(0.0, float(np.min(measured)))
+    hi = max(float(np.max(forecast)), float(np.max(measured)), 0.05)
+    ax.plot([lo, hi], [lo, hi], color="gray", ls="--", lw=0.8)
+    ax.axhline(0.0, color="gray", lw=0.5)
+    ax.set_xlabel("forecast fall (busiest device / mean)")
+    ax.set_ylabel("measured fall")
+    fig.colorbar(dots, ax=ax, label="applied after step")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     """Entropy (nats) of the token frequencies: the loss of the best context-free model."""
     p = np.bincount(np.asarray(tokens), minlength=vocab_size) / max(len(tokens), 1)

@@ -16,7 +16,7 @@ import pytest
 from _helpers import MODEL, TRAIN, corpus, host_tree, mesh
 
 from moejax.placement import ControllerConfig, Decision, Placement, Workload
-from moejax.training import placed, train
+from moejax.training import placed, report, train
 from moejax.training.hardware import measure_hardware
 from moejax.training.loop import SetupError
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
@@ -195,6 +195,10 @@ def test_real_controller_logs_predictions_and_measurements(real):
     want = np.mean([r["per_step_before"] - r["per_step_after"] for r in full])
     np.testing.assert_allclose(fall["in_sample_fall"], want, rtol=1e-12)
     assert summary.keys() >= {"replacements", "overhead_fraction"}
+    path = real.run_dir + "/placement_forecast.png"
+    report.plot_placement_forecast(rows, path)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 # 7: the checkpoint holds a re-placement just applied; 9: one followed (steps 8-10), unmeasured.
