@@ -42,7 +42,8 @@ optimizer state is gathered the same way (or kept per logical expert ``[E, ...]`
 ``[P, ...]`` copies re-gathered). Tokens routed to expert ``e`` are split evenly over
 ``new.replicas_of(e)`` (``Placement.slot_rows``); replica gradients are summed back per expert
 (``segment_sum`` over ``slot_to_expert``) before the optimizer update, so the math is unchanged.
-The step compiled for the old table is swapped for one compiled for the new table.
+In ``moejax.training`` the slot tables are arguments of the compiled step, so a new table needs
+no recompilation (``moejax.training.placement_runtime``).
 """
 
 from __future__ import annotations
