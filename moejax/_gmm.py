@@ -10,8 +10,10 @@ alignment it wants the permute phase to pad groups to.
   group's weights once and an inner loop runs one `[block, K] @ [K, N]` matmul per block of the
   group (trip counts = used blocks, so unused capacity costs nothing). Custom VJP: dlhs by the same
   loops with `rhs` transposed, drhs (tgmm) by accumulating `lhs_b^T @ dout_b` over a group's blocks
-  in a loop carry written once per group. `moejax.parallel._gmm` holds a vma-safe copy that each
-  device runs; the single-device layer runs the fused loop of `moejax._fused` instead.
+  in a loop carry written once per group. Safe inside `shard_map(check_vma=True)`: every loop
+  carry starts varying like the operands and the VJP's cotangents vary like their primals (see
+  `moejax._vma`), so each device of `moejax.parallel` runs it as is; the single-device layer runs
+  the fused loop of `moejax._fused` instead.
 - `pallas`: `pallas_kernels.grouped_matmul` (Triton on GPU, Mosaic on TPU, interpret on CPU).
 """
 
@@ -22,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moejax._vma import match_vma, zeros_like_vma
+
 _DOT_T = (((1,), (1,)), ((), ()))  # contract lhs dim 1 with rhs dim 1: lhs @ rhs.T
 
 
@@ -30,16 +34,6 @@ def ragged_dot_gmm(lhs, rhs, group_sizes):
     return jax.lax.ragged_dot(
         lhs, rhs, group_sizes, preferred_element_type=jnp.promote_types(lhs.dtype, jnp.float32)
     ).astype(lhs.dtype)
-
-
-def _block_groups(group_sizes, block, num_blocks):
-    """Group of each block and the count of used blocks (group sizes are multiples of block).
-
-    Used by the per-block loop of `moejax.parallel._gmm`.
-    """
-    ends = jnp.cumsum(group_sizes) // block  # [E] block index where each group ends
-    groups = jnp.searchsorted(ends, jnp.arange(num_blocks), side="right")
-    return jnp.minimum(groups, group_sizes.shape[0] - 1), ends[-1]
 
 
 def _group_blocks(group_sizes, block):
@@ -65,7 +59,8 @@ def _blocked_matmul(lhs, rhs, group_sizes, block, transpose_rhs):
         return jax.lax.fori_loop(starts[g], starts[g] + counts[g], body, out)
 
     starts, counts = _group_blocks(group_sizes, block)
-    return jax.lax.fori_loop(0, rhs.shape[0], group, jnp.zeros((r, n), lhs.dtype))
+    init = zeros_like_vma((r, n), lhs.dtype, lhs, rhs, group_sizes)
+    return jax.lax.fori_loop(0, rhs.shape[0], group, init)
 
 
 def _blocked_tgmm(lhs, dout, group_sizes, block):
@@ -86,14 +81,14 @@ def _blocked_tgmm(lhs, dout, group_sizes, block):
                 x, d, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype
             )
 
-        acc = jax.lax.fori_loop(
-            starts[g], starts[g] + counts[g], body, jnp.zeros((k, n), acc_dtype)
-        )
+        init = zeros_like_vma((k, n), acc_dtype, lhs, dout, group_sizes)
+        acc = jax.lax.fori_loop(starts[g], starts[g] + counts[g], body, init)
         return jax.lax.dynamic_update_index_in_dim(out, acc, g, 0)
 
     starts, counts = _group_blocks(group_sizes, block)
     e = group_sizes.shape[0]
-    return jax.lax.fori_loop(0, e, group, jnp.zeros((e, k, n), acc_dtype))
+    init = zeros_like_vma((e, k, n), acc_dtype, lhs, dout, group_sizes)
+    return jax.lax.fori_loop(0, e, group, init)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -120,7 +115,9 @@ def _blocked_gmm_bwd(block, res, dout):
     lhs, rhs, group_sizes = res
     dlhs = _blocked_matmul(dout, rhs, group_sizes, block, transpose_rhs=True)
     drhs = _blocked_tgmm(lhs, dout, group_sizes, block).astype(rhs.dtype)
-    return dlhs, drhs, None
+    # Under shard_map the cotangents take the primals' varying axes (a psum where the forward
+    # broadcast an invariant operand, e.g. replicated weights meeting sharded rows).
+    return match_vma(dlhs, lhs), match_vma(drhs, rhs), None
 
 
 blocked_gmm.defvjp(_blocked_gmm_fwd, _blocked_gmm_bwd)

@@ -2,6 +2,7 @@
 
 Used inside `jax.shard_map(..., check_vma=True)` bodies. `MeshAxes` names the axes the body may
 use; every helper is the identity for `None` / empty axes, so one body serves every mesh.
+`vma` / `vary_like` live in the core (`moejax._vma`) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import dataclasses
 
 import jax
 
+from moejax._vma import vary_like as vary_like
+from moejax._vma import vma as vma
 from moejax.parallel import mesh as mesh_lib
 
 
@@ -76,24 +79,6 @@ def psum_scatter(x: jax.Array, axis: str | None) -> jax.Array:
 def axis_index(axis: str | None) -> jax.Array | int:
     """This device's index along `axis` (0 when absent)."""
     return 0 if axis is None else jax.lax.axis_index(axis)
-
-
-def vma(*trees) -> frozenset:
-    """Union of the varying-manual-axes sets of every leaf."""
-    out: set = set()
-    for leaf in jax.tree.leaves(trees):
-        aval = jax.typeof(leaf)
-        mat = getattr(aval, "manual_axis_type", None)  # jax 0.10: vma lives here
-        out |= set(mat.varying if mat is not None else getattr(aval, "vma", ()))
-    return frozenset(out)
-
-
-def vary_like(x, target: frozenset):
-    """`x` marked varying over every axis of `target` it is not varying over yet."""
-    missing = tuple(sorted(target - vma(x)))
-    if not missing:
-        return x
-    return jax.tree.map(lambda a: jax.lax.pcast(a, missing, to="varying"), x)
 
 
 def _tuple(axes) -> tuple[str, ...]:

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 
 from moejax._config import MoEConfig
 from moejax._experts import grouped_ffn
+from moejax._layer import _gmm_for
 from moejax._permute import combine, dispatch, make_layout
 from moejax._types import Routing
 from moejax.parallel._collectives import vary_like, vma
-from moejax.parallel._gmm import gmm_for
 
 
 def _routing(expert_index, weight, kept) -> Routing:
@@ -55,7 +55,7 @@ def local_moe(
       `[T, D]`: `sum_k weight * ffn_e(x)` over the assignments to local experts.
     """
     ev = jax.tree.leaves(experts)[0].shape[0]
-    gmm, alignment = gmm_for(implementation, config)
+    gmm, alignment = _gmm_for(implementation, config)
     local = expert_index - offset
     mine = kept & (local >= 0) & (local < ev)
     layout = make_layout(
@@ -86,7 +86,7 @@ def regrouped_ffn(
       `[S, D]` expert outputs; zeros on empty slots.
     """
     g = jax.tree.leaves(experts)[0].shape[0]
-    gmm, alignment = gmm_for(implementation, config)
+    gmm, alignment = _gmm_for(implementation, config)
     ones = jnp.ones((rows.shape[0], 1), jnp.float32)
     valid = (local_expert < g)[:, None]
     layout = make_layout(_routing(local_expert[:, None], ones, valid), g, alignment)

@@ -1,7 +1,6 @@
 """The XLA:CPU expert paths against plain-jnp references, forward and VJP, on adversarial routing:
 the fused chunk loop (`moejax._fused`, what `implementation="blocked"` runs) and the block-loop
-grouped matmul (`moejax._gmm.blocked_gmm`; `moejax.parallel._gmm` runs a vma-safe copy per
-device)."""
+grouped matmul (`moejax._gmm.blocked_gmm`, which each device of `moejax.parallel` also runs)."""
 
 import functools
 
