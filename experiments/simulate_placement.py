@@ -6,8 +6,10 @@ placement, gap to the perfect-balance bound, and controller overhead ((host deci
 modeled migration time) / total modeled time). Saves a PNG and a JSON of the table. The last
 column, ``repl. sync``, is the part of the modeled time spent combining the gradients of
 experts replicated across devices every step (``cost_model.replica_sync_s``, a ring all-reduce
-with no overlap): ``step_cost`` charges it and the controller's planner weighs it against
-balance (shadowing pays its own per-step sync, in its migration column).
+with no overlap, over the in-node link when all holders share a node, else over the cross-node
+link): ``step_cost`` charges it, the controller's planner weighs it against balance and groups
+the holders of each replicated expert into one node where it can (``packing_nodes.py``);
+shadowing pays its own per-step sync, in its migration column.
 
 Scaling: ``E = 2N`` experts (two home experts per device) and ``S = E/N + spare`` slots per
 device (default one spare slot, the same expert memory for every strategy). Synthetic traces use

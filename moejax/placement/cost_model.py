@@ -10,8 +10,9 @@ One layer's step (forward + backward) is modeled as
   each device's time is ``max(rows sent, rows received)`` x ``D`` x bytes / link bandwidth, split
   between the in-node and the cross-node link, and the slowest device sets the time;
 * replica gradient sync: the gradients of an expert replicated on several devices are combined
-  every step (a ring all-reduce among its holders, ``replica_sync_s``), the part not hidden
-  behind the backward pass (``Workload.replica_sync_overlap``, default none) is charged;
+  every step (a ring all-reduce among its holders, ``replica_sync_s``; over the in-node link
+  when they share a node, else over the cross-node link), the part not hidden behind the
+  backward pass (``Workload.replica_sync_overlap``, default none) is charged;
 * no overlap between compute and all-to-all (the Lancet overlap is modeled elsewhere; placement
   only changes how big each part is).
 
@@ -313,9 +314,12 @@ def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> flo
     Training sums each expert's replica gradients and hands the sum to every replica (so the
     math is the unreplicated model's). Modeled as a ring all-reduce of the bf16 gradients among
     the ``d_e`` devices holding expert ``e``: each of them sends ``2 (d_e - 1) / d_e`` x the
-    expert's gradient bytes; the busiest device sets the time, nothing overlapped. Replicas on
-    one device cost nothing. ``step_cost`` charges it, less the part
-    ``Workload.replica_sync_overlap`` hides behind the backward pass.
+    expert's gradient bytes. A ring runs at its slowest hop, so an expert whose holders all sit
+    in one node (``HardwareModel.devices_per_node``; device ``i`` is in node
+    ``i // devices_per_node``) syncs over the in-node link and one spanning nodes over the
+    cross-node link; a device's two links work in parallel, and the busiest device sets the
+    time, nothing overlapped. Replicas on one device cost nothing. ``step_cost`` charges it,
+    less the part ``Workload.replica_sync_overlap`` hides behind the backward pass.
 
     Args:
       placement: the layer's placement.
@@ -325,9 +329,20 @@ def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> flo
     Returns:
       Seconds per step (0.0 when no expert spans two devices).
     """
+    return placement.memo(("replica_sync_s", hw, wl), lambda: _replica_sync_s(placement, hw, wl))
+
+
+def _replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> float:
     keys = placement.device_expert_keys()  # (device, expert) pairs present
-    e = placement.num_experts
-    holders = np.bincount(keys % e, minlength=e)[keys % e]  # devices holding each pair's expert
+    e, n = placement.num_experts, placement.num_devices
+    device, expert = keys // e, keys % e
+    holders = np.bincount(expert, minlength=e)[expert]  # devices holding each pair's expert
     share = 2.0 * (holders - 1) / holders * wl.expert_grad_bytes
-    nbytes = np.bincount(keys // e, weights=share, minlength=placement.num_devices)
-    return float(hw.transfer_s(nbytes, placement.num_devices).max())
+    group = min(hw.devices_per_node, n)
+    if group <= 1:  # one flat network
+        return float(np.bincount(device, weights=share, minlength=n).max() / hw.link_bytes_per_s)
+    in_node = placement.nodes_holding(group)[expert] == 1  # [pairs] holders share one node
+    inside = np.bincount(device, weights=np.where(in_node, share, 0.0), minlength=n)
+    across = np.bincount(device, weights=np.where(in_node, 0.0, share), minlength=n)
+    seconds = np.maximum(inside / hw.node_link_bytes_per_s, across / hw.link_bytes_per_s)
+    return float(seconds.max())

@@ -379,8 +379,22 @@ def align(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> np.ndarra
     Returns:
       ``[P]`` int64 slot-to-expert table: ``new``'s devices permuted, slots ordered.
     """
+    device = match_devices(old_table, new, num_experts)  # [N] old device of packed device b
+    return order_slots(old_table, new, device)
+
+
+def order_slots(old_table: np.ndarray, new: np.ndarray, device: np.ndarray) -> np.ndarray:
+    """Puts packed device ``b`` at ``device[b]`` and keeps each staying expert in its old slot.
+
+    Args:
+      old_table: ``[N, S]`` current experts per device.
+      new: ``[N, S]`` packed experts per device.
+      device: ``[N]`` permutation, the old device each packed device becomes.
+
+    Returns:
+      ``[P]`` int64 slot-to-expert table.
+    """
     n, s = new.shape
-    device = _match_devices(old_table, new, num_experts)  # [N] old device of packed device b
     out = np.empty_like(new)
     out[device] = new
     # Within each device: an expert that was in old slot k stays in slot k.
@@ -396,8 +410,15 @@ def align(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> np.ndarra
     return result.reshape(-1)
 
 
-def _match_devices(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> np.ndarray:
-    """``[N]`` old device for each packed device, maximising (greedily) the shared experts."""
+def match_devices(
+    old_table: np.ndarray, new: np.ndarray, num_experts: int, groups: np.ndarray | None = None
+) -> np.ndarray:
+    """``[N]`` old device for each packed device, maximising (greedily) the shared experts.
+
+    ``groups`` (``[N]``, optional): devices left without a shared expert are matched within
+    their group (packed device ``b`` to an old device of group ``groups[b]``); the caller makes
+    sure that shared experts only occur within a group.
+    """
     n, s = new.shape
     old_keys = np.unique(np.arange(n)[:, None] * num_experts + old_table)  # (device, expert)
     old_dev, old_exp = old_keys // num_experts, old_keys % num_experts
@@ -424,5 +445,9 @@ def _match_devices(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> 
         device[bins[accept]], taken[olds[accept]] = olds[accept], True
         keep = (device[bins] < 0) & ~taken[olds]
         bins, olds = bins[keep], olds[keep]
-    device[device < 0] = np.flatnonzero(~taken)
+    free_bins, free_olds = np.flatnonzero(device < 0), np.flatnonzero(~taken)
+    if groups is not None:  # the same number of each group's devices is left on both sides
+        free_bins = free_bins[np.argsort(groups[free_bins], kind="stable")]
+        free_olds = free_olds[np.argsort(groups[free_olds], kind="stable")]
+    device[free_bins] = free_olds
     return device

@@ -41,7 +41,11 @@ counts scored by packed rows plus the busiest device's sync in rows
 and fill the spare slots with same-device duplicates (free); the packed replicas are then moved
 between device pairs (``packing_sync.limit_sync``) so that the largest per-device sync share
 falls while neither it nor the busiest load rises. The re-pack must beat a candidate
-that sends fewer expert copies by ``_GLOBAL_MARGIN``.
+that sends fewer expert copies by ``_GLOBAL_MARGIN``. On hardware with nodes
+(``HardwareModel.devices_per_node`` dividing ``N``), the packed devices are then ordered into
+nodes so that the holders of a replicated expert share one where they can
+(``packing_nodes.group_nodes``: their all-reduce then runs over the in-node link), and
+relabelled onto the current placement node by node (``packing_nodes.align_nodes``).
 
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
 ``S`` slots, and the returned placement's busiest-device rows (with ``hardware`` and
@@ -63,6 +67,7 @@ from moejax.placement.cost_model import (
     step_cost,
 )
 from moejax.placement.packing import align, apportion, fill_spare, pack, rebalance, replica_counts
+from moejax.placement.packing_nodes import align_nodes, group_nodes
 from moejax.placement.packing_sync import limit_sync, sync_shares
 from moejax.placement.table import Placement, check_counts
 
@@ -257,13 +262,18 @@ def plan(
     if hardware is None:
         return _balance_rows(placement, counts, max_moves, tolerance)
     sync_rows = rows_per_gradient(hardware, workload, placement.num_devices)
-    candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows)
-    return _weigh_sync(placement, candidate, counts, hardware, workload, sync_rows)
+    g = hardware.devices_per_node  # nodes: consecutive blocks of g devices
+    g = g if 1 < g < placement.num_devices and placement.num_devices % g == 0 else 1
+    candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows, g)
+    return _weigh_sync(placement, candidate, counts, hardware, workload, sync_rows, g)
 
 
-def _balance_rows(placement, counts, max_moves: int, tolerance: float, sync_rows: float = 0.0):
+def _balance_rows(
+    placement, counts, max_moves: int, tolerance: float, sync_rows: float = 0.0, nodes: int = 1
+):
     """Greedy pass, repair and re-pack (module docstring; the re-pack weighs replica sync at
-    ``sync_rows``): a placement of strictly fewer rows on the busiest device, or ``placement``."""
+    ``sync_rows`` and groups replicas into ``nodes``-device nodes): a placement of strictly
+    fewer rows on the busiest device, or ``placement``."""
     good_enough = (1.0 + tolerance) * counts.sum() / placement.num_devices
     before = placement.device_load(counts).max()
     if before <= good_enough:
@@ -274,7 +284,7 @@ def _balance_rows(placement, counts, max_moves: int, tolerance: float, sync_rows
         candidate = _greedy(placement, counts, min(max_moves, _QUICK_MOVES), good_enough)
         after = candidate.device_load(counts).max()
     if after > good_enough:
-        repacked = _repack(placement, counts, sync_rows)
+        repacked = _repack(placement, counts, sync_rows, nodes)
         packed_max = repacked.device_load(counts).max()
         target = max(good_enough, packed_max / (1.0 - _GLOBAL_MARGIN))
         if after > target:  # swap replicas between busy and idle devices, counts unchanged
@@ -295,7 +305,7 @@ def _balance_rows(placement, counts, max_moves: int, tolerance: float, sync_rows
     return candidate if after < before - tol else placement
 
 
-def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float) -> Placement:
+def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float, nodes: int) -> Placement:
     """``candidate`` if its modeled step time (sync included) is strictly below the input's.
     When rows alone found nothing to do but the input pays replica sync, the sync-aware
     re-pack is tried instead, and kept if it saves ``_GLOBAL_MARGIN`` of the step."""
@@ -304,15 +314,18 @@ def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float) -> Place
     if candidate is placement:
         if step_cost(placement, counts, hw, wl).replica_sync_s == 0:
             return placement  # balanced within tolerance (or stuck) with nothing to sync
-        candidate = _repack(placement, counts, sync_rows)
+        candidate = _repack(placement, counts, sync_rows, nodes)
         limit = now * (1.0 - _GLOBAL_MARGIN)
     return candidate if step_cost(candidate, counts, hw, wl).total_s < limit else placement
 
 
-def _repack(placement: Placement, counts: np.ndarray, sync_rows: float = 0.0) -> Placement:
+def _repack(
+    placement: Placement, counts: np.ndarray, sync_rows: float = 0.0, nodes: int = 1
+) -> Placement:
     """Global re-pack (``packing.py``): apportioned replica counts (weighing replica sync at
     ``sync_rows``; spare slots left over are duplicated in place), balanced packing, devices
-    relabelled onto the current placement to keep experts in place."""
+    grouped into nodes of ``nodes`` devices (``packing_nodes.py``; 1: no nodes) and relabelled
+    onto the current placement to keep experts in place."""
     n_dev = placement.num_devices
     r = replica_counts(counts, n_dev, placement.slots_per_device, sync_rows)
     experts = np.repeat(np.arange(placement.num_experts), r)
@@ -325,7 +338,11 @@ def _repack(placement: Placement, counts: np.ndarray, sync_rows: float = 0.0) ->
         slot_w = np.where(packed >= 0, counts[np.maximum(packed, 0)] / slot_r, 0.0)
         packed = limit_sync(packed, slot_w, sync_shares(packed, r))
     packed = fill_spare(packed, r)
-    return placement.with_table(align(placement.device_table(), packed, placement.num_experts))
+    old, e = placement.device_table(), placement.num_experts
+    if nodes > 1:  # replicas of an expert in one node: their sync stays on the in-node link
+        packed = packed[group_nodes(packed, nodes)]
+        return placement.with_table(align_nodes(old, packed, e, nodes))
+    return placement.with_table(align(old, packed, e))
 
 
 def _repair(placement: Placement, counts: np.ndarray, target: float) -> Placement:

@@ -153,6 +153,34 @@ class Placement:
         (read-only; computed once per placement: the cost model asks for it at every step)."""
         return self._device_expert_keys
 
+    def nodes_holding(self, devices_per_node: int) -> np.ndarray:
+        """``[E]`` how many nodes hold each expert, node ``m`` being devices ``m·G .. m·G + G - 1``
+        for ``G = devices_per_node`` (read-only; computed once per placement and ``G``)."""
+
+        def spans() -> np.ndarray:
+            e = self.num_experts
+            keys = self.device_expert_keys()
+            nodes = np.sort(keys // e // devices_per_node * e + keys % e)
+            nodes = nodes[np.concatenate([[True], nodes[1:] != nodes[:-1]])]
+            out = np.bincount(nodes % e, minlength=e)
+            out.flags.writeable = False
+            return out
+
+        return self.memo(("nodes_holding", devices_per_node), spans)
+
+    def memo(self, key: object, compute):
+        """``compute()``, evaluated once per placement and hashable ``key`` (the table never
+        changes, so figures derived from it alone, like a cost model's replica sync, can be
+        kept with it)."""
+        cache = self._memo
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
+
+    @functools.cached_property
+    def _memo(self) -> dict:
+        return {}
+
     @functools.cached_property
     def _device_expert_keys(self) -> np.ndarray:
         keys = np.sort(self.slot_devices() * self.num_experts + self.slot_to_expert)
@@ -175,15 +203,22 @@ class Placement:
         """
         counts = check_counts(counts, self.num_experts)
         table = self.slot_to_expert
-        r = self.expert_replica_counts()
+        slot_r, rank = self._replica_rank
         if not np.issubdtype(counts.dtype, np.integer):
-            return counts[table] / r[table]
+            return counts[table] / slot_r
+        n = counts.astype(np.int64)[table]
+        return n // slot_r + (rank < n % slot_r)
+
+    @functools.cached_property
+    def _replica_rank(self) -> tuple[np.ndarray, np.ndarray]:
+        """``[P]`` replicas of each slot's expert and the slot's rank among them (by slot id)."""
+        table = self.slot_to_expert
+        r = self.expert_replica_counts()
         order = np.argsort(table, kind="stable")
         first = np.concatenate([[0], np.cumsum(r)[:-1]])  # first sorted position of each expert
         rank = np.empty(self.num_slots, np.int64)
         rank[order] = np.arange(self.num_slots) - first[table[order]]
-        n = counts.astype(np.int64)[table]
-        return n // r[table] + (rank < n % r[table])
+        return r[table], rank
 
     def device_load(self, counts: np.ndarray) -> np.ndarray:
         """``[N]`` rows each device computes for per-expert ``counts [E]`` (see ``slot_rows``)."""

@@ -1,0 +1,252 @@
+"""Node-aware device order for a packing: the replicas of an expert on devices of one node.
+
+Shape letters: ``E`` experts, ``N`` devices, ``S`` slots per device, ``G`` devices per node
+(``HardwareModel.devices_per_node``), ``M = N / G`` nodes.
+
+The replica gradient all-reduce of an expert runs over the in-node link when all of its holders
+share a node, else at the speed of the cross-node link (``cost_model.replica_sync_s``): on the
+H100 cluster model NVLink gives 450 GB/s per direction and InfiniBand 50 GB/s, 9x less. Devices
+are interchangeable for balance, so the devices of a packing can be put in any order without
+changing a load; node ``m`` is devices ``m·G .. m·G + G - 1``.
+
+``group_nodes`` orders the devices so that few replicated experts span two nodes. The replicated
+experts link the devices that hold them; at ``E = 2N, S = 3`` most devices hold halves of two
+experts, so the links form chains and cycles of devices.
+
+1. **Greedy growth**: a node starts at the unplaced device with the fewest links (the end of a
+   chain) and grows by the unplaced device that adds the fewest links to devices still unplaced
+   net of its links into the node (ties: the most links into the node, then the lowest index),
+   or starts afresh where none is linked. A chain is then cut about once per node, and a cut
+   costs its two devices one cross-node gradient each.
+2. **Swaps**: the step pays the *largest* cross-node share, which a few devices with two cut
+   experts set. Up to ``_MAX_ROUNDS`` times, a device at the largest share trades nodes with a
+   device of a node holding its cut experts, whenever that lowers (largest share, devices at
+   it, total share).
+
+At ``N = 2048`` (``H100_IB``, the simulator's Zipf trace) the largest cross-node share falls
+from 3.5 gradients (devices in packing order) to about 2, for ~30 ms of host time per re-pack.
+
+``align_nodes`` keeps that grouping when the packing is relabelled onto the current placement
+(``packing.align`` does it device by device): nodes are matched to old nodes first, then devices
+within each node, both by shared experts.
+
+>>> import numpy as np
+>>> table = np.array([[0, 1], [2, 3], [1, 2], [3, 4]])  # chain 0 -(1)- 2 -(2)- 1 -(3)- 3
+>>> group_nodes(table, devices_per_node=2).tolist()  # nodes {0, 2}, {1, 3}: expert 2 is cut
+[0, 2, 1, 3]
+
+Plain numpy; no jax.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from moejax.placement.packing import match_devices, order_slots
+
+_EPS = 1e-9  # shares are sums of a few 2 (d - 1) / d
+_MAX_ROUNDS = 8  # device swaps between nodes at most (``_swap_cut_devices``)
+
+
+def group_nodes(table: np.ndarray, devices_per_node: int) -> np.ndarray:
+    """Device order putting the holders of each replicated expert in as few nodes as it can.
+
+    Args:
+      table: ``[N, S]`` experts per device (ids < 0: empty slots, ignored).
+      devices_per_node: ``G``.
+
+    Returns:
+      ``[N]`` int64 permutation: ``table[order]`` has its nodes in consecutive blocks of ``G``
+      (the identity when ``G <= 1`` or ``G >= N``, one node).
+    """
+    n, s = table.shape
+    if devices_per_node <= 1 or devices_per_node >= n:
+        return np.arange(n, dtype=np.int64)
+    flat = table.reshape(-1)
+    valid = flat >= 0
+    num_experts = int(flat.max()) + 1 if valid.any() else 1
+    keys = np.unique(np.repeat(np.arange(n), s)[valid] * num_experts + flat[valid])
+    device, expert = keys // num_experts, keys % num_experts
+    holders = np.bincount(expert, minlength=num_experts)
+    linked = holders[expert] >= 2  # (device, expert) pairs of experts held by several devices
+    device, expert = device[linked], expert[linked]
+    experts_of: list[list[int]] = [[] for _ in range(n)]
+    holders_of: dict[int, list[int]] = {}
+    for d, x in zip(device.tolist(), expert.tolist(), strict=True):
+        experts_of[d].append(x)
+        holders_of.setdefault(x, []).append(d)
+    links = np.bincount(device, weights=holders[expert] - 1, minlength=n)  # [N]
+    free_links = links.astype(np.int64).tolist()  # links to unplaced devices
+    seed_links = links.copy()  # the same, inf once placed (for picking a node's first device)
+    placed = [False] * n
+    order: list[int] = []
+    while len(order) < n:
+        score: dict[int, int] = {}  # unplaced device -> replicated experts shared with the node
+        for _ in range(min(devices_per_node, n - len(order))):
+            if score:
+                v = min(score, key=lambda u: (free_links[u] - score[u], -score[u], u))
+                del score[v]
+            else:  # fewest links to unplaced devices: a chain's end, or where a cut left one
+                v = int(np.argmin(seed_links))
+            placed[v] = True
+            seed_links[v] = np.inf
+            order.append(v)
+            for x in experts_of[v]:
+                for u in holders_of[x]:
+                    if not placed[u]:
+                        free_links[u] -= 1
+                        seed_links[u] -= 1
+                        score[u] = score.get(u, 0) + 1
+    order = np.asarray(order, np.int64)
+    node_of = np.empty(n, np.int64)
+    node_of[order] = np.arange(n) // devices_per_node
+    share = 2.0 * (holders - 1) / np.maximum(holders, 1)  # [E] gradients each holder sends
+    # Initial cross-node shares, vectorised: pairs whose expert spans several nodes.
+    spans = np.bincount(np.unique(node_of[device] * num_experts + expert) % num_experts)
+    cut = np.pad(spans, (0, num_experts - spans.size))[expert] > 1
+    cross = np.bincount(device, weights=np.where(cut, share[expert], 0.0), minlength=n)
+    node_of = _swap_cut_devices(node_of, cross, experts_of, holders_of, share.tolist())
+    return np.argsort(node_of, kind="stable")
+
+
+def _first_better_swap(now, cs, node_of, members, experts_of, holders_of, spread, swap, key_after):
+    """Applies the first swap found that improves ``now``; False when none does. Candidates:
+    each device at the largest share, with the devices of the nodes holding its cut experts,
+    most of those experts' holders first, devices that hold an expert cut towards it first."""
+    for a in np.flatnonzero(cs > now[0] - _EPS).tolist():
+        home = int(node_of[a])
+        votes = collections.Counter(
+            int(node_of[u]) for x in experts_of[a] if len(spread[x]) > 1 for u in holders_of[x]
+        )
+        votes.pop(home, None)
+        for m, _ in votes.most_common():
+            linked = {u for x in experts_of[a] for u in holders_of[x]}
+            for b in sorted(members[m], key=lambda b: (b not in linked, b)):
+                touched = list({u for x in experts_of[a] + experts_of[b] for u in holders_of[x]})
+                olds = [float(cs[u]) for u in touched]
+                swap(a, b, touched)
+                if _better(key_after(now, olds, [float(cs[u]) for u in touched]), now):
+                    return True
+                swap(a, b, touched)  # undo
+    return False
+
+
+def _better(k, than) -> bool:
+    """(largest share, devices at it, total) ``k`` lexicographically below ``than``."""
+    if k[0] < than[0] - _EPS:
+        return True
+    if k[0] > than[0] + _EPS:
+        return False
+    return k[1] < than[1] or (k[1] == than[1] and k[2] < than[2] - _EPS)
+
+
+class _Spread(dict):
+    """expert -> Counter of the nodes of its holders, built when first asked for."""
+
+    def __init__(self, node_of: np.ndarray, holders_of: dict[int, list[int]]):
+        super().__init__()
+        self.node_of, self.holders_of = node_of, holders_of
+
+    def __missing__(self, x: int) -> collections.Counter:
+        spread = collections.Counter(self.node_of[self.holders_of[x]].tolist())
+        self[x] = spread
+        return spread
+
+
+def _swap_cut_devices(node_of, cs, experts_of, holders_of, share, max_rounds: int | None = None):
+    """Swaps devices between nodes while that lowers the largest cross-node gradient share.
+
+    A device's cross-node share ``cs`` is the sum of ``share[x]`` (gradients it sends,
+    ``2 (d - 1) / d`` for ``d`` holders) over its experts ``x`` whose holders span nodes. Each
+    round applies the first swap found (``_first_better_swap``) that lowers (largest share,
+    devices at it, total share) lexicographically, for at most ``max_rounds`` rounds
+    (``_MAX_ROUNDS``); it stops when none does.
+
+    Returns:
+      ``[N]`` node of each device (each node keeps its number of devices).
+    """
+    spread = _Spread(node_of, holders_of)
+    members = collections.defaultdict(set)
+    for d, m in enumerate(node_of.tolist()):
+        members[m].add(d)
+
+    def cross(d: int) -> float:
+        return sum(share[x] for x in experts_of[d] if len(spread[x]) > 1)
+
+    def move(d: int, m: int) -> set[int]:
+        for x in experts_of[d]:
+            c = spread[x]
+            c[node_of[d]] -= 1
+            if not c[node_of[d]]:
+                del c[node_of[d]]
+            c[m] += 1
+        members[node_of[d]].discard(d)
+        members[m].add(d)
+        node_of[d] = m
+        return {u for x in experts_of[d] for u in holders_of[x]}
+
+    def swap(a: int, b: int, touched: list[int]) -> None:
+        ma, mb = int(node_of[a]), int(node_of[b])
+        move(a, mb)
+        move(b, ma)
+        for u in touched:
+            cs[u] = cross(u)
+
+    def key() -> tuple[float, int, float]:
+        top = float(cs.max())
+        return (top, int(np.sum(cs > top - _EPS)), float(cs.sum()))
+
+    def key_after(now, olds: list[float], news: list[float]) -> tuple[float, int, float]:
+        """``key()`` after a swap that changed only ``olds`` into ``news`` (no full scan
+        unless every device at the largest share was touched)."""
+        top, count, total = now
+        untouched = count - sum(v > top - _EPS for v in olds)
+        if untouched == 0:
+            return key()
+        high = max(top, max(news))
+        if high > top:
+            return (high, sum(v > high - _EPS for v in news), total - sum(olds) + sum(news))
+        return (top, untouched + sum(v > top - _EPS for v in news), total - sum(olds) + sum(news))
+
+    for _ in range(_MAX_ROUNDS if max_rounds is None else max_rounds):
+        now = key()
+        if now[0] == 0 or not _first_better_swap(
+            now, cs, node_of, members, experts_of, holders_of, spread, swap, key_after
+        ):
+            break
+    return node_of
+
+
+def align_nodes(
+    old_table: np.ndarray, new: np.ndarray, num_experts: int, devices_per_node: int
+) -> np.ndarray:
+    """``packing.align`` that keeps ``new``'s nodes (consecutive blocks of ``G`` devices) whole.
+
+    Args:
+      old_table: ``[N, S]`` current experts per device.
+      new: ``[N, S]`` packed experts per device, grouped into nodes (``group_nodes``).
+      num_experts: ``E``.
+      devices_per_node: ``G``; ``N`` a multiple of it (else ``packing.align`` is the one to use).
+
+    Returns:
+      ``[P]`` int64 slot-to-expert table: ``new``'s nodes permuted onto old nodes, its devices
+      permuted within their node, slots ordered (staying experts keep their slot).
+    """
+    n, s = new.shape
+    g = devices_per_node
+    if n % g:
+        raise ValueError(f"N={n} is not a multiple of devices_per_node={g}")
+    m = n // g
+    node = match_devices(old_table.reshape(m, g * s), new.reshape(m, g * s), num_experts)
+    placed = np.empty_like(new).reshape(m, g, s)
+    placed[node] = new.reshape(m, g, s)  # packed node b now sits in old node node[b]
+    placed = placed.reshape(n, s)
+    # Devices within their node: experts renamed per node so that only same-node ones match.
+    groups = np.arange(n) // g
+    offset = (groups * num_experts)[:, None]
+    ids, dense = np.unique(np.stack([old_table + offset, placed + offset]), return_inverse=True)
+    dense = dense.reshape(2, n, s)  # (node, expert) pairs renumbered 0 .. #pairs - 1
+    device = match_devices(dense[0], dense[1], ids.size, groups)
+    return order_slots(old_table, placed, device)
