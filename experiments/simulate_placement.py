@@ -28,6 +28,7 @@ Run (10-20 s on 2 CPU cores):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -121,11 +122,19 @@ def main() -> None:
         help="rows of a recorded trace: its expert shares scaled to the workload's N*T*K rows "
         "per step (default), or its counts as they are",
     )
+    parser.add_argument(
+        "--react-steps",
+        type=int,
+        help="controller: consecutive steps of evidence before the change detector acts "
+        "(default: ControllerConfig's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/placement")
     args = parser.parse_args()
 
     hw, wl, config = HARDWARE[args.hardware], Workload(), ControllerConfig()
+    if args.react_steps is not None:
+        config = dataclasses.replace(config, react_steps=args.react_steps)
     jobs = [(n, name, tr) for n in args.devices for name, tr in _traces(args, n, wl).items()]
     rows, series = [], None
     for n, name, trace in jobs:
