@@ -20,6 +20,10 @@ re-placement (`placement_events.jsonl`, one JSON object per event):
   timed alone; events of one step share it) and
   `decision_wall_s` (host time of the controller's checks so far).
 
+A run with a `PlacementController` also writes `placement_controller.json` at its start
+(`moejax.placement.replay.controller_spec`), from which `experiments/replay_placement.py`
+replays its `routing_trace.npy` through the same controller, or one with other knobs.
+
 Each layer's migration gather takes its index as an argument (`moejax.training.placed.migrate_fn`)
 and donates the state, so it compiles once per layer, in a background thread at start, while
 training goes on, and writes only the moved layer; the step never recompiles for a new layout
@@ -38,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.placement import Placement, migration_sources
+from moejax.placement import Placement, PlacementController, migration_sources
+from moejax.placement.replay import SPEC_FILE, controller_spec, event_record
 from moejax.training import placed
 
 EVENTS_FILE = "placement_events.jsonl"
@@ -108,6 +113,10 @@ class PlacementRuntime:
                     runtime._unobserved = (resumed["unobserved_step"], counts)
             runtime._start_compile(state)
             if run_dir is not None:
+                if resumed is None and isinstance(runtime.controller, PlacementController):
+                    # What `moejax.placement.replay` needs to replay this run's routing trace.
+                    with open(os.path.join(run_dir, SPEC_FILE), "w") as f:
+                        json.dump(controller_spec(runtime.controller), f)
                 runtime._events_path = os.path.join(run_dir, EVENTS_FILE)
                 # Events after a resumed step are re-made by this run; earlier ones are kept.
                 runtime._keep_events(step)
@@ -145,36 +154,34 @@ class PlacementRuntime:
         self.migration_wall_s += wall
         self.placements = tuple(new)
         self._tables = placed.slot_tables(new)
-        ema = getattr(self.controller, "ema", None)
-        per_step = getattr(self.controller, "per_step_imbalance", None)
-        forecast = getattr(self.controller, "forecast", None)
         for d in decisions:
-            smoothed = np.asarray(counts if ema is None else ema)[d.layer]
-            before, after = (None, None) if forecast is None else forecast(d.layer, d.old, d.new)
-            self._log(
-                {
+            if isinstance(self.controller, PlacementController):
+                event = event_record(self.controller, d, counts, step, applied_after_step)
+            else:  # another controller (a scripted one in tests): no forecasts
+                c = np.asarray(counts)[d.layer]
+                event = {
                     "step": int(step),
                     "applied_after_step": int(applied_after_step),
                     "layer": int(d.layer),
                     "reason": d.reason,
                     "predicted_gain_s": float(d.gain_s),
-                    "predicted_gain_fraction": _gain_fraction(self.controller, d, smoothed),
-                    "imbalance_before": float(d.old.imbalance(smoothed)),
-                    "imbalance_after": float(d.new.imbalance(smoothed)),
-                    "per_step_before": None if per_step is None else per_step(d.layer, d.old),
-                    "per_step_after": None if per_step is None else per_step(d.layer, d.new),
-                    "forecast_before": before,
-                    "forecast_after": after,
-                    "realized_ratio": getattr(self.controller, "realized_ratio", None),
+                    "predicted_gain_fraction": None,
+                    "imbalance_before": float(d.old.imbalance(c)),
+                    "imbalance_after": float(d.new.imbalance(c)),
+                    "per_step_before": None,
+                    "per_step_after": None,
+                    "forecast_before": None,
+                    "forecast_after": None,
+                    "realized_ratio": None,
                     "num_devices": int(d.new.num_devices),
                     "bytes_moved": int(d.bytes_moved),
                     "modeled_migration_s": float(d.migration_s),
-                    "migration_wall_s": wall,
-                    "decision_wall_s": float(getattr(self.controller, "decision_wall_s", 0.0)),
                     "old": d.old.slot_to_expert.tolist(),
                     "new": d.new.slot_to_expert.tolist(),
                 }
-            )
+            event["migration_wall_s"] = wall
+            event["decision_wall_s"] = float(getattr(self.controller, "decision_wall_s", 0.0))
+            self._log(event)
         return state
 
     def take_unobserved(self) -> tuple | None:
@@ -259,17 +266,6 @@ class PlacementRuntime:
         if self._events_path is not None:
             with open(self._events_path, "a") as f:
                 f.write(json.dumps(event) + "\n")
-
-
-def _gain_fraction(controller, decision, counts) -> float | None:
-    """Predicted gain over the modeled step time of the old placement (None if unknown)."""
-    hw, wl = getattr(controller, "hardware", None), getattr(controller, "workload", None)
-    if hw is None or wl is None:
-        return None
-    from moejax.placement import step_cost
-
-    now = step_cost(decision.old, counts, hw, wl).total_s
-    return float(decision.gain_s / now) if now > 0 else None
 
 
 def read_events(run_dir: str) -> list[dict]:

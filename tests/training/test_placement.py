@@ -7,6 +7,8 @@ the even split of rows over replicas, combined replica gradients, the logical cl
 the migration of parameters and Adam moments.
 """
 
+import importlib.util
+import json
 import os
 import shutil
 
@@ -15,11 +17,19 @@ import numpy as np
 import pytest
 from _helpers import MODEL, TRAIN, corpus, host_tree, mesh
 
-from moejax.placement import ControllerConfig, Decision, Placement, Workload
+from moejax.placement import ControllerConfig, Decision, Placement, Workload, save_trace
+from moejax.placement.replay import SPEC_FILE, controller_from_spec, replay
 from moejax.training import placed, report, train
 from moejax.training.hardware import measure_hardware
 from moejax.training.loop import SetupError
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
+
+_spec = importlib.util.spec_from_file_location(
+    "replay_placement",
+    os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "replay_placement.py"),
+)
+replay_placement = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(replay_placement)
 
 STEPS, EVERY, SLOTS = 54, 4, 3
 BASE = TRAIN.replace(steps=STEPS, warmup_steps=5, checkpoint_every=0, eval_batches=0)
@@ -223,6 +233,35 @@ def test_resumed_controller_decides_as_if_never_stopped(real, tmp_path, stop):
         _logical_params(resumed, REAL),
         _logical_params(real, REAL),
     )
+
+
+def test_replay_of_the_run_makes_its_decisions(real, tmp_path, capsys):
+    # The run wrote its controller's spec; fed the run's own counts the way the loop fed them,
+    # the rebuilt controller makes the same re-placements with the same forecasts.
+    with open(os.path.join(real.run_dir, SPEC_FILE)) as f:
+        spec = json.load(f)
+    trace = np.array([r["expert_counts"] for r in real.records], np.int64)
+    result = replay(controller_from_spec(spec), trace)
+    recorded = read_events(real.run_dir)
+    fields = ("step", "applied_after_step", "layer", "old", "new", "bytes_moved")
+    assert [{k: e[k] for k in fields} for e in result.events] == [
+        {k: e[k] for k in fields} for e in recorded
+    ]
+    for key in ("forecast_before", "forecast_after", "per_step_after", "realized_ratio"):
+        np.testing.assert_allclose([e[key] for e in result.events], [e[key] for e in recorded])
+    np.testing.assert_allclose(
+        result.placed_imbalance, [r["device_imbalance"] for r in real.records], rtol=1e-6
+    )
+    # The script on a copy of the run with its trace (train writes it with its outputs).
+    run = tmp_path / "run"
+    shutil.copytree(real.run_dir, run)
+    save_trace(str(run / "routing_trace.npy"), trace)
+    assert replay_placement.main([str(run), "--phases", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"recorded re-placements: {len(recorded)}; replayed: {len(recorded)}" in out
+    assert "same decisions: yes" in out and "1-8 " in out
+    assert replay_placement.main([str(run), "--set", "react_steps=3"]) == 0
+    assert "same decisions" not in capsys.readouterr().out  # other knobs: nothing to match
 
 
 def test_measured_hardware_figures():
