@@ -25,21 +25,8 @@ import os
 import sys
 
 from moejax.placement import load_trace
-from moejax.placement.replay import SPEC_FILE, controller_from_spec, replay
+from moejax.placement.replay import SPEC_FILE, config_overrides, controller_from_spec, replay
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
-
-
-def _overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set takes KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def _phases(bounds: list[int], last: int) -> list[tuple[int, int]]:
@@ -75,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     try:
-        controller = controller_from_spec(spec, **_overrides(args.set))
+        controller = controller_from_spec(spec, **config_overrides(args.set))
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     trace = load_trace(trace_path)

@@ -47,6 +47,7 @@ from moejax.placement import (
     load_trace,
     zipf,
 )
+from moejax.placement.replay import config_overrides
 from moejax.placement.simulate import compare, summarize
 from moejax.placement.traces import zipf_exponent_for
 
@@ -123,18 +124,21 @@ def main() -> None:
         "per step (default), or its counts as they are",
     )
     parser.add_argument(
-        "--react-steps",
-        type=int,
-        help="controller: consecutive steps of evidence before the change detector acts "
-        "(default: ControllerConfig's)",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a ControllerConfig field (JSON value), e.g. react_urgent=1.0; repeatable",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/placement")
     args = parser.parse_args()
 
-    hw, wl, config = HARDWARE[args.hardware], Workload(), ControllerConfig()
-    if args.react_steps is not None:
-        config = dataclasses.replace(config, react_steps=args.react_steps)
+    hw, wl = HARDWARE[args.hardware], Workload()
+    try:
+        config = dataclasses.replace(ControllerConfig(), **config_overrides(args.set))
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
     jobs = [(n, name, tr) for n in args.devices for name, tr in _traces(args, n, wl).items()]
     rows, series = [], None
     for n, name, trace in jobs:

@@ -96,6 +96,11 @@ class ControllerConfig:
         average; a router drifting at the EMA's pace stays with the schedule). An O(P) test per
         layer and step; per-step noise moves a device's load by a few percent, far below it.
       react_steps: consecutive shifted steps that confirm a change (a one-step spike does not).
+      react_urgent: None (default), or a shift of more than ``1 + react_urgent`` times that base
+        on a single step's counts confirms a change at once, without waiting for
+        ``react_steps`` steps. Opt-in: it reacts a step sooner to an abrupt routing shift (the
+        simulator's rotating hot set: BENCHMARKS.md), and so also to a one-step spike that
+        large, whose layout then stays for ``min_interval`` steps.
       apply_lag: steps from the last counts a decision saw to the first step that runs its
         layout; the training loop reads counts one step late and migrates after the next step
         (2). Only where the controller follows a re-placement's realized fall
@@ -113,6 +118,7 @@ class ControllerConfig:
     forecast_window: int = 10
     react_gain: float | None = 0.25
     react_steps: int = 2
+    react_urgent: float | None = None
     apply_lag: int = 2
 
     def __post_init__(self):
@@ -131,6 +137,11 @@ class ControllerConfig:
             )
         if self.react_gain is not None and not self.react_gain > 0:
             raise ValueError(f"react_gain must be > 0 or None, got {self.react_gain!r}")
+        if self.react_urgent is not None and not self.react_urgent > (self.react_gain or 0.0):
+            raise ValueError(
+                f"react_urgent must be None or > react_gain={self.react_gain}, "
+                f"got {self.react_urgent!r}"
+            )
         if self.min_relative_gain < 0:
             raise ValueError(f"min_relative_gain must be >= 0, got {self.min_relative_gain!r}")
 
@@ -402,7 +413,10 @@ class PlacementController:
                 shifted.clear()
                 continue
             shifted.append(counts[layer].copy())
-            if len(shifted) >= cfg.react_steps:
+            urgent = cfg.react_urgent is not None and raw > self._shift_base[layer] * (
+                1.0 + cfg.react_urgent
+            )
+            if len(shifted) >= cfg.react_steps or urgent:
                 changed[layer] = np.mean(shifted, axis=0)
                 shifted.clear()
         return changed

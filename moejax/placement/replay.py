@@ -23,6 +23,7 @@ Plain numpy; no jax.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 
@@ -58,6 +59,29 @@ def controller_spec(controller: PlacementController) -> dict:
             for p in controller.placements
         ],
     }
+
+
+def config_overrides(pairs: list[str]) -> dict:
+    """``ControllerConfig`` overrides from ``KEY=VALUE`` strings (the scripts' ``--set``).
+
+    Values are parsed as JSON where they are (``1``, ``0.5``, ``null``), else kept as strings.
+
+    Raises:
+      ValueError: a pair is not ``KEY=VALUE`` or names no ``ControllerConfig`` field.
+    """
+    fields = {f.name for f in dataclasses.fields(ControllerConfig)}
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected KEY=VALUE, got {pair!r}")
+        if key not in fields:
+            raise ValueError(f"unknown ControllerConfig field {key!r}; known: {sorted(fields)}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def controller_from_spec(spec: dict, **overrides) -> PlacementController:

@@ -97,6 +97,23 @@ def test_change_detector_replaces_right_after_an_abrupt_shift():
         assert min(d.step for d in off.accepted if d.step >= start) >= start + 4
 
 
+def test_urgent_shift_is_confirmed_by_one_step():
+    # react_urgent: a shift to more than twice the planned imbalance on one step's counts is
+    # a change at once (a step sooner than react_steps = 2), and so is a one-step spike that
+    # large (the price of the knob, which is why it is off by default).
+    s = zipf_exponent_for(E, 4.0)
+    trace = drifting_zipf(600, E, TOKENS, s=s, shift_every=150, seed=0)
+    urgent = ControllerConfig(react_urgent=1.0)
+    assert [d.step for d in _run(trace, urgent).accepted] == [0, 150, 300, 450]
+    spiky = zipf(300, E, TOKENS, s=s, seed=0)
+    spiky[200] = zipf(1, E, TOKENS, s=s, seed=100)[0]
+    assert 200 not in [d.step for d in _run(spiky).log]
+    assert 200 in [d.step for d in _run(spiky, urgent).log]
+    # A shift below the urgent bound still waits for react_steps steps.
+    calm = ControllerConfig(react_urgent=50.0)
+    assert [d.step for d in _run(trace, calm).accepted] == [1, 151, 301, 451]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_one_step_spike_is_not_a_change(seed):
     s = zipf_exponent_for(E, 4.0)
@@ -315,6 +332,7 @@ def test_load_state_dict_rejects_another_shape():
         (dict(forecast_window=0), "forecast_window must be >= 1, got 0"),
         (dict(react_gain=0.0), "react_gain must be > 0 or None, got 0.0"),
         (dict(react_steps=0), "react_steps must be >= 1, got 0"),
+        (dict(react_urgent=0.2), "react_urgent must be None or > react_gain=0.25, got 0.2"),
         (dict(apply_lag=0), "apply_lag must be >= 1, got 0"),
     ],
 )

@@ -75,3 +75,14 @@ def test_overrides_change_the_knobs_and_unknown_ones_fail():
 def test_replay_rejects_a_trace_of_another_shape():
     with pytest.raises(ValueError, match=r"trace must have shape \[steps, 2, 8\]"):
         replay(_controller(), np.ones((5, 3, 8)))
+
+
+def test_config_overrides_parse_json_values_and_reject_unknown_keys():
+    from moejax.placement.replay import config_overrides
+
+    got = config_overrides(["react_steps=1", "react_urgent=null", "ema_decay=0.9"])
+    assert got == {"react_steps": 1, "react_urgent": None, "ema_decay": 0.9}
+    with pytest.raises(ValueError, match="expected KEY=VALUE, got 'react_steps'"):
+        config_overrides(["react_steps"])
+    with pytest.raises(ValueError, match="unknown ControllerConfig field 'react'"):
+        config_overrides(["react=1"])
