@@ -18,7 +18,8 @@ experts, so the links form chains and cycles of devices.
    net of its links into the node (ties: the most links into the node, then the lowest index),
    or starts afresh where none is linked. A chain is then cut about once per node, and a cut
    costs its two devices one cross-node gradient each.
-2. **Swaps**: the step pays the *largest* cross-node share, which a few devices with two cut
+2. **Swaps** (from the better of that grouping and the input's order, so never worse than
+   the input): the step pays the *largest* cross-node share, which a few devices with two cut
    experts set. Up to ``_MAX_ROUNDS`` times, a device at the largest share trades nodes with a
    device of a node holding its cut experts, whenever that lowers (largest share, devices at
    it, total share).
@@ -103,10 +104,19 @@ def group_nodes(table: np.ndarray, devices_per_node: int) -> np.ndarray:
     node_of = np.empty(n, np.int64)
     node_of[order] = np.arange(n) // devices_per_node
     share = 2.0 * (holders - 1) / np.maximum(holders, 1)  # [E] gradients each holder sends
-    # Initial cross-node shares, vectorised: pairs whose expert spans several nodes.
-    spans = np.bincount(np.unique(node_of[device] * num_experts + expert) % num_experts)
-    cut = np.pad(spans, (0, num_experts - spans.size))[expert] > 1
-    cross = np.bincount(device, weights=np.where(cut, share[expert], 0.0), minlength=n)
+
+    def cross_shares(node_of: np.ndarray) -> np.ndarray:  # [N], vectorised
+        spans = np.bincount(np.unique(node_of[device] * num_experts + expert) % num_experts)
+        cut = np.pad(spans, (0, num_experts - spans.size))[expert] > 1
+        return np.bincount(device, weights=np.where(cut, share[expert], 0.0), minlength=n)
+
+    # The swaps start from the better of the greedy grouping and the input's own order (the
+    # greedy is a heuristic), and only ever improve: never worse than the input order.
+    cross = cross_shares(node_of)
+    given = np.arange(n) // devices_per_node
+    given_cross = cross_shares(given)
+    if (given_cross.max(), given_cross.sum()) < (cross.max(), cross.sum()):
+        node_of, cross = given, given_cross
     node_of = _swap_cut_devices(node_of, cross, experts_of, holders_of, share.tolist())
     return np.argsort(node_of, kind="stable")
 
