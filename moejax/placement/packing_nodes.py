@@ -48,7 +48,7 @@ import numpy as np
 from moejax.placement.packing import match_devices, order_slots
 
 _EPS = 1e-9  # shares are sums of a few 2 (d - 1) / d
-_MAX_ROUNDS = 8  # device swaps between nodes at most (``_swap_cut_devices``)
+_MAX_ROUNDS = 8  # rounds of device swaps between nodes at most (``_Swapper``)
 
 
 def group_nodes(table: np.ndarray, devices_per_node: int) -> np.ndarray:
@@ -117,30 +117,8 @@ def group_nodes(table: np.ndarray, devices_per_node: int) -> np.ndarray:
     given_cross = cross_shares(given)
     if (given_cross.max(), given_cross.sum()) < (cross.max(), cross.sum()):
         node_of, cross = given, given_cross
-    node_of = _swap_cut_devices(node_of, cross, experts_of, holders_of, share.tolist())
+    node_of = _Swapper(node_of, cross, experts_of, holders_of, share.tolist()).run(_MAX_ROUNDS)
     return np.argsort(node_of, kind="stable")
-
-
-def _first_better_swap(now, cs, node_of, members, experts_of, holders_of, spread, swap, key_after):
-    """Applies the first swap found that improves ``now``; False when none does. Candidates:
-    each device at the largest share, with the devices of the nodes holding its cut experts,
-    most of those experts' holders first, devices that hold an expert cut towards it first."""
-    for a in np.flatnonzero(cs > now[0] - _EPS).tolist():
-        home = int(node_of[a])
-        votes = collections.Counter(
-            int(node_of[u]) for x in experts_of[a] if len(spread[x]) > 1 for u in holders_of[x]
-        )
-        votes.pop(home, None)
-        for m, _ in votes.most_common():
-            linked = {u for x in experts_of[a] for u in holders_of[x]}
-            for b in sorted(members[m], key=lambda b: (b not in linked, b)):
-                touched = list({u for x in experts_of[a] + experts_of[b] for u in holders_of[x]})
-                olds = [float(cs[u]) for u in touched]
-                swap(a, b, touched)
-                if _better(key_after(now, olds, [float(cs[u]) for u in touched]), now):
-                    return True
-                swap(a, b, touched)  # undo
-    return False
 
 
 def _better(k, than) -> bool:
@@ -152,81 +130,103 @@ def _better(k, than) -> bool:
     return k[1] < than[1] or (k[1] == than[1] and k[2] < than[2] - _EPS)
 
 
-class _Spread(dict):
-    """expert -> Counter of the nodes of its holders, built when first asked for."""
+class _Swapper:
+    """Device swaps between nodes that lower the largest cross-node gradient share.
 
-    def __init__(self, node_of: np.ndarray, holders_of: dict[int, list[int]]):
-        super().__init__()
-        self.node_of, self.holders_of = node_of, holders_of
-
-    def __missing__(self, x: int) -> collections.Counter:
-        spread = collections.Counter(self.node_of[self.holders_of[x]].tolist())
-        self[x] = spread
-        return spread
-
-
-def _swap_cut_devices(node_of, cs, experts_of, holders_of, share, max_rounds: int | None = None):
-    """Swaps devices between nodes while that lowers the largest cross-node gradient share.
-
-    A device's cross-node share ``cs`` is the sum of ``share[x]`` (gradients it sends,
-    ``2 (d - 1) / d`` for ``d`` holders) over its experts ``x`` whose holders span nodes. Each
-    round applies the first swap found (``_first_better_swap``) that lowers (largest share,
-    devices at it, total share) lexicographically, for at most ``max_rounds`` rounds
-    (``_MAX_ROUNDS``); it stops when none does.
-
-    Returns:
-      ``[N]`` node of each device (each node keeps its number of devices).
+    A device's cross-node share (``cs``) is the sum of ``share[x]`` (gradients it sends, ``2 (d
+    - 1) / d`` for ``d`` holders) over its experts ``x`` whose holders span nodes. State is kept
+    incrementally: ``spread[x]`` counts the nodes of ``x``'s holders (built when first needed),
+    and a swap recomputes the shares of the holders of the two devices' experts only.
     """
-    spread = _Spread(node_of, holders_of)
-    members = collections.defaultdict(set)
-    for d, m in enumerate(node_of.tolist()):
-        members[m].add(d)
 
-    def cross(d: int) -> float:
-        return sum(share[x] for x in experts_of[d] if len(spread[x]) > 1)
+    def __init__(self, node_of, cs, experts_of, holders_of, share):
+        self.node_of, self.cs, self.share = node_of, cs, share
+        self.experts_of, self.holders_of = experts_of, holders_of
+        self.spread: dict[int, collections.Counter] = {}
+        self.members = collections.defaultdict(set)  # node -> its devices
+        for d, m in enumerate(node_of.tolist()):
+            self.members[m].add(d)
 
-    def move(d: int, m: int) -> set[int]:
-        for x in experts_of[d]:
-            c = spread[x]
-            c[node_of[d]] -= 1
-            if not c[node_of[d]]:
-                del c[node_of[d]]
+    def run(self, max_rounds: int) -> np.ndarray:
+        """Applies the first improving swap found (``_try_swaps``), round after round, until
+        none improves or ``max_rounds`` rounds; returns ``[N]`` node of each device."""
+        for _ in range(max_rounds):
+            now = self._key()
+            if now[0] == 0 or not self._try_swaps(now):
+                break
+        return self.node_of
+
+    def _try_swaps(self, now) -> bool:
+        """Candidates: each device at the largest share, with the devices of the nodes holding
+        its cut experts (most of their holders first; devices sharing an expert with it
+        first). Applies the first swap that improves ``now``; False when none does."""
+        for a in np.flatnonzero(self.cs > now[0] - _EPS).tolist():
+            cut = [x for x in self.experts_of[a] if len(self._spread(x)) > 1]
+            votes = collections.Counter(
+                int(self.node_of[u]) for x in cut for u in self.holders_of[x]
+            )
+            votes.pop(int(self.node_of[a]), None)
+            linked = {u for x in self.experts_of[a] for u in self.holders_of[x]}
+            for m, _ in votes.most_common():
+                for b in sorted(self.members[m], key=lambda b: (b not in linked, b)):
+                    touched = list(
+                        {
+                            u
+                            for x in self.experts_of[a] + self.experts_of[b]
+                            for u in self.holders_of[x]
+                        }
+                    )
+                    olds = [float(self.cs[u]) for u in touched]
+                    self._swap(a, b, touched)
+                    if _better(self._key_after(now, olds, touched), now):
+                        return True
+                    self._swap(a, b, touched)  # undo
+        return False
+
+    def _spread(self, x: int) -> collections.Counter:
+        if x not in self.spread:
+            self.spread[x] = collections.Counter(self.node_of[self.holders_of[x]].tolist())
+        return self.spread[x]
+
+    def _cross(self, d: int) -> float:
+        return sum(self.share[x] for x in self.experts_of[d] if len(self._spread(x)) > 1)
+
+    def _move(self, d: int, m: int) -> None:
+        here = int(self.node_of[d])
+        for x in self.experts_of[d]:
+            c = self._spread(x)
+            c[here] -= 1
+            if not c[here]:
+                del c[here]
             c[m] += 1
-        members[node_of[d]].discard(d)
-        members[m].add(d)
-        node_of[d] = m
-        return {u for x in experts_of[d] for u in holders_of[x]}
+        self.members[here].discard(d)
+        self.members[m].add(d)
+        self.node_of[d] = m
 
-    def swap(a: int, b: int, touched: list[int]) -> None:
-        ma, mb = int(node_of[a]), int(node_of[b])
-        move(a, mb)
-        move(b, ma)
+    def _swap(self, a: int, b: int, touched: list[int]) -> None:
+        ma, mb = int(self.node_of[a]), int(self.node_of[b])
+        self._move(a, mb)
+        self._move(b, ma)
         for u in touched:
-            cs[u] = cross(u)
+            self.cs[u] = self._cross(u)
 
-    def key() -> tuple[float, int, float]:
-        top = float(cs.max())
-        return (top, int(np.sum(cs > top - _EPS)), float(cs.sum()))
+    def _key(self) -> tuple[float, int, float]:
+        top = float(self.cs.max())
+        return (top, int(np.sum(self.cs > top - _EPS)), float(self.cs.sum()))
 
-    def key_after(now, olds: list[float], news: list[float]) -> tuple[float, int, float]:
-        """``key()`` after a swap that changed only ``olds`` into ``news`` (no full scan
-        unless every device at the largest share was touched)."""
+    def _key_after(self, now, olds: list[float], touched: list[int]) -> tuple[float, int, float]:
+        """``_key()`` after a swap that changed the shares of ``touched`` only (from ``olds``);
+        no full scan unless every device at the largest share was touched."""
+        news = [float(self.cs[u]) for u in touched]
         top, count, total = now
         untouched = count - sum(v > top - _EPS for v in olds)
         if untouched == 0:
-            return key()
+            return self._key()
+        total += sum(news) - sum(olds)
         high = max(top, max(news))
         if high > top:
-            return (high, sum(v > high - _EPS for v in news), total - sum(olds) + sum(news))
-        return (top, untouched + sum(v > top - _EPS for v in news), total - sum(olds) + sum(news))
-
-    for _ in range(_MAX_ROUNDS if max_rounds is None else max_rounds):
-        now = key()
-        if now[0] == 0 or not _first_better_swap(
-            now, cs, node_of, members, experts_of, holders_of, spread, swap, key_after
-        ):
-            break
-    return node_of
+            return (high, sum(v > high - _EPS for v in news), total)
+        return (top, untouched + sum(v > top - _EPS for v in news), total)
 
 
 def align_nodes(
