@@ -10,11 +10,12 @@ The planner runs only when the layer's modeled step time on the EMA (compute of 
 device, all-to-all and replica gradient sync), over the perfect-balance bound, exceeds
 ``(1 + min_relative_gain)`` times what the last plan left (1.0 at the start), so a settled
 layer costs almost no host time (and replicas that only cost sync once routing moved on are
-re-planned, though the imbalance did not rise). A change detector (``react_gain``) also tests
-every step, in O(P) per layer, whether the current placement is far more imbalanced on the raw
-counts than the last plan left it and than on the EMA; confirmed over ``react_steps`` steps, the
-layer's EMA is re-seeded from those steps' counts and the layer is checked at once, so an abrupt
-routing shift is re-placed as soon as it is confirmed instead of after the EMA catches up.
+re-planned, though the imbalance did not rise). A change detector (``react_gain``,
+``detector.py``) also tests every step, in O(P) per layer, whether the current placement is far
+more imbalanced on the raw counts than the last plan left it and than on the EMA; confirmed
+over ``react_steps`` steps, the layer's EMA is re-seeded from those steps' counts and the layer
+is checked at once, so an abrupt routing shift is re-placed as soon as it is confirmed instead
+of after the EMA catches up.
 
 A candidate is accepted only when
 
@@ -64,6 +65,7 @@ from moejax.placement.cost_model import (
     perfect_cost,
 )
 from moejax.placement.cost_model import step_cost as _step_cost
+from moejax.placement.detector import ChangeDetector
 from moejax.placement.planner import plan as _plan
 from moejax.placement.realized import FallTracker
 from moejax.placement.table import Placement
@@ -226,8 +228,9 @@ class PlacementController:
         self._last_change = [None] * num_layers
         self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
         self._settled_cost = [1.0] * num_layers  # its modeled step over the perfect bound
-        self._shifted: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # raw counts
-        self._shift_base = [1.0] * num_layers  # imbalance a streak of shifted steps is beyond
+        self._detector = ChangeDetector(
+            num_layers, config.react_gain, config.react_steps, config.react_urgent
+        )
         self.realized = FallTracker()  # accepted re-placements, followed over the steps after
 
     @property
@@ -304,7 +307,8 @@ class PlacementController:
         self._recent.append(counts)
         start = time.perf_counter()
         self.realized.observe(step, counts)
-        seeds = self._changed_layers(counts)  # {layer: EMA seed}, against the EMA so far
+        # {layer: EMA seed}, against the EMA so far
+        seeds = self._detector.update(self.placements, counts, self._ema, self._settled)
         decay = self.config.ema_decay
         self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
         for layer, seed in seeds.items():
@@ -326,7 +330,7 @@ class PlacementController:
             self.migration_s += d.migration_s
             self.bytes_moved += d.bytes_moved
             self._last_change[d.layer] = step
-            self._shifted[d.layer].clear()  # a streak is measured against one placement
+            self._detector.reset(d.layer)
             first = step + self.config.apply_lag
             fall = self.per_step_imbalance(d.layer, d.old)
             fall -= self.per_step_imbalance(d.layer, d.new)
@@ -355,8 +359,7 @@ class PlacementController:
             "last_change": list(self._last_change),
             "settled": list(self._settled),
             "settled_cost": list(self._settled_cost),
-            "shifted": [[c.tolist() for c in layer] for layer in self._shifted],
-            "shift_base": list(self._shift_base),
+            **self._detector.state_dict(),  # "shifted", "shift_base"
             "realized": self.realized.state_dict(),
             "migration_s": self.migration_s,
             "bytes_moved": self.bytes_moved,
@@ -386,40 +389,10 @@ class PlacementController:
         self._last_change = list(state["last_change"])
         self._settled = [float(x) for x in state["settled"]]
         self._settled_cost = [float(x) for x in state["settled_cost"]]
-        self._shifted = [[np.asarray(c, np.float64) for c in layer] for layer in state["shifted"]]
-        self._shift_base = [float(x) for x in state["shift_base"]]
+        self._detector.load_state_dict(state)
         self.realized.load_state_dict(state["realized"], self.placements)
         self.migration_s = float(state["migration_s"])
         self.bytes_moved = int(state["bytes_moved"])
-
-    def _changed_layers(self, counts: np.ndarray) -> dict[int, np.ndarray]:
-        """Change detector (``ControllerConfig.react_gain``), run before the EMA takes
-        ``counts [L, E]``: layers whose placement is far more imbalanced on the raw counts than
-        the last plan left it and than on the EMA so far, for ``react_steps`` steps in a row.
-        Returns ``{layer: mean of those steps' counts}``, the layer's new EMA."""
-        cfg = self.config
-        if cfg.react_gain is None:
-            return {}
-        changed = {}
-        for layer, placement in enumerate(self.placements):
-            shifted, raw = self._shifted[layer], placement.imbalance(counts[layer])
-            if not shifted:  # a new streak is measured against the EMA before it
-                base = max(1.0, self._settled[layer])
-                if self._ema is not None and raw > base * (1.0 + cfg.react_gain):
-                    # A router drifting at the EMA's pace is no shift.
-                    base = max(base, placement.imbalance(self._ema[layer]))
-                self._shift_base[layer] = base
-            if raw <= self._shift_base[layer] * (1.0 + cfg.react_gain):
-                shifted.clear()
-                continue
-            shifted.append(counts[layer].copy())
-            urgent = cfg.react_urgent is not None and raw > self._shift_base[layer] * (
-                1.0 + cfg.react_urgent
-            )
-            if len(shifted) >= cfg.react_steps or urgent:
-                changed[layer] = np.mean(shifted, axis=0)
-                shifted.clear()
-        return changed
 
     def _check(self, step: int, layer: int) -> Decision:
         cfg, hw, wl = self.config, self.hardware, self.workload
