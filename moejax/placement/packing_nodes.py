@@ -45,7 +45,7 @@ import collections
 
 import numpy as np
 
-from moejax.placement.packing import match_devices, order_slots
+from moejax.placement.packing import match_devices, order_slots, unique_ints
 
 _EPS = 1e-9  # shares are sums of a few 2 (d - 1) / d
 _MAX_ROUNDS = 8  # rounds of device swaps between nodes at most (``_Swapper``)
@@ -68,7 +68,7 @@ def group_nodes(table: np.ndarray, devices_per_node: int) -> np.ndarray:
     flat = table.reshape(-1)
     valid = flat >= 0
     num_experts = int(flat.max()) + 1 if valid.any() else 1
-    keys = np.unique(np.repeat(np.arange(n), s)[valid] * num_experts + flat[valid])
+    keys = unique_ints(np.repeat(np.arange(n), s)[valid] * num_experts + flat[valid])
     device, expert = keys // num_experts, keys % num_experts
     holders = np.bincount(expert, minlength=num_experts)
     linked = holders[expert] >= 2  # (device, expert) pairs of experts held by several devices
@@ -106,7 +106,7 @@ def group_nodes(table: np.ndarray, devices_per_node: int) -> np.ndarray:
     share = 2.0 * (holders - 1) / np.maximum(holders, 1)  # [E] gradients each holder sends
 
     def cross_shares(node_of: np.ndarray) -> np.ndarray:  # [N], vectorised
-        spans = np.bincount(np.unique(node_of[device] * num_experts + expert) % num_experts)
+        spans = np.bincount(unique_ints(node_of[device] * num_experts + expert) % num_experts)
         cut = np.pad(spans, (0, num_experts - spans.size))[expert] > 1
         return np.bincount(device, weights=np.where(cut, share[expert], 0.0), minlength=n)
 
@@ -256,7 +256,8 @@ def align_nodes(
     # Devices within their node: experts renamed per node so that only same-node ones match.
     groups = np.arange(n) // g
     offset = (groups * num_experts)[:, None]
-    ids, dense = np.unique(np.stack([old_table + offset, placed + offset]), return_inverse=True)
-    dense = dense.reshape(2, n, s)  # (node, expert) pairs renumbered 0 .. #pairs - 1
+    pairs = np.stack([old_table + offset, placed + offset])  # [2, N, S] (node, expert) ids
+    ids = unique_ints(pairs)
+    dense = np.searchsorted(ids, pairs)  # renumbered 0 .. #pairs - 1
     device = match_devices(dense[0], dense[1], ids.size, groups)
     return order_slots(old_table, placed, device)

@@ -45,7 +45,10 @@ that sends fewer expert copies by ``_GLOBAL_MARGIN``. On hardware with nodes
 (``HardwareModel.devices_per_node`` dividing ``N``), the packed devices are then ordered into
 nodes so that the holders of a replicated expert share one where they can
 (``packing_nodes.group_nodes``: their all-reduce then runs over the in-node link), and
-relabelled onto the current placement node by node (``packing_nodes.align_nodes``).
+relabelled onto the current placement node by node (``packing_nodes.align_nodes``). There,
+the hierarchical packing (``packing_hier.pack_by_node``: experts dealt to nodes, replicas packed
+inside their node, so no replica sync leaves a node) is a further candidate, taken when its
+modeled step is lower.
 
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
 ``S`` slots, and the returned placement's busiest-device rows (with ``hardware`` and
@@ -57,6 +60,8 @@ Plain numpy; no jax.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from moejax.placement.cost_model import (
@@ -67,6 +72,7 @@ from moejax.placement.cost_model import (
     step_cost,
 )
 from moejax.placement.packing import align, apportion, fill_spare, pack, rebalance, replica_counts
+from moejax.placement.packing_hier import pack_by_node
 from moejax.placement.packing_nodes import align_nodes, group_nodes
 from moejax.placement.packing_sync import limit_sync, sync_shares
 from moejax.placement.table import Placement, check_counts
@@ -264,15 +270,31 @@ def plan(
     sync_rows = rows_per_gradient(hardware, workload, placement.num_devices)
     g = hardware.devices_per_node  # nodes: consecutive blocks of g devices
     g = g if 1 < g < placement.num_devices and placement.num_devices % g == 0 else 1
-    candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows, g)
-    return _weigh_sync(placement, candidate, counts, hardware, workload, sync_rows, g)
+    nodes, by_node = None, None
+    if g > 1:  # the hierarchical packing: a candidate, and the bar a flat one must clear
+        by_node = _by_node(placement, counts, g)
+        bar = np.inf if by_node is None else step_cost(by_node, counts, hardware, workload).total_s
+        nodes = _Nodes(g, hardware, workload, bar)
+    candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows, nodes)
+    candidate = _weigh_sync(placement, candidate, counts, hardware, workload, sync_rows, nodes)
+    if by_node is None:
+        return candidate
+    limit = step_cost(candidate, counts, hardware, workload).total_s
+    if candidate is placement:  # a re-pack must save _GLOBAL_MARGIN of the step
+        limit *= 1.0 - _GLOBAL_MARGIN
+    return by_node if nodes.bar < limit else candidate
 
 
 def _balance_rows(
-    placement, counts, max_moves: int, tolerance: float, sync_rows: float = 0.0, nodes: int = 1
+    placement,
+    counts,
+    max_moves: int,
+    tolerance: float,
+    sync_rows: float = 0.0,
+    nodes: _Nodes | None = None,
 ):
     """Greedy pass, repair and re-pack (module docstring; the re-pack weighs replica sync at
-    ``sync_rows`` and groups replicas into ``nodes``-device nodes): a placement of strictly
+    ``sync_rows`` and groups replicas into ``nodes``): a placement of strictly
     fewer rows on the busiest device, or ``placement``."""
     good_enough = (1.0 + tolerance) * counts.sum() / placement.num_devices
     before = placement.device_load(counts).max()
@@ -305,7 +327,7 @@ def _balance_rows(
     return candidate if after < before - tol else placement
 
 
-def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float, nodes: int) -> Placement:
+def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float, nodes) -> Placement:
     """``candidate`` if its modeled step time (sync included) is strictly below the input's.
     When rows alone found nothing to do but the input pays replica sync, the sync-aware
     re-pack is tried instead, and kept if it saves ``_GLOBAL_MARGIN`` of the step."""
@@ -319,13 +341,40 @@ def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float, nodes: i
     return candidate if step_cost(candidate, counts, hw, wl).total_s < limit else placement
 
 
+@dataclasses.dataclass(frozen=True)
+class _Nodes:
+    """Nodes of ``size`` devices for the re-pack. Grouping a flat packing into nodes only
+    relabels devices, which changes its replica sync but not its compute or all-to-all; so it
+    is skipped when those two alone reach ``bar``, the modeled step of the hierarchical
+    packing (which the flat packing then cannot beat)."""
+
+    size: int
+    hw: HardwareModel
+    wl: Workload
+    bar: float
+
+
+def _by_node(placement: Placement, counts: np.ndarray, nodes: int) -> Placement | None:
+    """``packing_hier.pack_by_node`` relabelled onto ``placement`` node by node (None when the
+    shapes do not split into nodes)."""
+    packed = pack_by_node(counts, placement.num_devices, placement.slots_per_device, nodes)
+    if packed is None:
+        return None
+    return placement.with_table(
+        align_nodes(placement.device_table(), packed, placement.num_experts, nodes)
+    )
+
+
 def _repack(
-    placement: Placement, counts: np.ndarray, sync_rows: float = 0.0, nodes: int = 1
+    placement: Placement,
+    counts: np.ndarray,
+    sync_rows: float = 0.0,
+    nodes: _Nodes | None = None,
 ) -> Placement:
     """Global re-pack (``packing.py``): apportioned replica counts (weighing replica sync at
     ``sync_rows``; spare slots left over are duplicated in place), balanced packing, devices
-    grouped into nodes of ``nodes`` devices (``packing_nodes.py``; 1: no nodes) and relabelled
-    onto the current placement to keep experts in place."""
+    grouped into ``nodes`` (``packing_nodes.py``; None: no nodes) and relabelled onto the
+    current placement to keep experts in place."""
     n_dev = placement.num_devices
     r = replica_counts(counts, n_dev, placement.slots_per_device, sync_rows)
     experts = np.repeat(np.arange(placement.num_experts), r)
@@ -339,10 +388,15 @@ def _repack(
         packed = limit_sync(packed, slot_w, sync_shares(packed, r))
     packed = fill_spare(packed, r)
     old, e = placement.device_table(), placement.num_experts
-    if nodes > 1:  # replicas of an expert in one node: their sync stays on the in-node link
-        packed = packed[group_nodes(packed, nodes)]
-        return placement.with_table(align_nodes(old, packed, e, nodes))
-    return placement.with_table(align(old, packed, e))
+    flat = placement.with_table(align(old, packed, e))
+    if nodes is None:
+        return flat
+    cost = step_cost(flat, counts, nodes.hw, nodes.wl)
+    if cost.total_s - cost.replica_sync_s >= nodes.bar:
+        return flat  # no grouping brings it under the hierarchical packing (``_Nodes``)
+    # Replicas of an expert in one node: their sync stays on the in-node link.
+    packed = packed[group_nodes(packed, nodes.size)]
+    return placement.with_table(align_nodes(old, packed, e, nodes.size))
 
 
 def _repair(placement: Placement, counts: np.ndarray, target: float) -> Placement:

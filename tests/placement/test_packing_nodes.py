@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from moejax.placement import H100_IB, HardwareModel, Placement, Workload, plan, step_cost
 from moejax.placement.cost_model import replica_sync_s
 from moejax.placement.packing_nodes import align_nodes, group_nodes
-from moejax.placement.planner import _repack
+from moejax.placement.planner import _Nodes, _repack
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 
 WL = Workload(tokens_per_device=64, top_k=2, d_model=512, d_ff=1024)
@@ -138,8 +138,8 @@ def test_planner_groups_replicas_into_nodes():
     from moejax.placement.cost_model import rows_per_gradient
 
     sync_rows = rows_per_gradient(H100_IB, wl, n)
-    grouped = _repack(base, counts, sync_rows, nodes=8)
-    ungrouped = _repack(base, counts, sync_rows, nodes=1)
+    grouped = _repack(base, counts, sync_rows, _Nodes(8, H100_IB, wl, np.inf))
+    ungrouped = _repack(base, counts, sync_rows)
     assert np.sort(grouped.device_load(counts)).tolist() == pytest.approx(
         np.sort(ungrouped.device_load(counts)).tolist()
     )
