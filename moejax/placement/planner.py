@@ -388,15 +388,15 @@ def _repack(
         packed = limit_sync(packed, slot_w, sync_shares(packed, r))
     packed = fill_spare(packed, r)
     old, e = placement.device_table(), placement.num_experts
-    flat = placement.with_table(align(old, packed, e))
-    if nodes is None:
-        return flat
-    cost = step_cost(flat, counts, nodes.hw, nodes.wl)
-    if cost.total_s - cost.replica_sync_s >= nodes.bar:
-        return flat  # no grouping brings it under the hierarchical packing (``_Nodes``)
-    # Replicas of an expert in one node: their sync stays on the in-node link.
-    packed = packed[group_nodes(packed, nodes.size)]
-    return placement.with_table(align_nodes(old, packed, e, nodes.size))
+    if nodes is not None:
+        # Compute and all-to-all do not depend on the order of the devices (only sync does).
+        cost = step_cost(placement.with_table(packed.reshape(-1)), counts, nodes.hw, nodes.wl)
+        if cost.total_s - cost.replica_sync_s < nodes.bar:
+            # Replicas of an expert in one node: their sync stays on the in-node link.
+            packed = packed[group_nodes(packed, nodes.size)]
+            return placement.with_table(align_nodes(old, packed, e, nodes.size))
+        # Else no grouping brings it under the hierarchical packing (``_Nodes``).
+    return placement.with_table(align(old, packed, e))
 
 
 def _repair(placement: Placement, counts: np.ndarray, target: float) -> Placement:
