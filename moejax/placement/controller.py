@@ -33,9 +33,10 @@ Forecasts (``forecast``): the imbalance a re-placement will measure step by step
 candidate is scored on the steps it was planned on, which overstates its fall when routing drifts
 (on the tiny LM, about 2x: BENCHMARKS.md, "Placement in training"). So the controller follows
 every accepted re-placement over the ``forecast_window`` steps it runs (from ``apply_lag`` steps
-after its last counts), scores old and new table on those steps' counts, and scales new forecasts
-by the fall realized so far over the fall forecast in-sample (``realized_ratio``): an online
-calibration from the run's own routing, with nothing fitted offline.
+after its last counts), measures its fall as the logs will (the old table's per-step imbalance
+before against the new one's after), and scales new forecasts by the measured over the
+in-sample fall of the ``calibration_events`` last measured re-placements (``realized_ratio``):
+an online calibration from the run's own routing, with nothing fitted offline.
 
 Applying a decision (done by the JAX side): the physical expert weights of a layer are
 ``w_phys = w[new.slot_to_expert]`` with shape ``[P, ...]``, slot ``p`` on device ``p // S``;
@@ -105,8 +106,10 @@ class ControllerConfig:
         large, whose layout then stays for ``min_interval`` steps.
       apply_lag: steps from the last counts a decision saw to the first step that runs its
         layout; the training loop reads counts one step late and migrates after the next step
-        (2). Only where the controller follows a re-placement's realized fall
+        (2). Only where the controller follows a re-placement's measured fall
         (``realized_ratio``) depends on it.
+      calibration_events: the most recent measured re-placements whose falls calibrate the
+        forecast (``realized_ratio``, ``realized.FallTracker``); decisions do not depend on it.
     """
 
     decide_every: int = 5
@@ -121,11 +124,12 @@ class ControllerConfig:
     react_gain: float | None = 0.25
     react_steps: int = 2
     react_urgent: float | None = None
+    calibration_events: int = 5
     apply_lag: int = 2
 
     def __post_init__(self):
         names = ("decide_every", "horizon_steps", "patience", "forecast_window", "react_steps")
-        for name in (*names, "apply_lag"):
+        for name in (*names, "apply_lag", "calibration_events"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.min_interval < 0:
@@ -231,7 +235,8 @@ class PlacementController:
         self._detector = ChangeDetector(
             num_layers, config.react_gain, config.react_steps, config.react_urgent
         )
-        self.realized = FallTracker()  # accepted re-placements, followed over the steps after
+        # Accepted re-placements, followed over the steps after them.
+        self.realized = FallTracker(config.calibration_events)
 
     @property
     def num_layers(self) -> int:
@@ -267,8 +272,9 @@ class PlacementController:
 
     @property
     def realized_ratio(self) -> float:
-        """Realized over in-sample imbalance fall of the re-placements measured to the end of
-        their window so far (``FallTracker.ratio``; 1.0 before the first)."""
+        """Measured over in-sample imbalance fall of the last ``calibration_events``
+        re-placements measured to the end of their window (``FallTracker.ratio``; 1.0 before
+        the first)."""
         return self.realized.ratio
 
     def forecast(self, layer: int, old: Placement, new: Placement) -> tuple[float, float]:
@@ -277,8 +283,8 @@ class PlacementController:
 
         ``before`` is ``old``'s mean per-step imbalance over the last ``forecast_window``
         steps; the in-sample fall ``before - per_step_imbalance(layer, new)`` is scaled by
-        ``realized_ratio``, the share of such falls that this run's earlier re-placements
-        realized on the steps after them (routing drifts away from the steps a plan fitted).
+        ``realized_ratio``, the share of such falls that this run's last re-placements
+        measured on the steps after them (routing drifts away from the steps a plan fitted).
         """
         before, after = self.per_step_imbalance(layer, old), self.per_step_imbalance(layer, new)
         # after + (1 - r) fall, not before - r fall: exactly the in-sample figure while r = 1.
@@ -332,10 +338,12 @@ class PlacementController:
             self._last_change[d.layer] = step
             self._detector.reset(d.layer)
             first = step + self.config.apply_lag
-            fall = self.per_step_imbalance(d.layer, d.old)
-            fall -= self.per_step_imbalance(d.layer, d.new)
+            before = self.per_step_imbalance(d.layer, d.old)
+            fall = before - self.per_step_imbalance(d.layer, d.new)
             last = first + self.config.forecast_window - 1
-            self.realized.follow(d.layer, d.old, d.new, first=first, last=last, forecast_fall=fall)
+            self.realized.follow(
+                d.layer, d.new, first=first, last=last, before=before, forecast_fall=fall
+            )
         return accepted
 
     def state_dict(self) -> dict:

@@ -15,7 +15,7 @@ re-placement (`placement_events.jsonl`, one JSON object per event):
   optimizer state, at the cost model's byte sizes);
 - forecast per step: `per_step_before/after` (old and new table on the steps planned on, in
   sample), `forecast_before/after` (the same fall scaled by `realized_ratio`, the share of
-  the in-sample fall the run's earlier re-placements realized: `PlacementController.forecast`);
+  the in-sample fall the run's last re-placements measured: `PlacementController.forecast`);
 - measured: `migration_wall_s` (the gathers of this step's moved layers on this machine,
   timed alone; events of one step share it) and
   `decision_wall_s` (host time of the controller's checks so far).

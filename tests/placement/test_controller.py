@@ -256,7 +256,7 @@ def test_realized_ratio_is_one_on_stationary_routing():
     assert ctl.realized_ratio == pytest.approx(1.0, rel=1e-12)
 
 
-def test_realized_ratio_measures_the_steps_after_a_replacement_under_drift():
+def test_realized_ratio_measures_the_fall_after_a_replacement_under_drift():
     once = ControllerConfig(decide_every=1, patience=1, min_interval=100, forecast_window=4)
     ctl = PlacementController(Placement.identity(E, N, S), H100_IB, WL, once)
     first = _skewed_counts()
@@ -269,9 +269,11 @@ def test_realized_ratio_measures_the_steps_after_a_replacement_under_drift():
         if t == window[-1]:
             assert ctl.realized.matured == 0  # matured only once the window's last step is seen
         assert ctl.observe(t, shifted) == []  # min_interval: no second re-placement
-    realized = d.old.imbalance(shifted) - d.new.imbalance(shifted)
+    # Measured as the logs show it: the old table before (on the one step the decision saw),
+    # the new one on the steps it ran.
+    measured = d.old.imbalance(first) - d.new.imbalance(shifted)
     assert ctl.realized.matured == 1
-    assert ctl.realized_ratio == pytest.approx(realized / in_sample, rel=1e-12)
+    assert ctl.realized_ratio == pytest.approx(measured / in_sample, rel=1e-12)
     assert ctl.realized_ratio < 0.5  # the layout fitted the old hot set
     # New forecasts scale the in-sample fall by it.
     old, new = d.new, d.old
@@ -280,6 +282,28 @@ def test_realized_ratio_measures_the_steps_after_a_replacement_under_drift():
     assert ctl.forecast(0, old, new) == pytest.approx(
         (before, before - ctl.realized_ratio * fall), rel=1e-12, abs=1e-12
     )
+
+
+def test_fall_tracker_calibrates_on_the_most_recent_replacements():
+    from moejax.placement.realized import FallTracker
+
+    new = Placement(np.array([0, 2, 1, 3]), num_experts=4, num_devices=2, slots_per_device=2)
+    counts = np.array([[4.0, 3, 1, 0]])  # new's imbalance on them: 5 / 4
+    tracker = FallTracker(recent=2)
+    for i, (before, forecast) in enumerate([(2.25, 1.0), (1.75, 1.0), (2.0, 0.5)]):
+        tracker.follow(0, new, first=i, last=i, before=before, forecast_fall=forecast)
+        tracker.observe(i, counts)
+    # Measured falls 1.0, 0.5, 0.75; the last two against their in-sample 1.0 + 0.5.
+    assert tracker.matured == 3
+    assert tracker.ratio == pytest.approx((0.5 + 0.75) / (1.0 + 0.5), rel=1e-12)
+    # A state of the older cumulative format loads as one aggregate entry.
+    old = FallTracker(recent=2)
+    old.load_state_dict(
+        {"forecast_sum": 2.0, "realized_sum": 1.0, "matured": 4, "followed": []}, [new]
+    )
+    assert (old.matured, old.ratio) == (4, 0.5)
+    with pytest.raises(ValueError, match="recent must be >= 1, got 0"):
+        FallTracker(recent=0)
 
 
 # Cut after the counts of step 100 (a change-detector streak open: the hot set moved at 100),
@@ -334,6 +358,7 @@ def test_load_state_dict_rejects_another_shape():
         (dict(react_steps=0), "react_steps must be >= 1, got 0"),
         (dict(react_urgent=0.2), "react_urgent must be None or > react_gain=0.25, got 0.2"),
         (dict(apply_lag=0), "apply_lag must be >= 1, got 0"),
+        (dict(calibration_events=0), "calibration_events must be >= 1, got 0"),
     ],
 )
 def test_config_validation(kwargs, match):
