@@ -7,7 +7,7 @@ On hardware whose nodes have a fast in-node link (``HardwareModel.devices_per_no
 expert whose replicas all sit in one node syncs its gradients over that link (9x the cross-node
 bandwidth on ``H100_IB``). ``packing_nodes.group_nodes`` orders a flat packing into nodes, but a
 flat packing links most devices into long chains of replicated experts, so some replicas stay
-cut. Here no replica crosses a node (unless an expert needs more than ``G``):
+cut. Here no replica crosses a node (an expert gets at most ``G`` replicas):
 
 1. **Nodes**: ``packing.pack`` deals the ``E`` experts, whole, into ``M`` nodes of exactly
    ``Q`` experts each, balancing the nodes' rows (balanced largest differencing + pairwise
@@ -64,27 +64,19 @@ def pack_by_node(
     if num_devices % g or e % m or not s <= e // m <= g * s:
         return None
     nodes = pack(counts, np.arange(e), m)  # [M, Q] experts per node
-    table, _ = _pack_all(nodes, counts, g, s)
-    return table.reshape(num_devices, s)
-
-
-def _pack_all(nodes: np.ndarray, counts: np.ndarray, g: int, s: int):
-    """Every node of ``nodes [M, Q]`` packed into ``G`` devices, the best of the replica-count
-    candidates per node; returns experts ``[M, G, S]`` and each node's busiest load ``[M]``."""
-    m = nodes.shape[0]
     node_counts = counts[nodes]
     best_table, best_max = None, None
-    for r in _candidate_replicas(node_counts, g, s):
+    for r in _candidate_replicas(node_counts, g, s):  # each node keeps its best candidate
         ids = np.repeat(nodes.reshape(-1), r.reshape(-1)).reshape(m, g * s)
         weights = np.repeat((node_counts / r).reshape(-1), r.reshape(-1)).reshape(m, g * s)
         table, slot_w = _pack_nodes(weights, ids, g, s)
-        worst = slot_w.sum(axis=2).max(axis=1)  # [M]
+        worst = slot_w.sum(axis=2).max(axis=1)  # [M] each node's busiest device
         if best_table is None:
             best_table, best_max = table, worst
         else:
             better = worst < best_max
             best_table[better], best_max = table[better], np.minimum(worst, best_max)
-    return best_table, best_max
+    return best_table.reshape(num_devices, s)
 
 
 def _candidate_replicas(node_counts: np.ndarray, g: int, s: int) -> list[np.ndarray]:
