@@ -14,7 +14,8 @@ alignment it wants the permute phase to pad groups to.
   carry starts varying like the operands and the VJP's cotangents vary like their primals (see
   `moejax._vma`), so each device of `moejax.parallel` runs it as is; the single-device layer runs
   the fused loop of `moejax._fused` instead.
-- `pallas`: `pallas_kernels.grouped_matmul` (Triton on GPU, Mosaic on TPU, interpret on CPU).
+- `pallas`: `pallas_kernels.grouped_matmul` (Triton on GPU, Mosaic on TPU, and the Triton kernel
+  in interpret mode on CPU; chosen when the program is lowered, not from the host).
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ def _blocked_gmm_bwd(block, res, dout):
 blocked_gmm.defvjp(_blocked_gmm_fwd, _blocked_gmm_bwd)
 
 
-def pallas_gmm(lhs, rhs, group_sizes, *, interpret: bool):
-    """`pallas_kernels.grouped_matmul` (imported lazily: the kernel package is optional here)."""
+def pallas_gmm(lhs, rhs, group_sizes):
+    """`pallas_kernels.grouped_matmul` with `backend="pallas"`: decided by the compile target,
+    Triton on GPU, Mosaic on TPU, the Triton kernel in interpret mode elsewhere (CPU)."""
     import pallas_kernels
 
-    return pallas_kernels.grouped_matmul(lhs, rhs, group_sizes, interpret=interpret)
+    return pallas_kernels.grouped_matmul(lhs, rhs, group_sizes, backend="pallas")

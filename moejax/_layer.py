@@ -20,20 +20,44 @@ Implementation = Literal["auto", "reference", "ragged_dot", "blocked", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = Implementation.__args__
 
 
-def resolve_implementation(implementation: str, backend: str | None = None) -> str:
-    """Map `"auto"` to a concrete implementation for the backend.
+_ACCELERATORS = ("cuda", "rocm", "tpu")  # lowering platforms where "auto" means "pallas"
+
+
+def resolve_implementation(implementation: str, platform: str | None = None) -> str:
+    """Map `"auto"` to the implementation it runs when compiled for `platform`.
 
     Fallback order for `"auto"`: `pallas` on GPU and TPU (the block-sparse kernels), `blocked`
     (the fused XLA chunk loop, `moejax._fused`) everywhere else: on XLA:CPU it runs within a few
     percent of a dense FFN of the same FLOPs, where `ragged_dot` costs E times the FLOPs
     (`experiments/bench_layer.py`). `"reference"` is never picked automatically.
+
+    The layers do not call this with the host's platform: they stage both candidates and let the
+    compile target pick (`by_target`), so compiling for a GPU or TPU mesh from a CPU host runs
+    the kernels. `platform` is a lowering platform ("cpu", "cuda", "rocm", "tpu"; "gpu" is
+    accepted for "cuda"); None means the default backend's.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: must be one of {IMPLEMENTATIONS}")
     if implementation != "auto":
         return implementation
-    backend = backend or jax.default_backend()
-    return "pallas" if backend in ("gpu", "cuda", "rocm", "tpu") else "blocked"
+    platform = platform or jax.default_backend()
+    return "pallas" if platform in (*_ACCELERATORS, "gpu") else "blocked"
+
+
+def by_target(fn, implementation: str, *args):
+    """`fn(*args, concrete_implementation)`; `"auto"` is decided by the platform the program is
+    compiled for (`jax.lax.platform_dependent`): `"pallas"` on GPU and TPU, `"blocked"` elsewhere.
+    Both are traced; lowering keeps one."""
+    if implementation != "auto":
+        return fn(*args, implementation)
+
+    def run(impl):
+        return lambda *a: fn(*a, impl)
+
+    pallas = run("pallas")
+    return jax.lax.platform_dependent(
+        *args, **dict.fromkeys(_ACCELERATORS, pallas), default=run("blocked")
+    )
 
 
 def _gmm_for(implementation: str, config: MoEConfig):
@@ -44,8 +68,7 @@ def _gmm_for(implementation: str, config: MoEConfig):
     if implementation == "blocked":
         return functools.partial(_gmm.blocked_gmm, block=config.block_size), config.block_size
     if implementation == "pallas":
-        interpret = jax.default_backend() == "cpu"
-        return functools.partial(_gmm.pallas_gmm, interpret=interpret), 1
+        return _gmm.pallas_gmm, 1
     raise ValueError(f"no grouped matmul for implementation={implementation!r}")
 
 
@@ -65,7 +88,9 @@ def moe_apply(
       config: the layer config.
       implementation: `"reference"` (per-expert loop, the oracle), `"ragged_dot"`, `"blocked"`
         (the XLA path for CPU: permute, experts and unpermute fused into one loop over chunks of
-        expert-sorted rows), `"pallas"` (block-sparse kernels), or `"auto"`.
+        expert-sorted rows), `"pallas"` (block-sparse kernels: Triton on GPU, Mosaic on TPU,
+        interpreted on CPU), or `"auto"` (`"pallas"` when compiled for GPU or TPU, `"blocked"`
+        otherwise; decided by the compile target, see `by_target`).
 
     Returns:
       `(y, aux)`: `y` of the shape and dtype of `x`, `aux` a `MoEAux` of routing statistics and
@@ -80,7 +105,7 @@ def moe_apply(
     """
     if x.shape[-1] != config.d_model:
         raise ValueError(f"x has last dim {x.shape[-1]}, config.d_model={config.d_model}")
-    implementation = resolve_implementation(implementation)
+    resolve_implementation(implementation)  # validates the name
     shape = x.shape
     num_sequences = math.prod(shape[:-2]) if x.ndim >= 3 else 1
     xt = x.reshape(-1, config.d_model)
@@ -90,34 +115,34 @@ def moe_apply(
         if config.dispatch == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, num_sequences)
 
-    if implementation == "reference":
-        with jax.named_scope("experts"):
-            y = reference_experts(params["experts"], xt, routing, config)
-    elif implementation == "blocked":
-        with jax.named_scope("permute"):
-            layout = make_layout(
-                routing, config.num_experts, 1, _max_kept(xt, config, num_sequences)
-            )
-        with jax.named_scope("experts"):
-            y = fused_moe(xt, routing.weight, layout, params["experts"], config)
-    else:
-        gmm, alignment = _gmm_for(implementation, config)
-        with jax.named_scope("permute"):
-            layout = make_layout(
-                routing, config.num_experts, alignment, _max_kept(xt, config, num_sequences)
-            )
-            rows = dispatch(xt, layout)
-        with jax.named_scope("experts"):
-            out = grouped_ffn(
-                rows, layout.group_sizes, layout.group_of_row, params["experts"], config, gmm
-            )
-        with jax.named_scope("unpermute"):
-            y = combine(out, routing.weight, layout)
+    max_kept = _max_kept(xt, config, num_sequences)
+    phases = functools.partial(_routed_phases, config=config, max_kept=max_kept)
+    y = by_target(phases, implementation, xt, routing, params["experts"])
 
     if config.shared_width:
         with jax.named_scope("shared_experts"):
             y = y + shared_mlp(params["shared"], xt, config)
     return y.reshape(shape), make_aux(routing, config)
+
+
+def _routed_phases(xt, routing, experts, implementation, *, config, max_kept):
+    """permute -> experts -> unpermute with one concrete implementation: `y [T, D]`."""
+    if implementation == "reference":
+        with jax.named_scope("experts"):
+            return reference_experts(experts, xt, routing, config)
+    if implementation == "blocked":
+        with jax.named_scope("permute"):
+            layout = make_layout(routing, config.num_experts, 1, max_kept)
+        with jax.named_scope("experts"):
+            return fused_moe(xt, routing.weight, layout, experts, config)
+    gmm, alignment = _gmm_for(implementation, config)
+    with jax.named_scope("permute"):
+        layout = make_layout(routing, config.num_experts, alignment, max_kept)
+        rows = dispatch(xt, layout)
+    with jax.named_scope("experts"):
+        out = grouped_ffn(rows, layout.group_sizes, layout.group_of_row, experts, config, gmm)
+    with jax.named_scope("unpermute"):
+        return combine(out, routing.weight, layout)
 
 
 def _max_kept(xt, config, num_sequences) -> int | None:

@@ -103,3 +103,12 @@ def zipf_logits(key, tokens: int, num_experts: int, s: float = 1.2, scale: float
     top = jax.random.choice(k1, num_experts, (tokens,), p=p)
     noise = jax.random.normal(k2, (tokens, num_experts))
     return noise + scale * jax.nn.one_hot(top, num_experts)
+
+
+def kernels_run(fn, *args, platform: str = "cpu") -> list[str]:
+    """`"name/backend"` of every Pallas kernel `fn(*args)` runs when compiled for `platform`
+    (`pallas_kernels.introspect`: of the branches `implementation="auto"` and `"pallas"` stage,
+    only the ones that platform lowers count). Args may be arrays or ShapeDtypeStructs."""
+    from pallas_kernels import introspect
+
+    return [str(c) for c in introspect.traced_kernel_calls(fn, *args, platform=platform)]

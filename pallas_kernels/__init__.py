@@ -3,12 +3,19 @@
 Depends on jax only. Shape letters: M rows, K contraction, N output columns, G groups.
 `grouped_matmul` is the differentiable op layers call; `gather_grouped_matmul` fuses the MoE
 row gather and routing weight into it (fused on Pallas-Triton, composed elsewhere).
+
+`backend="auto"` (the default) and `"pallas"` are decided by the platform the program is
+compiled for, not the host (see `ops`); `default_config` holds each kernel's tiles per target,
+dtype and shape, and `fits` says whether a Config fits a target's shared memory or VMEM.
 """
 
 from pallas_kernels.autotune import autotune_gmm as autotune_gmm
 from pallas_kernels.config import BACKENDS as BACKENDS
 from pallas_kernels.config import DEFAULT_CONFIG as DEFAULT_CONFIG
+from pallas_kernels.config import KERNELS as KERNELS
 from pallas_kernels.config import Config as Config
+from pallas_kernels.config import default_config as default_config
+from pallas_kernels.config import fits as fits
 from pallas_kernels.fused import gather_grouped_matmul as gather_grouped_matmul
 from pallas_kernels.ops import gmm as gmm
 from pallas_kernels.ops import grouped_matmul as grouped_matmul
@@ -19,8 +26,11 @@ from pallas_kernels.reference import reference_tgmm as reference_tgmm
 __all__ = [
     "BACKENDS",
     "DEFAULT_CONFIG",
+    "KERNELS",
     "Config",
     "autotune_gmm",
+    "default_config",
+    "fits",
     "gather_grouped_matmul",
     "gmm",
     "grouped_matmul",

@@ -1,12 +1,14 @@
-"""Tile autotuning for the Pallas-Triton gmm, cached per problem bucket.
+"""Tile autotuning for the Pallas-Triton gmm kernels, cached per problem bucket.
 
 UNTESTED ON HARDWARE: `autotune_gmm` only runs on a GPU and has not been run on one yet. Only
-the cache-key and cache logic are exercised by the CPU tests.
+the cache-key and cache logic, and that every candidate fits H100 shared memory, are exercised
+by the CPU tests.
 
-The cache maps (row bucket, K, N, G, dtype, device kind) -> Config. Rows are bucketed to the
-next power of two because M (tokens x top-k after routing) varies from step to step while the
-best tiles change only with its magnitude. `ops.gmm(config=None)` on the Triton backend looks
-the key up and falls back to `DEFAULT_CONFIG`. The cache is per process and in memory.
+The cache maps (row bucket, K, N, G, dtype, device kind, kernel) -> Config. Rows are bucketed to
+the next power of two because M (tokens x top-k after routing) varies from step to step while
+the best tiles change only with its magnitude. `ops.gmm(config=None)` on the Triton backend
+looks the key up for "gmm" and "gmm_t" and falls back to `config.default_config`. tgmm keeps
+its own default tiles. The cache is per process and in memory.
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.config import Config, next_power_of_2
+from pallas_kernels.config import Config, fits, next_power_of_2
 
-CacheKey = tuple[int, int, int, int, str, str]
+CacheKey = tuple[int, int, int, int, str, str, str]
 
-# A small grid: 3 x 2 x 2 x 2 = 24 candidates.
-CANDIDATES: tuple[Config, ...] = tuple(
-    Config(tm=tm, tk=tk, tn=tn, num_warps=w)
-    for tm, tk, tn, w in itertools.product((64, 128, 256), (32, 64), (64, 128), (4, 8))
-)
+
+def candidates(kernel: str = "gmm", dtype=jnp.bfloat16) -> tuple[Config, ...]:
+    """The search space: a small grid, keeping only configs that fit H100 shared memory."""
+    grid = itertools.product((64, 128), (32, 64, 128), (128, 256), (4, 8), (3, 4))
+    return tuple(
+        c
+        for tm, tk, tn, w, s in grid
+        if fits(kernel, "pallas_triton", c := Config(tm, tk, tn, num_warps=w, num_stages=s), dtype)
+    )
+
 
 _CACHE: dict[CacheKey, Config] = {}
 
@@ -36,11 +43,13 @@ def row_bucket(m: int) -> int:
     return max(64, next_power_of_2(m))
 
 
-def cache_key(m: int, k: int, n: int, g: int, dtype, device_kind: str | None = None) -> CacheKey:
+def cache_key(
+    m: int, k: int, n: int, g: int, dtype, device_kind: str | None = None, *, kernel: str = "gmm"
+) -> CacheKey:
     """Cache key of a gmm problem; device_kind defaults to the first device's kind."""
     if device_kind is None:
         device_kind = jax.devices()[0].device_kind
-    return (row_bucket(m), k, n, g, jnp.dtype(dtype).name, device_kind)
+    return (row_bucket(m), k, n, g, jnp.dtype(dtype).name, device_kind, kernel)
 
 
 def cached_config(key: CacheKey) -> Config | None:
@@ -70,33 +79,42 @@ def autotune_gmm(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
-    candidates: tuple[Config, ...] = CANDIDATES,
+    transpose_rhs: bool = False,
+    configs: tuple[Config, ...] | None = None,
     reps: int = 5,
 ) -> Config:
     """Times every candidate Config for the Triton gmm on these inputs; caches and returns the
     fastest. GPU only (raises RuntimeError elsewhere). Candidates that fail to compile are skipped.
 
     Args:
-      lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int32 (a representative routing).
-      candidates: Configs to try.
+      lhs: [M, K]; rhs: [G, K, N] ([G, N, K] with transpose_rhs); group_sizes: [G] int32 (a
+        representative routing).
+      transpose_rhs: tune the transposed kernel ("gmm_t", the lhs gradient) instead.
+      configs: Configs to try; None: `candidates(kernel, lhs.dtype)`.
       reps: timed repetitions per candidate (median).
 
     Returns:
-      The fastest Config, also stored under `cache_key(M, K, N, G, lhs.dtype)`.
+      The fastest Config, also stored under `cache_key(M, K, N, G, lhs.dtype, kernel=...)`.
     """
     if jax.default_backend() != "gpu":
         raise RuntimeError(f"autotune_gmm needs a GPU, backend is {jax.default_backend()!r}")
     from pallas_kernels import ops  # ops imports this module
 
-    key = cache_key(lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], lhs.dtype)
+    kernel = "gmm_t" if transpose_rhs else "gmm"
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    key = cache_key(lhs.shape[0], lhs.shape[1], n, rhs.shape[0], lhs.dtype, kernel=kernel)
     if (hit := cached_config(key)) is not None:
         return hit
     timings = {}
-    for config in candidates:
-        fn = jax.jit(lambda x, w, s, c=config: ops.gmm(x, w, s, backend="pallas_triton", config=c))
+    for config in configs or candidates(kernel, lhs.dtype):
+
+        def fn(x, w, s, c=config):
+            return ops.gmm(x, w, s, transpose_rhs=transpose_rhs, backend="pallas_triton", config=c)
+
+        fn = jax.jit(fn)
         try:
             timings[config] = _median_seconds(lambda f=fn: f(lhs, rhs, group_sizes), reps)
-        except Exception:  # noqa: BLE001 - a tile that does not fit shared memory is skipped
+        except Exception:  # noqa: BLE001 - a candidate that fails to compile is skipped
             continue
     if not timings:
         raise RuntimeError(f"no candidate compiled for {key}")

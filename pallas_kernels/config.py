@@ -1,6 +1,32 @@
-"""Tiling `Config`, backend names (`BACKENDS`) and the small shape policy shared by every kernel.
+"""Tiling `Config`, backend names, what fits each target, and the default tiles of every kernel.
 
-Shape letters (ARCHITECTURE.md): `M` rows of lhs, `K` contraction, `N` output columns, `G` groups.
+Shape letters (docs/design.md): `M` rows of lhs, `K` contraction, `N` output columns, `G` groups.
+
+Backends (`BACKENDS`, see `ops`): "auto", "pallas", "reference", "pallas_triton", "pallas_tpu".
+
+Kernels (`KERNELS`), each with its own tiles:
+  * `"gmm"`: `out[rows of g] = lhs[rows of g] @ rhs[g]` (the forward expert matmul);
+  * `"gmm_t"`: the same with `rhs[g]` transposed (the lhs gradient of gmm);
+  * `"tgmm"`: `out[g] = lhs_g^T @ rhs_g` (the weight gradient);
+  * `"gather_gmm"`: gmm reading lhs rows through an index (Pallas-Triton only, `fused.py`).
+
+What fits (checked by `check_fits` before a kernel is traced, so a bad tile is an error that
+names the config and the limit, not a compiler failure):
+  * Pallas-Triton (H100): the shared memory Triton allocates for its software pipeline must stay
+    within the 232,448 bytes a block may opt into. Triton keeps `num_stages` copies of each
+    operand tile (one fewer lhs copy for fp32 gmm); `triton_smem_bytes` is that count, equal byte
+    for byte to what XLA's thunk sequence reports on a deviceless H100 compile (tested).
+  * Pallas-TPU (Mosaic): VMEM holds two buffers of every block (double buffering), the fp32
+    accumulator, and scratch Mosaic adds itself (its "register allocator spill slots": up to
+    13 MiB for big bf16 tgmm tiles). `mosaic_vmem_bytes` is the blocks exactly plus an upper
+    envelope of that scratch, fitted to ~450 deviceless compiles (never below the measured
+    total); it is held to the 16 MiB scoped VMEM default of v4, v5e and v5p (v6e: 32 MiB).
+    Mosaic also needs tk and tn multiples of 128 and tm a multiple of 8, unless a tile covers
+    its whole (padded) dimension.
+
+Default tiles (`default_config`) are chosen per kernel, dtype and shape so that on H100 no kernel
+spills registers (ptxas reports zero spill stores at both model shapes of `shapes.py`) and the
+revisits of tiles straddling a group boundary stay a small share of the work.
 """
 
 from __future__ import annotations
@@ -8,10 +34,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
+import jax.numpy as jnp
 
-Backend = Literal["auto", "reference", "pallas_triton", "pallas_tpu"]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "pallas_triton", "pallas_tpu")
+Backend = Literal["auto", "pallas", "reference", "pallas_triton", "pallas_tpu"]
+BACKENDS: tuple[str, ...] = ("auto", "pallas", "reference", "pallas_triton", "pallas_tpu")
+Kernel = Literal["gmm", "gmm_t", "tgmm", "gather_gmm"]
+KERNELS: tuple[str, ...] = ("gmm", "gmm_t", "tgmm", "gather_gmm")
+
+TRITON_SMEM_LIMIT = 232_448  # H100 `sharedMemPerBlockOptin` (also what Triton may request)
+MOSAIC_VMEM_LIMIT = 16 * 2**20  # scoped VMEM default of TPU v4, v5e, v5p (v6e: 32 MiB)
+_MOSAIC_ALIGN = (8, 128, 128)  # (tm, tk, tn) multiples compiled Mosaic blocks need
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,12 +56,12 @@ class Config:
       tk: contraction columns per step of the inner loop.
       tn: output columns per tile.
       num_warps: Triton only: warps per program.
-      num_stages: Triton only: software-pipelining depth.
+      num_stages: Triton only: software-pipelining depth (operand tiles kept in shared memory).
 
     Tiles are clamped to the problem (see `effective_tiles`), so a large default is safe on small
     inputs. Triton needs power-of-two tiles. Compiled Mosaic (TPU) needs tk and tn >= 128 and
-    tm >= 8 (16 for bf16) unless the tile covers the whole (padded) dimension; interpret mode
-    accepts any power of two, which the CPU tests use.
+    tm >= 8 unless the tile covers the whole (padded) dimension; interpret mode accepts any
+    power of two, which the CPU tests use.
     """
 
     tm: int = 128
@@ -74,16 +106,154 @@ def effective_tiles(config: Config, m: int, k: int, n: int) -> tuple[int, int, i
     )
 
 
-def resolve_backend(backend: str) -> str:
-    """Maps `backend` to a concrete one. Fallback order for "auto": Pallas-TPU on TPU,
-    Pallas-Triton on GPU, the pure-jnp reference everywhere else (CPU)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return "pallas_tpu"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "pallas_triton"
-    return "reference"
+def _operand_tiles(kernel: str, tiles: tuple[int, int, int]) -> tuple[int, int]:
+    """Elements of the (lhs, rhs) tiles one inner-loop step reads."""
+    tm, tk, tn = tiles
+    if kernel == "tgmm":  # lhs [tm, tk] and rhs [tm, tn]: both are row tiles of the M axis
+        return tm * tk, tm * tn
+    return tm * tk, tk * tn
+
+
+def triton_smem_bytes(kernel: str, tiles: tuple[int, int, int], config: Config, dtype) -> int:
+    """Shared memory Triton allocates for one program: its pipelined operand buffers.
+
+    `num_stages` buffers of each operand tile; for fp32 gmm, one lhs buffer fewer (fp32 dots
+    run as TF32 and Triton stages the lhs one step shorter). Matches the compiled kernels'
+    launch shared memory exactly (measured on deviceless H100 compiles, see BENCHMARKS.md).
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    lhs, rhs = _operand_tiles(kernel, tiles)
+    lhs_stages = config.num_stages
+    if itemsize == 4 and kernel != "tgmm":
+        lhs_stages -= 1
+    return (lhs_stages * lhs + config.num_stages * rhs) * itemsize
+
+
+def mosaic_block_bytes(kernel: str, tiles: tuple[int, int, int], dtype, out_dtype) -> int:
+    """VMEM of one Mosaic kernel's blocks: two buffers of each input and output block and the
+    fp32 accumulator scratch (`tpu.py`). Equal to the blocks part of Mosaic's own accounting."""
+    tm, tk, tn = tiles
+    itemsize, out_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    lhs, rhs = _operand_tiles(kernel, tiles)
+    out = tk * tn if kernel == "tgmm" else tm * tn
+    return 2 * (lhs + rhs) * itemsize + 2 * out * out_itemsize + out * 4
+
+
+def mosaic_vmem_bytes(kernel: str, tiles: tuple[int, int, int], dtype, out_dtype) -> int:
+    """An upper bound of the scoped VMEM one Mosaic kernel uses: `mosaic_block_bytes` plus the
+    scratch Mosaic adds, which grows with the lhs and output tiles (bf16 more than fp32; tgmm
+    most, for the masked copies of both row blocks). Envelope fitted on deviceless v5e/v5p/v6e
+    compiles (Mixtral and fine-grained shapes, tiles 128-2048): it never under-estimated."""
+    tm, tk, tn = tiles
+    narrow, quarter_mib = jnp.dtype(dtype).itemsize < 4, 2**18
+    if kernel == "tgmm":
+        extra = quarter_mib + (4 * tm * tk + 3 * tm * tn // 2 if narrow else tm * tk + 2 * tm * tn)
+    else:
+        extra = quarter_mib + 2 * tm * tk + tm * tn if narrow else tm * tk
+    return mosaic_block_bytes(kernel, tiles, dtype, out_dtype) + extra
+
+
+def check_fits(
+    kernel: str,
+    backend: str,
+    config: Config,
+    tiles: tuple[int, int, int],
+    dtype,
+    out_dtype,
+    dims: tuple[int, int, int] | None = None,
+) -> None:
+    """Raises ValueError naming the config and the limit when the kernel cannot compile.
+
+    Args:
+      kernel, backend, config: what is compiled.
+      tiles: the effective (tm, tk, tn) (`effective_tiles`).
+      dtype, out_dtype: operand and output dtypes.
+      dims: the problem's (M, K, N), for Mosaic's block alignment (None: not checked).
+    """
+    if backend == "pallas_tpu" and dims is not None:
+        for name, tile, dim, align in zip(
+            ("tm", "tk", "tn"), tiles, dims, _MOSAIC_ALIGN, strict=True
+        ):
+            if tile % align and tile < dim:
+                raise ValueError(
+                    f"{config} for {kernel} on pallas_tpu: {name}={tile} must be a multiple of "
+                    f"{align} (Mosaic's block alignment) or cover the dimension ({dim})"
+                )
+    if backend == "pallas_triton":
+        need, limit, what = (
+            triton_smem_bytes(kernel, tiles, config, dtype),
+            TRITON_SMEM_LIMIT,
+            ("shared memory per block on H100"),
+        )
+    elif backend == "pallas_tpu":
+        need, limit, what = (
+            mosaic_vmem_bytes(kernel, tiles, dtype, out_dtype),
+            (MOSAIC_VMEM_LIMIT),
+            "scoped VMEM on TPU v5e",
+        )
+    else:
+        return
+    if need > limit:
+        raise ValueError(
+            f"{config} (tiles {tiles}) for {kernel} at {jnp.dtype(dtype).name} on {backend} needs "
+            f"{need} bytes; the limit is {limit} bytes of {what}. Use smaller tiles or fewer "
+            "stages (see pallas_kernels.default_config)."
+        )
+
+
+def fits(kernel: str, backend: str, config: Config, dtype, out_dtype=None) -> bool:
+    """Whether `config`'s full tiles fit `backend`'s target (see `check_fits`)."""
+    tiles = (config.tm, config.tk, config.tn)
+    try:
+        check_fits(kernel, backend, config, tiles, dtype, out_dtype or dtype, dims=tiles)
+    except ValueError:
+        return False
+    return True
+
+
+def _divisor_tile(dim: int, target: int, floor: int) -> int:
+    """The largest power of two in [floor, target] dividing `dim` (no padding), else target."""
+    tile = target
+    while tile > floor and dim % tile:
+        tile //= 2
+    return tile if dim % tile == 0 else target
+
+
+def default_config(kernel: str, backend: str, dtype, m: int, k: int, n: int, g: int) -> Config:
+    """Tiles for one kernel on one backend, by dtype and shape (see the module docstring).
+
+    Args:
+      kernel: one of `KERNELS`.
+      backend: "pallas_triton" or "pallas_tpu" (anything else gets `DEFAULT_CONFIG`).
+      dtype: operand dtype.
+      m, k, n, g: the problem (`M` rows, `K` contraction, `N` output columns, `G` groups).
+
+    Returns:
+      A Config that fits the backend's target (`fits`).
+    """
+    wide = jnp.dtype(dtype).itemsize >= 4
+    # A tile straddling a group boundary is computed once per group: with ~G boundaries the
+    # extra work is about G * tm / M. Keep it under 1/8 where the mean group allows it
+    # (Mixtral-like: 8 * 128 / 16384 = 6%), else use 64-row tiles (fine-grained experts).
+    tm = 128 if g * 128 * 8 <= m else 64
+    if backend == "pallas_triton":
+        # H100, measured with ptxas -v on deviceless compiles: 8 warps keep the two [tm, tn]
+        # fp32 accumulators of gmm (the group's partial product and the tile's sum) in registers
+        # (4 warps spill 80-2000 bytes); fp32 operands take half the tk of bf16 for the same
+        # shared memory.
+        if kernel == "tgmm":
+            return Config(tm=64, tk=_divisor_tile(k, 128, 16), tn=_divisor_tile(n, 128, 16),
+                          num_warps=8, num_stages=3)  # fmt: skip
+        return Config(tm=tm, tk=32 if wide else 64, tn=_divisor_tile(n, 128, 16),
+                      num_warps=8, num_stages=3 if wide else 4)  # fmt: skip
+    if backend == "pallas_tpu":
+        # Mosaic pays per grid step, so tiles are large: 256-row tiles where the revisits stay
+        # under 1/8 of the work (128 otherwise, the MXU's size), 1024 columns in bf16 and 512 in
+        # fp32, shrunk to a divisor of the model dim where a power of two divides it (768 ->
+        # 256) so nothing is padded. All fit 16 MiB with Mosaic's scratch (`fits`).
+        tm = 256 if g * 256 * 8 <= m else 128
+        wide_tile = 512 if wide else 1024
+        return Config(
+            tm=tm, tk=_divisor_tile(k, wide_tile, 128), tn=_divisor_tile(n, wide_tile, 128)
+        )
+    return DEFAULT_CONFIG

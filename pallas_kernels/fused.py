@@ -21,36 +21,54 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import triton
-from pallas_kernels.config import DEFAULT_CONFIG, Config, effective_tiles, resolve_backend
-from pallas_kernels.ops import _common_dtype, _pad, _same_varying_axes, _validate, gmm, tgmm
+from pallas_kernels.ops import (
+    Configs,
+    _common_dtype,
+    _pad,
+    _validate,
+    gmm,
+    hashable_configs,
+    on_target,
+    same_varying_axes,
+    tgmm,
+    tiled,
+)
 
 
 def _forward(x, rhs, group_sizes, row_index, row_weight, out_dtype, backend, config, interpret):
     """[M, N] = row_weight * gmm(x[row_index], rhs); fused on Triton, composed elsewhere."""
-    m, k, n = row_index.shape[0], x.shape[1], rhs.shape[2]
-    opts = dict(backend=backend, config=config, interpret=interpret)
-    if resolve_backend(backend) != "pallas_triton" or 0 in (m, k, n, rhs.shape[0]):
-        y = gmm(
-            jnp.take(x, row_index, axis=0),
-            rhs,
-            group_sizes,
-            preferred_element_type=jnp.float32,
-            **opts,
-        )
-        return (y if row_weight is None else y * row_weight[:, None]).astype(out_dtype)
-    config = config or DEFAULT_CONFIG
-    tm, tk, tn = tiles = effective_tiles(config, m, k, n)
-    extras = [row_index] if row_weight is None else [row_index, row_weight.astype(jnp.float32)]
-    x, rhs, group_sizes, *extras = _same_varying_axes(*_common_dtype(x, rhs), group_sizes, *extras)
-    # Pad the index/weight vectors (not x: its rows are gathered) to whole m-tiles; padded rows
-    # read token 0 and belong to no group, so they produce zeros.
-    extras = [_pad(e, (tm,)) for e in extras]
-    out = triton.gmm(
-        _pad(x, (1, tk)), _pad(rhs, (1, tk, tn)), group_sizes, tiles=tiles, config=config,
-        transpose_rhs=False, out_dtype=out_dtype, interpret=interpret,
-        row_index=extras[0], row_weight=extras[1] if row_weight is not None else None,
-    )  # fmt: skip
-    return out[:m, :n]
+    m, k, n, g = row_index.shape[0], x.shape[1], rhs.shape[2], rhs.shape[0]
+    configs = dict(config) if isinstance(config, tuple) else config
+
+    def make(concrete, interp):
+        def composed(x, rhs, group_sizes, row_index, row_weight):
+            y = gmm(
+                jnp.take(x, row_index, axis=0), rhs, group_sizes,
+                preferred_element_type=jnp.float32, backend=concrete, config=configs,
+                interpret=interp,
+            )  # fmt: skip
+            return (y if row_weight is None else y * row_weight[:, None]).astype(out_dtype)
+
+        def fused(x, rhs, group_sizes, row_index, row_weight):
+            cfg, tiles = tiled(
+                configs, "gather_gmm", concrete, interp, x.dtype, out_dtype, m, k, n, g
+            )
+            tm, tk, tn = tiles
+            # Pad the index/weight vectors (not x: its rows are gathered) to whole m-tiles;
+            # padded rows read token 0 and belong to no group, so they produce zeros.
+            weight = None if row_weight is None else _pad(row_weight.astype(jnp.float32), (tm,))
+            out = triton.gmm(
+                _pad(x, (1, tk)), _pad(rhs, (1, tk, tn)), group_sizes, tiles=tiles, config=cfg,
+                transpose_rhs=False, out_dtype=out_dtype, interpret=interp,
+                row_index=_pad(row_index, (tm,)), row_weight=weight,
+            )  # fmt: skip
+            return out[:m, :n]
+
+        return fused if concrete == "pallas_triton" else composed
+
+    if 0 in (m, k, n, g):
+        return jnp.zeros((m, n), out_dtype)
+    return on_target(backend, interpret, make, x, rhs, group_sizes, row_index, row_weight)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -67,7 +85,8 @@ def _fwd(x, rhs, group_sizes, row_index, row_weight, out_dtype, backend, config,
 
 def _bwd(out_dtype, backend, config, interpret, residuals, dout):
     x, rhs, group_sizes, row_index, row_weight = residuals
-    opts = dict(backend=backend, config=config, interpret=interpret)
+    opts = dict(backend=backend, config=dict(config) if isinstance(config, tuple) else config,
+                interpret=interpret)  # fmt: skip
     dout = dout.astype(jnp.float32)
     dy = dout if row_weight is None else dout * row_weight[:, None]
     dy = dy.astype(x.dtype)
@@ -96,7 +115,7 @@ def gather_grouped_matmul(
     *,
     preferred_element_type=None,
     backend: str = "auto",
-    config: Config | None = None,
+    config: Configs = None,
     interpret: Any = False,
 ) -> jax.Array:
     """Differentiable gather + grouped matmul + row scaling (the MoE dispatch fused into gmm).
@@ -132,4 +151,9 @@ def gather_grouped_matmul(
         )
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     row_index = jnp.clip(row_index.astype(jnp.int32), 0, max(x.shape[0] - 1, 0))
+    x, rhs = _common_dtype(x, rhs)
+    extras = (row_index,) if row_weight is None else (row_index, row_weight)
+    x, rhs, group_sizes, *extras = same_varying_axes(x, rhs, group_sizes, *extras)
+    row_index, row_weight = extras[0], (extras[1] if row_weight is not None else None)
+    config = hashable_configs(config)
     return _op(x, rhs, group_sizes, row_index, row_weight, out_dtype, backend, config, interpret)

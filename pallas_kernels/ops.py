@@ -1,25 +1,46 @@
-"""Public grouped-matmul ops: backend dispatch, padding to tiles, and the differentiable op.
+"""Public grouped-matmul ops: backend choice by compile target, padding to tiles, the VJP.
 
-Backends (`backend=`): "pallas_tpu" (Mosaic), "pallas_triton" (GPU), "reference" (pure jnp,
-`jax.lax.ragged_dot_general`), and "auto": Pallas-TPU on TPU, Pallas-Triton on GPU, reference
-elsewhere. On CPU the Pallas backends run only with `interpret=True` (or, for "pallas_tpu",
-`interpret=pltpu.InterpretParams()`).
+Backends (`backend=`):
+  * "auto": by the platform the program is compiled for (`jax.lax.platform_dependent`, decided
+    at lowering, not from the host): Pallas-TPU (Mosaic) on TPU, Pallas-Triton on GPU, the
+    pure-jnp reference elsewhere (CPU).
+  * "pallas": the Pallas kernels everywhere: Mosaic on TPU, Triton on GPU, and on any other
+    platform the Triton kernel in interpret mode (Triton semantics, what the CPU tests run).
+  * "reference", "pallas_triton", "pallas_tpu": that one, whatever the target. `interpret=True`
+    runs a Pallas kernel in interpret mode on any platform (`pltpu.InterpretParams()` for the
+    TPU kernel's memory semantics).
+
+Because "auto" and "pallas" are decided at lowering, a deviceless compile for an H100 or TPU mesh
+on a CPU host runs the real kernels: the compiled program holds the Triton or Mosaic calls.
 
 Pallas paths pad M, K, N up to tile multiples with zeros (an extra copy of lhs/rhs when the
 shapes are not multiples; zero padding adds nothing to any product) and slice the result back.
+Tiles come from `config` (one Config for every kernel, or a dict by kernel name) or, per kernel
+and backend, from `config.default_config`; a tile that cannot fit the target is an error before
+anything compiles (`config.check_fits`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import autotune, tpu, triton, vma
-from pallas_kernels.config import DEFAULT_CONFIG, Config, effective_tiles, resolve_backend, round_up
+from pallas_kernels.config import (
+    BACKENDS,
+    Config,
+    check_fits,
+    default_config,
+    effective_tiles,
+    round_up,
+)
 from pallas_kernels.reference import _check_num_groups, reference_gmm, reference_tgmm
+
+Configs = Config | Mapping[str, Config] | None
 
 
 def _validate(lhs, rhs, group_sizes, *, rhs_ndim: int) -> jax.Array:
@@ -34,15 +55,25 @@ def _validate(lhs, rhs, group_sizes, *, rhs_ndim: int) -> jax.Array:
     return group_sizes.astype(jnp.int32)
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
 def _pad(x: jax.Array, multiples: tuple[int, ...]) -> jax.Array:
     """Zero-pads each axis of x up to a multiple of the matching entry (1 = leave alone)."""
     widths = [(0, round_up(d, t) - d) for d, t in zip(x.shape, multiples, strict=True)]
     return jnp.pad(x, widths) if any(w for _, w in widths) else x
 
 
-def _same_varying_axes(*xs: jax.Array) -> tuple[jax.Array, ...]:
+def same_varying_axes(*xs: jax.Array) -> tuple[jax.Array, ...]:
     """Inside shard_map(check_vma=True), cast all operands to vary over the same mesh axes, as
-    pallas_call requires (the kernels then declare their output varying over those axes)."""
+    pallas_call requires (the kernels then declare their output varying over those axes).
+
+    Differentiable ops cast *before* their custom VJP: the VJP's cotangents then vary like its
+    (cast) primals, and autodiff turns each cast into the `psum` the gradient of a less-varying
+    operand needs (e.g. expert weights replicated over `data` meeting tokens split over it).
+    """
     axes = vma.varying_axes(*xs)
     return tuple(vma.cast_varying(x, axes) for x in xs)
 
@@ -58,14 +89,44 @@ def _out_dtype(preferred_element_type, lhs: jax.Array):
     return jnp.dtype(preferred_element_type or lhs.dtype)
 
 
-def _gmm_config(config: Config | None, backend: str, lhs, num_groups: int, n: int) -> Config:
-    """The given config, else an autotuned one (Triton, if cached), else the default."""
-    if config is not None:
-        return config
-    if backend == "pallas_triton":
-        key = autotune.cache_key(lhs.shape[0], lhs.shape[1], n, num_groups, lhs.dtype)
-        return autotune.cached_config(key) or DEFAULT_CONFIG
-    return DEFAULT_CONFIG
+def kernel_config(configs: Configs, kernel: str, backend: str, dtype, m, k, n, g) -> Config:
+    """The Config for `kernel`: given (one for all kernels, or by kernel name), else autotuned
+    (Pallas-Triton gmm, if cached), else `default_config`."""
+    if isinstance(configs, Config):
+        return configs
+    if configs is not None and kernel in configs:
+        return configs[kernel]
+    if backend == "pallas_triton" and kernel in ("gmm", "gmm_t"):
+        tuned = autotune.cached_config(autotune.cache_key(m, k, n, g, dtype, kernel=kernel))
+        if tuned is not None:
+            return tuned
+    return default_config(kernel, backend, dtype, m, k, n, g)
+
+
+def tiled(configs: Configs, kernel: str, backend: str, interpret, dtype, out_dtype, m, k, n, g):
+    """(config, effective tiles) for one kernel call, checked against the target unless the
+    kernel is interpreted (interpret mode has no shared memory or VMEM limit)."""
+    config = kernel_config(configs, kernel, backend, dtype, m, k, n, g)
+    tiles = effective_tiles(config, m, k, n)
+    if not interpret:
+        check_fits(kernel, backend, config, tiles, dtype, out_dtype, dims=(m, k, n))
+    return config, tiles
+
+
+def on_target(backend: str, interpret, make: Callable[[str, Any], Callable], *args):
+    """`make(concrete_backend, interpret)(*args)`, with "auto" and "pallas" resolved by the
+    platform the program is lowered for (see the module docstring)."""
+    _check_backend(backend)
+    if backend not in ("auto", "pallas"):
+        return make(backend, interpret)(*args)
+    triton_fn = make("pallas_triton", interpret)
+    if backend == "auto":
+        fallback = make("reference", False)
+    else:
+        fallback = make("pallas_triton", interpret or True)
+    return jax.lax.platform_dependent(
+        *args, tpu=make("pallas_tpu", interpret), cuda=triton_fn, rocm=triton_fn, default=fallback
+    )
 
 
 def gmm(
@@ -76,7 +137,7 @@ def gmm(
     transpose_rhs: bool = False,
     preferred_element_type=None,
     backend: str = "auto",
-    config: Config | None = None,
+    config: Configs = None,
     interpret: Any = False,
 ) -> jax.Array:
     """Grouped matmul: rows of group g of lhs times rhs[g]. Not differentiable (see
@@ -88,9 +149,11 @@ def gmm(
       group_sizes: [G] integer, sum(group_sizes) <= M (not checked: it is traced).
       transpose_rhs: rhs is given as [G, N, K].
       preferred_element_type: output dtype; None means lhs.dtype. Accumulation is fp32.
-      backend: "auto", "reference", "pallas_triton" or "pallas_tpu".
-      config: tile sizes; None means the default (or the autotuned one, on GPU).
-      interpret: run Pallas kernels in interpret mode (needed on CPU).
+      backend: one of `BACKENDS` (see the module docstring).
+      config: tiles; None means the default for the kernel, backend, dtype and shape. With
+        "auto" or "pallas" a given Config is used (and checked) on every target the program
+        may be compiled for; name a backend to tile for one.
+      interpret: run Pallas kernels in interpret mode.
 
     Returns:
       [M, N]; rows past sum(group_sizes) are zero.
@@ -101,32 +164,43 @@ def gmm(
     [2.0, 2.0, 0.0]
     """
     group_sizes = _validate(lhs, rhs, group_sizes, rhs_ndim=3)
+    _check_backend(backend)
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
-    m, k, n = lhs.shape[0], lhs.shape[1], rhs.shape[n_axis]
-    if rhs.shape[k_axis] != k or rhs.shape[0] != group_sizes.shape[0]:
+    m, k, n, g = lhs.shape[0], lhs.shape[1], rhs.shape[n_axis], group_sizes.shape[0]
+    if rhs.shape[k_axis] != k or rhs.shape[0] != g:
         raise ValueError(
             f"rhs shape {rhs.shape} (transpose_rhs={transpose_rhs}) does not match lhs "
             f"{lhs.shape} and group_sizes {group_sizes.shape}"
         )
     out_dtype = _out_dtype(preferred_element_type, lhs)
-    backend = resolve_backend(backend)
-    if backend == "reference":
-        return reference_gmm(
-            lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype
-        )
-    if 0 in (m, k, n, group_sizes.shape[0]):  # an empty grid: the answer is all zeros
+    if 0 in (m, k, n, g):  # an empty grid: the answer is all zeros
         return jnp.zeros((m, n), out_dtype)
-    config = _gmm_config(config, backend, lhs, group_sizes.shape[0], n)
-    tm, tk, tn = tiles = effective_tiles(config, m, k, n)
-    lhs, rhs, group_sizes = _same_varying_axes(*_common_dtype(lhs, rhs), group_sizes)
-    lhs_p = _pad(lhs, (tm, tk))
-    rhs_p = _pad(rhs, (1, tn, tk) if transpose_rhs else (1, tk, tn))
-    kwargs = dict(tiles=tiles, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-    if backend == "pallas_tpu":
-        out = tpu.gmm(lhs_p, rhs_p, group_sizes, interpret=interpret, **kwargs)
-    else:
-        out = triton.gmm(lhs_p, rhs_p, group_sizes, config=config, interpret=interpret, **kwargs)
-    return out[:m, :n]
+    kernel = "gmm_t" if transpose_rhs else "gmm"
+
+    def make(concrete, interp):
+        def run(lhs, rhs, group_sizes):
+            if concrete == "reference":
+                return reference_gmm(
+                    lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                    preferred_element_type=out_dtype,
+                )  # fmt: skip
+            cfg, tiles = tiled(config, kernel, concrete, interp, lhs.dtype, out_dtype, m, k, n, g)
+            tm, tk, tn = tiles
+            lhs_p = _pad(lhs, (tm, tk))
+            rhs_p = _pad(rhs, (1, tn, tk) if transpose_rhs else (1, tk, tn))
+            kw = dict(
+                tiles=tiles, transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interp
+            )
+            if concrete == "pallas_tpu":
+                out = tpu.gmm(lhs_p, rhs_p, group_sizes, **kw)
+            else:
+                out = triton.gmm(lhs_p, rhs_p, group_sizes, config=cfg, **kw)
+            return out[:m, :n]
+
+        return run
+
+    lhs, rhs = _common_dtype(lhs, rhs)
+    return on_target(backend, interpret, make, *same_varying_axes(lhs, rhs, group_sizes))
 
 
 def tgmm(
@@ -137,7 +211,7 @@ def tgmm(
     *,
     preferred_element_type=None,
     backend: str = "auto",
-    config: Config | None = None,
+    config: Configs = None,
     interpret: Any = False,
 ) -> jax.Array:
     """Per-group transposed product, the weight gradient of gmm: out[g] = lhs_g^T @ rhs_g.
@@ -148,43 +222,57 @@ def tgmm(
       group_sizes: [G] integer, sum(group_sizes) <= M.
       num_groups: G; must equal group_sizes.shape[0] if given.
       preferred_element_type: output dtype; None means lhs.dtype. Accumulation is fp32.
-      backend, config, interpret: as for `gmm`.
+      backend, config, interpret: as for `gmm` (tgmm has its own default tiles).
 
     Returns:
       [G, K, N]; empty groups give zeros.
     """
     group_sizes = _validate(lhs, rhs, group_sizes, rhs_ndim=2)
+    _check_backend(backend)
     _check_num_groups(num_groups, group_sizes)
     if rhs.shape[0] != lhs.shape[0]:
         raise ValueError(f"lhs {lhs.shape} and rhs {rhs.shape} must have the same M")
-    m, k, n = lhs.shape[0], lhs.shape[1], rhs.shape[1]
+    m, k, n, g = lhs.shape[0], lhs.shape[1], rhs.shape[1], group_sizes.shape[0]
     out_dtype = _out_dtype(preferred_element_type, lhs)
-    backend = resolve_backend(backend)
-    if backend == "reference":
-        return reference_tgmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
-    if 0 in (m, k, n, group_sizes.shape[0]):
-        return jnp.zeros((group_sizes.shape[0], k, n), out_dtype)
-    config = config or DEFAULT_CONFIG  # the autotune cache holds gmm tiles only
-    tm, tk, tn = tiles = effective_tiles(config, m, k, n)
-    lhs, rhs, group_sizes = _same_varying_axes(*_common_dtype(lhs, rhs), group_sizes)
-    lhs_p, rhs_p = _pad(lhs, (tm, tk)), _pad(rhs, (tm, tn))
-    if backend == "pallas_tpu":
-        out = tpu.tgmm(
-            lhs_p, rhs_p, group_sizes, tiles=tiles, out_dtype=out_dtype, interpret=interpret
-        )
-    else:
-        out = triton.tgmm(
-            lhs_p, rhs_p, group_sizes, tiles=tiles, config=config, out_dtype=out_dtype,
-            interpret=interpret,
-        )  # fmt: skip
-    return out[:, :k, :n]
+    if 0 in (m, k, n, g):
+        return jnp.zeros((g, k, n), out_dtype)
+
+    def make(concrete, interp):
+        def run(lhs, rhs, group_sizes):
+            if concrete == "reference":
+                return reference_tgmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+            cfg, tiles = tiled(config, "tgmm", concrete, interp, lhs.dtype, out_dtype, m, k, n, g)
+            tm, tk, tn = tiles
+            lhs_p, rhs_p = _pad(lhs, (tm, tk)), _pad(rhs, (tm, tn))
+            kw = dict(tiles=tiles, out_dtype=out_dtype, interpret=interp)
+            if concrete == "pallas_tpu":
+                out = tpu.tgmm(lhs_p, rhs_p, group_sizes, **kw)
+            else:
+                out = triton.tgmm(lhs_p, rhs_p, group_sizes, config=cfg, **kw)
+            return out[:, :k, :n]
+
+        return run
+
+    lhs, rhs = _common_dtype(lhs, rhs)
+    return on_target(backend, interpret, make, *same_varying_axes(lhs, rhs, group_sizes))
+
+
+def hashable_configs(config: Configs):
+    """`config` in a form custom_vjp can take as a static argument (dicts become item tuples)."""
+    if config is None or isinstance(config, Config):
+        return config
+    return tuple(sorted(config.items()))
+
+
+def _configs(static) -> Configs:
+    return dict(static) if isinstance(static, tuple) else static
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, interpret):
     return gmm(
         lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype,
-        backend=backend, config=config, interpret=interpret,
+        backend=backend, config=_configs(config), interpret=interpret,
     )  # fmt: skip
 
 
@@ -197,7 +285,7 @@ def _fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, inter
 
 def _bwd(transpose_rhs, out_dtype, backend, config, interpret, residuals, dout):
     lhs, rhs, group_sizes = residuals
-    opts = dict(backend=backend, config=config, interpret=interpret)
+    opts = dict(backend=backend, config=_configs(config), interpret=interpret)
     # dlhs[rows of g] = dout[rows of g] @ rhs[g]^T: the same gmm with the other rhs layout.
     dlhs = gmm(
         dout, rhs, group_sizes, transpose_rhs=not transpose_rhs,
@@ -222,16 +310,21 @@ def grouped_matmul(
     transpose_rhs: bool = False,
     preferred_element_type=None,
     backend: str = "auto",
-    config: Config | None = None,
+    config: Configs = None,
     interpret: Any = False,
 ) -> jax.Array:
     """Differentiable `gmm` (custom VJP: dlhs by gmm with the transposed rhs, drhs by tgmm).
+
+    Safe inside `jax.shard_map(check_vma=True)`: operands are cast to common varying axes before
+    the VJP, so every cotangent varies like its primal (see `same_varying_axes`).
 
     Args:
       lhs: [M, K], rows sorted by group.
       rhs: [G, K, N], or [G, N, K] with transpose_rhs.
       group_sizes: [G] integer, sum(group_sizes) <= M; not differentiated.
-      transpose_rhs, preferred_element_type, backend, config, interpret: as for `gmm`.
+      transpose_rhs, preferred_element_type, backend, interpret: as for `gmm`.
+      config: one Config for all three kernels, or a dict from "gmm", "gmm_t", "tgmm" to
+        Configs (missing kernels get their defaults); None: every kernel's default.
 
     Returns:
       [M, N]; rows past sum(group_sizes) are zero (and get zero lhs gradient).
@@ -242,7 +335,10 @@ def grouped_matmul(
     [1.0, 2.0]
     """
     group_sizes = _validate(lhs, rhs, group_sizes, rhs_ndim=3)
+    _check_backend(backend)
     out_dtype = _out_dtype(preferred_element_type, lhs)
+    lhs, rhs, group_sizes = same_varying_axes(lhs, rhs, group_sizes)
     return _grouped_matmul(
-        lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, interpret
-    )
+        lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, hashable_configs(config),
+        interpret,
+    )  # fmt: skip

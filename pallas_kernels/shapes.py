@@ -92,11 +92,12 @@ SHAPES: dict[str, ShapeSpec] = {
         ShapeSpec("with_empty", m=200, k=96, n=128, g=8, routing="with_empty"),
         ShapeSpec("partial_rows", m=200, k=96, n=128, g=8, used=150),
         ShapeSpec("zipf_small", m=200, k=96, n=128, g=8, routing="zipf"),
-        # Model-sized problems (first expert matmul; benchmarks scale them down on CPU).
-        # Mixtral 8x7B: E=8, D=4096, F=14336, T=16384 tokens, top-2.
-        ShapeSpec("mixtral_8x7b", m=16384 * 2, k=4096, n=14336, g=8),
-        # Fine-grained (DeepSeek/Qwen-MoE-like): E=128, D=2048, F=768, T=16384, top-8.
-        ShapeSpec("fine_grained", m=16384 * 8, k=2048, n=768, g=128),
-        ShapeSpec("fine_grained_zipf", m=16384 * 8, k=2048, n=768, g=128, routing="zipf"),
+        # Model-sized problems (first expert matmul; benchmarks scale them down on CPU), at
+        # T=8192 tokens per device: the shapes whose tiles `config.default_config` is tuned for.
+        # Mixtral 8x7B: E=8, D=4096, F=14336, top-2.
+        ShapeSpec("mixtral_8x7b", m=8192 * 2, k=4096, n=14336, g=8),
+        # Fine-grained (DeepSeek/Qwen-MoE-like): E=128, D=2048, F=768, top-8.
+        ShapeSpec("fine_grained", m=8192 * 8, k=2048, n=768, g=128),
+        ShapeSpec("fine_grained_zipf", m=8192 * 8, k=2048, n=768, g=128, routing="zipf"),
     )
 }

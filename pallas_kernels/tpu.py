@@ -118,6 +118,7 @@ def gmm(
         ),
         interpret=interpret,
         cost_estimate=cost,
+        name="gmm_t" if transpose_rhs else "gmm",
     )
     out = call(tuple(meta), lhs, rhs)
     # Tiles wholly past sum(group_sizes) are never visited, and rows past it inside the last
@@ -211,6 +212,7 @@ def tgmm(
         ),
         interpret=interpret,
         cost_estimate=cost,
+        name="tgmm",
     )
     return call(tuple(meta), lhs, rhs)
 

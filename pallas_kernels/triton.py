@@ -12,7 +12,9 @@ Operands are passed whole (no BlockSpec blocking) and sliced with `pl.ds` at til
 computed from the metadata, because the tile a program reads depends on data (the group).
 Callers pad M, K, N to tile multiples; tiles are powers of two (Triton's requirement).
 
-Status: correct in interpret mode on CPU (tests); not yet compiled or timed on a GPU.
+Status: correct in interpret mode on CPU (tests); compiled for H100 on CPU (deviceless, the
+`accelerator` tests: PTX with Hopper `wgmma`, registers and spills in BENCHMARKS.md); not yet
+timed on a GPU.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def gmm(
         compiler_params=_compiler_params(config),
         interpret=interpret,
         cost_estimate=cost,
+        name="gather_gmm" if row_index is not None else ("gmm_t" if transpose_rhs else "gmm"),
     )(first, stop, offsets, *extras, lhs, rhs)
 
 
@@ -184,4 +187,5 @@ def tgmm(
         compiler_params=_compiler_params(config),
         interpret=interpret,
         cost_estimate=cost,
+        name="tgmm",
     )(lo, hi, offsets, lhs, rhs)

@@ -10,12 +10,14 @@ Two entry points, both pure:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from moejax._config import MoEConfig
 from moejax._experts import grouped_ffn
-from moejax._layer import _gmm_for
+from moejax._layer import _gmm_for, by_target
 from moejax._permute import combine, dispatch, make_layout
 from moejax._types import Routing
 from moejax.parallel._collectives import vary_like, vma
@@ -47,13 +49,19 @@ def local_moe(
       kept: `[T, K]` bool.
       experts: local expert params with leading dim `Ev` (F possibly a slice).
       config: the layer config.
-      implementation: a concrete implementation (`ragged_dot`, `blocked`, `pallas`).
+      implementation: `ragged_dot`, `blocked`, `pallas` or `auto` (decided by the compile
+        target, `moejax._layer.by_target`).
       offset: global id of local expert 0 (traced or static).
       max_kept: static bound on kept assignments landing here (default `T * K`).
 
     Returns:
       `[T, D]`: `sum_k weight * ffn_e(x)` over the assignments to local experts.
     """
+    run = functools.partial(_local_moe, config=config, max_kept=max_kept)
+    return by_target(run, implementation, x, expert_index, weight, kept, experts, offset)
+
+
+def _local_moe(x, expert_index, weight, kept, experts, offset, implementation, *, config, max_kept):
     ev = jax.tree.leaves(experts)[0].shape[0]
     gmm, alignment = _gmm_for(implementation, config)
     local = expert_index - offset
@@ -80,11 +88,16 @@ def regrouped_ffn(
       local_expert: `[S]` int32 local expert of each row; `G` (or more) marks an empty slot.
       experts: local expert params, leading dim `G`.
       config: the layer config.
-      implementation: a concrete implementation.
+      implementation: as for `local_moe`.
 
     Returns:
       `[S, D]` expert outputs; zeros on empty slots.
     """
+    run = functools.partial(_regrouped_ffn, config=config)
+    return by_target(run, implementation, rows, local_expert, experts)
+
+
+def _regrouped_ffn(rows, local_expert, experts, implementation, *, config):
     g = jax.tree.leaves(experts)[0].shape[0]
     gmm, alignment = _gmm_for(implementation, config)
     ones = jnp.ones((rows.shape[0], 1), jnp.float32)

@@ -37,7 +37,7 @@ def allgather_reduce_scatter(
       experts: the experts held here: `G` whole experts (expert mode, local experts
         `[i * G, (i + 1) * G)`), or all `E` experts on a slice of F (tensor mode).
       config: the layer config.
-      implementation: a concrete implementation.
+      implementation: as for `moejax.parallel._local.local_moe` ("auto" allowed).
       axes: the mesh axes.
       max_kept: static bound on kept assignments landing here (capacity mode), or None.
 

@@ -84,7 +84,7 @@ def capacity_all_to_all(
       routing: their routing (capacity already applied), global expert ids.
       experts: this device's `G` experts (F possibly sliced over `model`).
       config: the layer config.
-      implementation: a concrete implementation.
+      implementation: as for `moejax.parallel._local.local_moe` ("auto" allowed).
       axes: the mesh axes.
       slots: `C`, rows per (device, expert), see `slot_bound`.
 

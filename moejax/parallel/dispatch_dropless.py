@@ -83,7 +83,7 @@ def dropless_all_to_all(
       routing: their routing (global expert ids; dropless keeps everything).
       experts: this device's `G` experts.
       config: the layer config.
-      implementation: a concrete implementation.
+      implementation: as for `moejax.parallel._local.local_moe` ("auto" allowed).
       axes: the mesh axes.
       bucket: `B`, rows per (source, destination) pair per round.
 

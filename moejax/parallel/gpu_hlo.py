@@ -1,55 +1,24 @@
 """Seeing the XLA:GPU schedule of a sharded MoE call without a GPU (deviceless AOT compile).
 
-Needs the CUDA plugin wheels (no NVIDIA libraries), e.g.
-`pip install --no-deps jax-cuda13-plugin==<jax version> jax-cuda13-pjrt==<jax version>`, importable
-before jax initialises its backends; run with `JAX_PLATFORMS=cpu` (FACTS.md, "Seeing the GPU
-schedule"). `overlap(hlo_text)` pairs every async collective's `*-start` with its `*-done` and
-counts the compute ops (fusions, GEMM custom-calls) the scheduler put between them.
+Needs the CUDA plugin wheels (no NVIDIA libraries; `pallas_kernels.targets.install_command()`),
+importable before jax initialises its backends; run with `JAX_PLATFORMS=cpu` (docs/design.md,
+"Compiling for hardware you do not have"). `overlap(hlo_text)` pairs every async collective's
+`*-start` with its `*-done` and counts the compute ops (fusions, GEMM custom-calls) the scheduler
+put between them.
 """
 
 from __future__ import annotations
 
 import re
 
-# A trimmed H100 SXM GpuTargetConfigProto (xla/backends/gpu/target_config/specs/h100_sxm.txtpb):
-# the device limits and bandwidths that the scheduler's cost model reads.
-H100_TARGET_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  core_count: 132
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  device_memory_size: 84942979072
-  shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 }
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 1 patch: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
+from pallas_kernels import targets
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s")
 
 
 def gpu_mesh(shape, axis_names, topology: str = "1x1x8"):
     """A deviceless CUDA mesh (AOT compile only) of `shape` over `topology`."""
-    from jax.experimental import topologies
-
-    topo = topologies.get_topology_desc(
-        platform="cuda", target_config=H100_TARGET_CONFIG, topology=topology
-    )
-    return topologies.make_mesh(topo, tuple(shape), tuple(axis_names))
+    return targets.gpu_mesh(shape, axis_names, topology=topology)
 
 
 def overlap(hlo_text: str, collective: str = "all-to-all") -> list[tuple[str, int]]:

@@ -67,7 +67,9 @@ def moe_apply_sharded(
       config: the layer config.
       mesh: a mesh with any subset of the axes `data`, `expert`, `model` (`make_mesh`).
       strategy: a `Strategy` (mode, dispatcher, pipeline degree, bucket) or `"auto"`.
-      implementation: grouped matmul, as in `moejax.moe_apply` (not `"reference"`).
+      implementation: grouped matmul, as in `moejax.moe_apply` (not `"reference"`); `"auto"`
+        is decided by the platform the program is compiled for (the mesh's devices), so
+        compiling for a GPU or TPU mesh runs the Pallas kernels whatever the host.
       stagger: staggered pipelining (`moejax.parallel.pipeline`): per-stage optimization
         barriers for the capacity all-to-all, whole-chunk barriers otherwise (GPU scheduling aid;
         the math is unchanged).
@@ -80,7 +82,7 @@ def moe_apply_sharded(
       sharded like the tokens, counts and losses global).
     """
     strategy = resolve_strategy(strategy, config)
-    implementation = resolve_implementation(implementation)
+    resolve_implementation(implementation)  # validates; "auto" is left to the compile target
     if implementation == "reference":
         raise ValueError("implementation='reference': not supported sharded; use another one")
     axes = col.MeshAxes.of(mesh)

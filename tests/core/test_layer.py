@@ -10,7 +10,7 @@ import pytest
 
 import moejax
 from moejax import presets
-from moejax.testing import assert_close, force_routing, random_params
+from moejax.testing import assert_close, force_routing, kernels_run, random_params
 
 SIZES = dict(d_model=16, d_ff=24, num_experts=8, block_size=8)
 CONFIGS = {
@@ -88,6 +88,9 @@ def test_forward_and_grads_match_reference(name, impl):
     assert_close(aux, aux_ref)
     assert_close(loss, loss_ref)
     assert_close(grads, grads_ref)
+    if impl == "pallas":  # the interpreted Pallas kernels computed the experts, not a fallback
+        calls = set(kernels_run(loss_fn(impl, cfg), make_params(cfg), inputs(), platform="cpu"))
+        assert calls == {"gmm/interpret", "gmm_t/interpret", "tgmm/interpret"}, calls
     # Every parameter gets a gradient (except the correction bias, which routing only selects on).
     for path, g in jax.tree_util.tree_flatten_with_path(grads[0])[0]:
         if "score_correction_bias" not in jax.tree_util.keystr(path):
@@ -222,6 +225,20 @@ def test_expert_choice_each_expert_takes_capacity_tokens():
     _, aux = apply(params, x, cfg, implementation="blocked")
     np.testing.assert_array_equal(aux.kept_counts, np.full(8, 2 * 4))
     assert aux.topk_indices.shape == (32, 8)
+
+
+def test_auto_is_decided_by_the_compile_target_not_the_host():
+    """One traced program: lowered for CPU it runs the XLA blocked loop, for GPU the Triton
+    kernels, for TPU the Mosaic kernels (forward gmm, backward gmm_t and tgmm)."""
+    cfg = CONFIGS["mixtral"]
+    step, args = loss_fn("auto", cfg), (make_params(cfg), inputs())
+    assert kernels_run(step, *args, platform="cpu") == []
+    for platform, backend in (("cuda", "triton"), ("tpu", "mosaic")):
+        calls = kernels_run(step, *args, platform=platform)
+        assert sorted(set(calls)) == [f"{k}/{backend}" for k in ("gmm", "gmm_t", "tgmm")]
+        assert len(calls) == 9  # gate, up, down projections: one of each kernel
+    # "pallas" differs from "auto" only off accelerators.
+    assert kernels_run(loss_fn("pallas", cfg), *args, platform="tpu") == calls
 
 
 def test_implementation_switch_rejects_unknown_and_auto_is_blocked_on_cpu():

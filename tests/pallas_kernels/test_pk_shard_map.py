@@ -1,9 +1,9 @@
 """The kernels inside `jax.shard_map`, as the expert-parallel MoE layer calls them.
 
 With `check_vma=True` the Pallas kernels lower for cuda and tpu (the out_shape carries the
-varying axes, see pallas_kernels/vma.py). Interpret mode under `check_vma=True` fails inside
-jax's Pallas HLO interpreter (grid indices are not varying; jax 0.10.2), so the interpret-mode
-numerics are checked with `check_vma=False`; the reference backend works either way.
+varying axes, see pallas_kernels/vma.py), and run in interpret mode on CPU (jax 0.10's
+interpreter needs the lowering fix in `vma._install_interpret_fix`). Weights replicated over the
+mesh meeting sharded rows get the summed gradient: the VJP's cotangents vary like its primals.
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ SPECS = (P("x"), P("x"), P("x"))
 SMALL_TILES = pk.Config(64, 32, 64)  # interpret mode only: compiled Mosaic needs tk, tn >= 128
 
 
-def _layer(backend, interpret=True, config=SMALL_TILES):
+def _tiles(backend):
+    """Small tiles for one interpreted backend; "pallas" stages the compiled TPU and GPU kernels
+    too, where these tiles do not compile: it takes its defaults (clamped to these shapes)."""
+    return None if backend == "pallas" else SMALL_TILES
+
+
+def _layer(backend, interpret=True, config="small"):
+    config = _tiles(backend) if config == "small" else config
+
     def body(x, w, s):
         def op(a, b):
             return pk.grouped_matmul(a, b, s, backend=backend, interpret=interpret, config=config)
@@ -33,10 +41,8 @@ def _layer(backend, interpret=True, config=SMALL_TILES):
     return body
 
 
-@pytest.mark.parametrize(
-    "backend, check_vma",
-    [("reference", True), ("pallas_triton", False), ("pallas_tpu", False)],
-)
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("backend", ["reference", "pallas_triton", "pallas_tpu", "pallas"])
 def test_sharded_forward_and_vjp(backend, check_vma):
     mesh = jax.make_mesh((SHARDS,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     lhs, rhs = random_inputs(SHARDS * M, K, N, SHARDS * G, jnp.float32)
@@ -73,3 +79,28 @@ def test_lowers_under_shard_map_with_check_vma(backend, platform, marker):
     )
     text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == 3
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_replicated_weights_get_the_summed_gradient(backend):
+    """rhs replicated (P()) with rows sharded: drhs is the sum over shards, as without a mesh."""
+    mesh = jax.make_mesh((SHARDS,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    lhs, rhs = random_inputs(SHARDS * M, K, N, G, jnp.float32, seed=2)
+    sizes = np.array([[20, 30], [0, 64], [1, 0], [33, 31]], np.int32)
+
+    def loss(x, w, s):
+        def body(x, w, s):
+            y = pk.grouped_matmul(x, w, s, backend=backend, config=_tiles(backend))
+            return jax.lax.psum(jnp.sum(y * y), "x")
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x")), out_specs=P())
+        return f(x, w, s)
+
+    dlhs, drhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs, jnp.asarray(sizes.reshape(-1)))
+    want = np.zeros(rhs.shape)
+    for shard in range(SHARDS):
+        rows = slice(shard * M, (shard + 1) * M)
+        y = numpy_gmm(lhs[rows], rhs, sizes[shard])
+        want += 2 * numpy_tgmm(lhs[rows], y, sizes[shard])
+        assert_close(dlhs[rows], 2 * numpy_gmm(y, rhs, sizes[shard], True), jnp.float32)
+    assert_close(drhs, want, jnp.float32)

@@ -1,0 +1,87 @@
+"""Which Pallas kernels a traced program runs on a given platform, read from its jaxpr.
+
+`backend="auto"` and `"pallas"` stage every platform's branch into the jaxpr and keep one at
+lowering (`jax.lax.platform_dependent`), so "is there a `pallas_call` in the jaxpr" says nothing
+about what runs. `kernel_calls(jaxpr, platform)` follows only the branches that platform keeps.
+
+>>> import jax, jax.numpy as jnp, pallas_kernels as pk
+>>> f = lambda x, w, s: pk.gmm(x, w, s, backend="pallas")
+>>> jaxpr = jax.make_jaxpr(f)(jnp.ones((8, 4)), jnp.ones((2, 4, 4)), jnp.array([4, 4]))
+>>> [str(c) for c in kernel_calls(jaxpr, "cpu")], [str(c) for c in kernel_calls(jaxpr, "tpu")]
+(['gmm/interpret'], ['gmm/mosaic'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.extend import core as jex_core
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One `pallas_call` the program runs.
+
+    Attributes:
+      name: the kernel's name ("gmm", "gmm_t", "tgmm", "gather_gmm" for this package's).
+      backend: "triton", "mosaic" (TPU) or "interpret" (any kernel in interpret mode).
+    """
+
+    name: str
+    backend: str
+
+    def __str__(self) -> str:
+        return f"{self.name}/{self.backend}"
+
+
+def _backend(params) -> str:
+    if params.get("interpret"):
+        return "interpret"
+    module = type(params.get("compiler_params")).__module__
+    return "mosaic" if "mosaic" in module or ".tpu" in module else "triton"
+
+
+def _kept_branch(branches_platforms, platform: str) -> int:
+    for i, platforms in enumerate(branches_platforms):
+        if platforms is None or platform in platforms:
+            return i
+    raise ValueError(f"no branch for platform {platform!r} in {branches_platforms}")
+
+
+def kernel_calls(jaxpr, platform: str) -> list[KernelCall]:
+    """The `pallas_call`s that lowering `jaxpr` for `platform` keeps, in program order.
+
+    Args:
+      jaxpr: a `ClosedJaxpr` or `Jaxpr` (e.g. from `jax.make_jaxpr`, or `jax.jit(f).trace(...)
+        .jaxpr`).
+      platform: one of `PLATFORMS`.
+
+    Returns:
+      One `KernelCall` per `pallas_call` equation reached: every sub-jaxpr is followed (jit,
+      custom VJPs, loops, shard_map, cond branches), except that a platform-dependent cond
+      contributes only the branch `platform` lowers.
+    """
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    calls: list[KernelCall] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            calls.append(KernelCall(eqn.params.get("name") or "kernel", _backend(eqn.params)))
+            continue
+        branches_platforms = eqn.params.get("branches_platforms")
+        if eqn.primitive.name == "cond" and branches_platforms is not None:
+            kept = eqn.params["branches"][_kept_branch(branches_platforms, platform)]
+            calls += kernel_calls(kept, platform)
+            continue
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            calls += kernel_calls(sub, platform)
+    return calls
+
+
+def traced_kernel_calls(fn, *args, platform: str, **kwargs) -> list[KernelCall]:
+    """`kernel_calls` of `jax.make_jaxpr(fn)(*args, **kwargs)` (args may be ShapeDtypeStructs)."""
+    return kernel_calls(jax.make_jaxpr(fn)(*args, **kwargs), platform)

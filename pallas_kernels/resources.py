@@ -1,0 +1,278 @@
+"""What each kernel costs on the real target, read from deviceless compiles (no GPU or TPU).
+
+For H100, the compiler's own reports: ptxas's registers and spill stores per kernel (XLA logs
+`ptxas -v` with `TF_CPP_VMODULE=subprocess_compilation=3`) and each launch's grid and shared
+memory (XLA's thunk sequence, `--xla_dump_to`). For TPU, Mosaic compiles each kernel for real
+(an oversized block fails); its VMEM use is not reported, so the report gives the block model
+(`config.mosaic_vmem_bytes`) and the compile time.
+
+Both logs are per process, so `report(platform, cases)` runs the compiles in a subprocess
+(`python -m pallas_kernels.resources`) and parses what it printed and dumped.
+
+A `Case` is one differentiable expert matmul at a named model shape (`shapes.SHAPES`), compiled
+as forward and VJP together (kernels gmm, gmm_t, tgmm), or the fused row-gather gmm
+(`kernel="gather_gmm"`, forward, Triton only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import config as config_lib
+from pallas_kernels import shapes, targets
+
+MODEL_SHAPES = ("mixtral_8x7b", "fine_grained")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One compiled program.
+
+    Attributes:
+      shape: a name in `shapes.SHAPES`.
+      dtype: "float32" or "bfloat16".
+      projection: "in" (lhs [M, D] times [E, D, F]) or "out" (lhs [M, F] times [E, F, D]).
+      kernel: "vjp" (gmm forward with its VJP: gmm, gmm_t, tgmm) or "gather_gmm".
+    """
+
+    shape: str
+    dtype: str
+    projection: str = "in"
+    kernel: str = "vjp"
+
+    def dims(self) -> tuple[int, int, int, int]:
+        """(M, K, N, G) of the forward gmm."""
+        spec = shapes.SHAPES[self.shape]
+        k, n = (spec.k, spec.n) if self.projection == "in" else (spec.n, spec.k)
+        return spec.m, k, n, spec.g
+
+    def kernels(self) -> tuple[str, ...]:
+        return ("gather_gmm",) if self.kernel == "gather_gmm" else ("gmm", "gmm_t", "tgmm")
+
+    def name(self) -> str:
+        return f"{self.kernel}_{self.shape}_{self.projection}_{self.dtype}"
+
+
+def default_cases(platform: str) -> list[Case]:
+    """Every kernel at both model shapes, fp32 and bf16, both projections (and, on GPU, the
+    fused gather gmm)."""
+    cases = [
+        Case(shape, dtype, projection)
+        for shape in MODEL_SHAPES
+        for dtype in ("float32", "bfloat16")
+        for projection in ("in", "out")
+    ]
+    if platform == "cuda":
+        cases += [
+            Case(s, d, "in", "gather_gmm") for s in MODEL_SHAPES for d in ("float32", "bfloat16")
+        ]
+    return cases
+
+
+def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
+    """Per kernel of `case`: the Config and tiles the ops pick and the modelled memory."""
+    backend = "pallas_triton" if platform == "cuda" else "pallas_tpu"
+    m, k, n, g = case.dims()
+    # (M, K, N) of each kernel as the VJP calls it: gmm_t multiplies dout [M, N] by rhs^T,
+    # tgmm contracts lhs [M, K] with dout [M, N] over the rows.
+    problems = {"gmm": (m, k, n), "gather_gmm": (m, k, n), "gmm_t": (m, n, k), "tgmm": (m, k, n)}
+    rows = {}
+    for kernel in case.kernels():
+        pm, pk_, pn = problems[kernel]
+        cfg = config_lib.default_config(kernel, backend, case.dtype, pm, pk_, pn, g)
+        tiles = config_lib.effective_tiles(cfg, pm, pk_, pn)
+        row = dict(config=dataclasses.asdict(cfg), tiles=list(tiles))
+        if platform == "cuda":
+            row["smem_model"] = config_lib.triton_smem_bytes(kernel, tiles, cfg, case.dtype)
+        else:
+            row["vmem_model"] = config_lib.mosaic_vmem_bytes(kernel, tiles, case.dtype, case.dtype)
+        rows[kernel] = row
+    return rows
+
+
+def _program(case: Case):
+    """(function, abstract args) of one case on a one-device mesh."""
+    import pallas_kernels as pk
+
+    m, k, n, g = case.dims()
+    dtype = jnp.dtype(case.dtype)
+    if case.kernel == "gather_gmm":
+        tokens = m // 2
+
+        def fn(x, w, sizes, index, weight):
+            return pk.gather_grouped_matmul(x, w, sizes, index, weight, backend="pallas")
+
+        args = (
+            jax.ShapeDtypeStruct((tokens, k), dtype),
+            jax.ShapeDtypeStruct((g, k, n), dtype),
+            jax.ShapeDtypeStruct((g,), jnp.int32),
+            jax.ShapeDtypeStruct((m,), jnp.int32),
+            jax.ShapeDtypeStruct((m,), jnp.float32),
+        )
+        return fn, args
+
+    def fn(x, w, sizes):
+        out, vjp = jax.vjp(lambda a, b: pk.grouped_matmul(a, b, sizes, backend="pallas"), x, w)
+        return out, *vjp(out)
+
+    args = (
+        jax.ShapeDtypeStruct((m, k), dtype),
+        jax.ShapeDtypeStruct((g, k, n), dtype),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+    )
+    return fn, args
+
+
+def _compile_all(platform: str, cases: list[Case]) -> list[dict]:
+    """Compile every case (in this process); stderr gets a marker line before each."""
+    mesh = targets.mesh_for(platform, (1,), ("x",))
+    out = []
+    for i, case in enumerate(cases):
+        fn, args = _program(case)
+        fn.__name__ = f"case{i}"
+        args = targets.shapes_on(args, mesh)
+        os.write(2, f"\n@@case {i}\n".encode())
+        start = time.perf_counter()
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        seconds = time.perf_counter() - start
+        found = {
+            kernel: len(re.findall(rf"%{kernel}(?:\.\d+)? = .*custom-call", text))
+            for kernel in case.kernels()
+        }
+        out.append(dict(case=dataclasses.asdict(case), compile_s=seconds, in_program=found))
+    return out
+
+
+_PTXAS_FN = re.compile(r"Function properties for (\w+)")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_THUNK = re.compile(
+    r"\] (\w+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+) bytes"
+)
+
+
+def _parse_ptxas(stderr: str) -> dict[int, dict[str, dict]]:
+    """Per case index, per function name: registers and spill stores/loads."""
+    result: dict[int, dict[str, dict]] = {}
+    case, fn = None, None
+    for line in stderr.splitlines():
+        if line.startswith("@@case "):
+            case = int(line.split()[1])
+            result[case] = {}
+        elif case is not None:
+            if m := _PTXAS_FN.search(line):
+                fn = m.group(1)
+            elif (m := _PTXAS_SPILL.search(line)) and fn:
+                result[case].setdefault(fn, {}).update(
+                    spill_stores=int(m.group(1)), spill_loads=int(m.group(2))
+                )
+            elif (m := _PTXAS_REGS.search(line)) and fn:
+                result[case].setdefault(fn, {})["registers"] = int(m.group(1))
+    return result
+
+
+def _parse_thunks(dump: pathlib.Path, index: int) -> dict[str, dict]:
+    """Launch grid, threads and shared memory of each kernel of case `index`."""
+    rows = {}
+    for path in dump.glob(f"*jit_case{index}.thunk_sequence_after_thunk_passes.txt"):
+        for m in _THUNK.finditer(path.read_text()):
+            grid = [int(v) for v in m.group(2).split(",")]
+            threads = [int(v) for v in m.group(3).split(",")]
+            rows[m.group(1)] = dict(grid=grid, threads=threads[0], smem=int(m.group(4)))
+    return rows
+
+
+def report(platform: str, cases: list[Case] | None = None, timeout: float = 900) -> list[dict]:
+    """Compile `cases` (default `default_cases`) for "cuda" (H100) or "tpu" (v5e) in a
+    subprocess; one row per kernel: the case, kernel, Config, tiles, modelled memory, compile
+    seconds of its program, how many times it is in the compiled program and (GPU) the measured
+    registers, spills, grid, threads and shared memory."""
+    if (why := targets.missing(platform)) is not None:
+        raise RuntimeError(why)
+    cases = cases or default_cases(platform)
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = pathlib.Path(tmp)
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "TF_CPP_MIN_LOG_LEVEL": "0",
+            "TF_CPP_VMODULE": "subprocess_compilation=3",
+            "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text",
+        }
+        payload = json.dumps(dict(platform=platform, cases=[dataclasses.asdict(c) for c in cases]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "pallas_kernels.resources", payload],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=pathlib.Path(__file__).resolve().parents[1],
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"deviceless compile failed:\n{proc.stderr[-4000:]}")
+        compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+        ptxas = _parse_ptxas(proc.stderr) if platform == "cuda" else {}
+        rows = []
+        for i, (case, result) in enumerate(zip(cases, compiled, strict=True)):
+            thunks = _parse_thunks(dump, i) if platform == "cuda" else {}
+            for kernel, row in kernel_rows(case, platform).items():
+                row.update(
+                    case=dataclasses.asdict(case),
+                    kernel=kernel,
+                    platform=platform,
+                    compile_s=result["compile_s"],
+                    in_program=result["in_program"][kernel],
+                )
+                row.update(ptxas.get(i, {}).get(kernel, {}))
+                row.update(thunks.get(kernel, {}))
+                rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a BENCHMARKS.md table."""
+    gpu = rows and rows[0]["platform"] == "cuda"
+    head = (
+        "| shape | proj | dtype | kernel | tm, tk, tn / warps, stages | grid | regs | spill "
+        "stores | smem (model) | compile s |"
+        if gpu
+        else "| shape | proj | dtype | kernel | tm, tk, tn | VMEM model | compile s |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        c, cfg = r["case"], r["config"]
+        tiles = ", ".join(map(str, r["tiles"]))
+        prefix = f"| {c['shape']} | {c['projection']} | {c['dtype']} | {r['kernel']} |"
+        if gpu:
+            grid = "x".join(map(str, r.get("grid", [])))
+            lines.append(
+                f"{prefix} {tiles} / {cfg['num_warps']}, {cfg['num_stages']} | {grid} | "
+                f"{r.get('registers', '?')} | {r.get('spill_stores', '?')} | "
+                f"{r.get('smem', '?')} ({r['smem_model']}) | {r['compile_s']:.1f} |"
+            )
+        else:
+            lines.append(
+                f"{prefix} {tiles} | {r['vmem_model'] / 2**20:.2f} MiB | {r['compile_s']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def _main() -> None:
+    payload = json.loads(sys.argv[1])
+    cases = [Case(**c) for c in payload["cases"]]
+    print(json.dumps(_compile_all(payload["platform"], cases)))
+
+
+if __name__ == "__main__":
+    _main()

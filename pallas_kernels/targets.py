@@ -1,0 +1,154 @@
+"""Compile targets without the hardware: deviceless H100 and TPU meshes for AOT compiles.
+
+A CPU-only machine compiles for real accelerators through jax's deviceless topologies
+(`jax.experimental.topologies`): lower with `jax.ShapeDtypeStruct`s sharded on such a mesh and
+`.compile()` runs the real XLA:GPU or XLA:TPU pipeline, Pallas kernels included (Triton -> PTX ->
+ptxas for sm_90a; Mosaic for TPU). Nothing runs; the compiled program, its schedule and its
+memory analysis are real.
+
+What it needs (`install_command()` prints it, pinned to the installed jax):
+  * GPU: the CUDA plugin (`jax-cuda13-plugin`, `jax-cuda13-pjrt`, no NVIDIA libraries needed) and
+    ptxas and libdevice (`nvidia-cuda-nvcc`, `nvidia-nvvm`), all installed with `--no-deps`;
+  * TPU: `libtpu` at the version jax's `[tpu]` extra pins.
+Run with `JAX_PLATFORMS=cpu` so jax initialises no GPU or TPU backend. `missing(platform)` says
+what is absent (tests skip on it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import pathlib
+import re
+
+import jax
+
+# A trimmed H100 SXM GpuTargetConfigProto (XLA's xla/backends/gpu/target_config/specs/
+# h100_sxm.txtpb): the device limits and bandwidths the compiler and its scheduler read.
+H100_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84942979072
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 1 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+# Deviceless TPU slices of 8 devices by generation: name -> (topology name, devices).
+TPU_TOPOLOGIES = {
+    "v5e": ("v5e:2x4", 8),
+    "v5p": ("v5p:2x2x2", 8),
+    "v6e": ("v6e:2x4", 8),
+    "v4": ("v4:2x2x1", 8),
+}
+CUDA_WHEELS = ("jax-cuda13-plugin", "jax-cuda13-pjrt")
+NVIDIA_WHEELS = ("nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88")
+
+
+def libtpu_requirement() -> str:
+    """`libtpu==<version>` as the installed jax's `[tpu]` extra pins it."""
+    for req in importlib.metadata.requires("jax") or ():
+        if req.startswith("libtpu") and 'extra == "tpu"' in req:
+            version = re.search(r"==\s*([\w.*]+)", req)
+            if version:
+                return f"libtpu=={version.group(1)}"
+    raise RuntimeError("the installed jax declares no libtpu pin in its [tpu] extra")
+
+
+def install_command() -> str:
+    """The pip command that makes both deviceless targets available for this jax."""
+    version = jax.__version__
+    cuda = " ".join(f"{w}=={version}" for w in CUDA_WHEELS)
+    return f"pip install --no-deps {cuda} {' '.join(NVIDIA_WHEELS)} '{libtpu_requirement()}'"
+
+
+def _ptxas() -> pathlib.Path | None:
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec else ():
+        for candidate in pathlib.Path(root).glob("cu*/bin/ptxas"):
+            return candidate
+    return None
+
+
+def missing(platform: str) -> str | None:
+    """None if a deviceless compile for `platform` ("cuda" or "tpu") can run here, else what
+    is missing and how to install it."""
+    if platform == "cuda":
+        if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+            return f"no CUDA plugin (jax_plugins.xla_cuda13); run: {install_command()}"
+        if _ptxas() is None:
+            return f"no ptxas (nvidia-cuda-nvcc); run: {install_command()}"
+        return None
+    if platform == "tpu":
+        if importlib.util.find_spec("libtpu") is None:
+            return f"no libtpu; run: {install_command()}"
+        return None
+    raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
+
+
+def gpu_mesh(shape, axis_names, topology: str | None = None):
+    """A deviceless mesh of H100s (AOT compile only); `topology` defaults to one host holding
+    `prod(shape)` GPUs ("1x1xN")."""
+    from jax.experimental import topologies
+
+    count = 1
+    for size in shape:
+        count *= size
+    topo = topologies.get_topology_desc(
+        platform="cuda", target_config=H100_TARGET_CONFIG, topology=topology or f"1x1x{count}"
+    )
+    return topologies.make_mesh(topo, tuple(shape), tuple(axis_names))
+
+
+def tpu_mesh(shape, axis_names, generation: str = "v5e"):
+    """A deviceless mesh of TPU chips of `generation` (a key of `TPU_TOPOLOGIES`), using the
+    first `prod(shape)` devices of its slice."""
+    from jax.experimental import topologies
+
+    name, chips = TPU_TOPOLOGIES[generation]
+    count = 1
+    for size in shape:
+        count *= size
+    if count > chips:
+        raise ValueError(f"mesh {shape} needs {count} devices; {name} has {chips}")
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    devices = list(topo.devices)[:count]
+    import numpy as np
+
+    return jax.sharding.Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names))
+
+
+def mesh_for(platform: str, shape, axis_names, **kw):
+    """`gpu_mesh` for "cuda", `tpu_mesh` for "tpu"."""
+    return (gpu_mesh if platform == "cuda" else tpu_mesh)(shape, axis_names, **kw)
+
+
+def shapes_on(tree, mesh, specs=None):
+    """`jax.ShapeDtypeStruct`s of `tree`'s leaves (arrays or shape structs) placed on `mesh`
+    with `specs` (a matching tree of PartitionSpecs; None: replicated)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if specs is None:
+        specs = jax.tree.map(lambda _: PartitionSpec(), tree)
+    return jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+        tree,
+        specs,
+    )
