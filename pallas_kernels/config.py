@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 
 Backend = Literal["auto", "pallas", "reference", "pallas_triton", "pallas_tpu"]
@@ -82,6 +83,14 @@ class Config:
 
 
 DEFAULT_CONFIG = Config()
+
+
+# Precision of every kernel's tile products, whatever `jax_default_matmul_precision` says: bf16
+# products are exact in the fp32 accumulator; fp32 operands multiply as TF32 on H100 and in bf16
+# passes on TPU, what XLA does for fp32 dots by default. Why fixed: under "highest", Mosaic
+# rejects bf16 operands and Triton's IEEE fp32 path (no tensor cores) spills ~14 KB per thread
+# at these tiles and changes their shared memory. For fp32-exact products use the XLA paths.
+KERNEL_PRECISION = jax.lax.Precision.DEFAULT
 
 
 def next_power_of_2(x: int) -> int:

@@ -1,8 +1,10 @@
-"""Which Pallas kernels a traced program runs on a given platform, read from its jaxpr.
+"""Which Pallas kernels a program runs: from its jaxpr for a given platform, or from the program
+compiled for a GPU or TPU.
 
 `backend="auto"` and `"pallas"` stage every platform's branch into the jaxpr and keep one at
 lowering (`jax.lax.platform_dependent`), so "is there a `pallas_call` in the jaxpr" says nothing
-about what runs. `kernel_calls(jaxpr, platform)` follows only the branches that platform keeps.
+about what runs. `kernel_calls(jaxpr, platform)` follows only the branches that platform keeps;
+`compiled_kernel_calls(hlo_text)` reads the kernel calls of a compiled program.
 
 >>> import jax, jax.numpy as jnp, pallas_kernels as pk
 >>> f = lambda x, w, s: pk.gmm(x, w, s, backend="pallas")
@@ -14,6 +16,7 @@ about what runs. `kernel_calls(jaxpr, platform)` follows only the branches that 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 from jax.extend import core as jex_core
@@ -85,3 +88,22 @@ def kernel_calls(jaxpr, platform: str) -> list[KernelCall]:
 def traced_kernel_calls(fn, *args, platform: str, **kwargs) -> list[KernelCall]:
     """`kernel_calls` of `jax.make_jaxpr(fn)(*args, **kwargs)` (args may be ShapeDtypeStructs)."""
     return kernel_calls(jax.make_jaxpr(fn)(*args, **kwargs), platform)
+
+
+# A kernel call in compiled HLO: a custom call to Triton or Mosaic whose op_name metadata ends
+# with "<kernel name>/pallas_call".
+_COMPILED_CALL = re.compile(
+    r'custom_call_target="(__gpu\$xla\.gpu\.triton|tpu_custom_call)".*?'
+    r'op_name="[^"]*?/?([A-Za-z_][\w]*)/pallas_call"'
+)
+_COMPILED_BACKENDS = {"__gpu$xla.gpu.triton": "triton", "tpu_custom_call": "mosaic"}
+
+
+def compiled_kernel_calls(hlo_text: str) -> list[KernelCall]:
+    """The Pallas kernel calls in a compiled GPU or TPU program (`compiled.as_text()`), in
+    schedule order."""
+    calls = []
+    for line in hlo_text.splitlines():
+        if "custom-call(" in line and (m := _COMPILED_CALL.search(line)):
+            calls.append(KernelCall(m.group(2), _COMPILED_BACKENDS[m.group(1)]))
+    return calls

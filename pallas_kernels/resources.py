@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import config as config_lib
-from pallas_kernels import shapes, targets
+from pallas_kernels import introspect, shapes, targets
 
 MODEL_SHAPES = ("mixtral_8x7b", "fine_grained")
 
@@ -134,9 +134,10 @@ def _program(case: Case):
     return fn, args
 
 
-def _compile_all(platform: str, cases: list[Case]) -> list[dict]:
+def _compile_all(platform: str, cases: list[Case], generation: str) -> list[dict]:
     """Compile every case (in this process); stderr gets a marker line before each."""
-    mesh = targets.mesh_for(platform, (1,), ("x",))
+    kw = {"generation": generation} if platform == "tpu" else {}
+    mesh = targets.mesh_for(platform, (1,), ("x",), **kw)
     out = []
     for i, case in enumerate(cases):
         fn, args = _program(case)
@@ -146,12 +147,29 @@ def _compile_all(platform: str, cases: list[Case]) -> list[dict]:
         start = time.perf_counter()
         text = jax.jit(fn).lower(*args).compile().as_text()
         seconds = time.perf_counter() - start
-        found = {
-            kernel: len(re.findall(rf"%{kernel}(?:\.\d+)? = .*custom-call", text))
-            for kernel in case.kernels()
-        }
-        out.append(dict(case=dataclasses.asdict(case), compile_s=seconds, in_program=found))
+        calls = {kernel: _custom_calls(text, kernel) for kernel in case.kernels()}
+        vmem = {k: v for k, lines in calls.items() if lines and (v := _scoped_vmem(lines[0]))}
+        found = {kernel: len(lines) for kernel, lines in calls.items()}
+        out.append(
+            dict(case=dataclasses.asdict(case), compile_s=seconds, in_program=found, vmem=vmem)
+        )
     return out
+
+
+def _custom_calls(hlo_text: str, kernel: str) -> list[str]:
+    """Lines of the compiled program that call `kernel`."""
+    return [
+        line
+        for line in hlo_text.splitlines()
+        if any(c.name == kernel for c in introspect.compiled_kernel_calls(line))
+    ]
+
+
+def _scoped_vmem(line: str) -> int | None:
+    """Scoped VMEM bytes a compiled Mosaic call reserves (its backend config; blocks plus
+    Mosaic's own scratch), or None on other targets."""
+    m = re.search(r'"used_scoped_memory_configs":\[\{[^]]*?"size":"(\d+)"', line)
+    return int(m.group(1)) if m else None
 
 
 _PTXAS_FN = re.compile(r"Function properties for (\w+)")
@@ -193,11 +211,13 @@ def _parse_thunks(dump: pathlib.Path, index: int) -> dict[str, dict]:
     return rows
 
 
-def report(platform: str, cases: list[Case] | None = None, timeout: float = 900) -> list[dict]:
-    """Compile `cases` (default `default_cases`) for "cuda" (H100) or "tpu" (v5e) in a
-    subprocess; one row per kernel: the case, kernel, Config, tiles, modelled memory, compile
-    seconds of its program, how many times it is in the compiled program and (GPU) the measured
-    registers, spills, grid, threads and shared memory."""
+def report(
+    platform: str, cases: list[Case] | None = None, *, generation: str = "v5e", timeout=900
+) -> list[dict]:
+    """Compile `cases` (default `default_cases`) for "cuda" (H100) or "tpu" (`generation`) in
+    a subprocess; one row per kernel: the case, kernel, Config, tiles, modelled memory, compile
+    seconds of its program, how many times it is in the compiled program, and the measured
+    registers, spills, grid, threads and shared memory (GPU) or scoped VMEM (TPU)."""
     if (why := targets.missing(platform)) is not None:
         raise RuntimeError(why)
     cases = cases or default_cases(platform)
@@ -209,8 +229,10 @@ def report(platform: str, cases: list[Case] | None = None, timeout: float = 900)
             "TF_CPP_MIN_LOG_LEVEL": "0",
             "TF_CPP_VMODULE": "subprocess_compilation=3",
             "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text",
+            **targets.LIBTPU_ENV,
         }
-        payload = json.dumps(dict(platform=platform, cases=[dataclasses.asdict(c) for c in cases]))
+        cases_json = [dataclasses.asdict(c) for c in cases]
+        payload = json.dumps(dict(platform=platform, generation=generation, cases=cases_json))
         proc = subprocess.run(
             [sys.executable, "-m", "pallas_kernels.resources", payload],
             env=env,
@@ -230,10 +252,12 @@ def report(platform: str, cases: list[Case] | None = None, timeout: float = 900)
                 row.update(
                     case=dataclasses.asdict(case),
                     kernel=kernel,
-                    platform=platform,
+                    platform=platform if platform == "cuda" else f"tpu {generation}",
                     compile_s=result["compile_s"],
                     in_program=result["in_program"][kernel],
                 )
+                if kernel in result["vmem"]:
+                    row["vmem"] = result["vmem"][kernel]
                 row.update(ptxas.get(i, {}).get(kernel, {}))
                 row.update(thunks.get(kernel, {}))
                 rows.append(row)
@@ -247,7 +271,7 @@ def markdown(rows: list[dict]) -> str:
         "| shape | proj | dtype | kernel | tm, tk, tn / warps, stages | grid | regs | spill "
         "stores | smem (model) | compile s |"
         if gpu
-        else "| shape | proj | dtype | kernel | tm, tk, tn | VMEM model | compile s |"
+        else "| shape | proj | dtype | kernel | tm, tk, tn | VMEM (model) | compile s |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -262,8 +286,10 @@ def markdown(rows: list[dict]) -> str:
                 f"{r.get('smem', '?')} ({r['smem_model']}) | {r['compile_s']:.1f} |"
             )
         else:
+            vmem = f"{r['vmem'] / 2**20:.2f}" if r.get("vmem") else "?"
             lines.append(
-                f"{prefix} {tiles} | {r['vmem_model'] / 2**20:.2f} MiB | {r['compile_s']:.1f} |"
+                f"{prefix} {tiles} | {vmem} ({r['vmem_model'] / 2**20:.2f}) MiB | "
+                f"{r['compile_s']:.1f} |"
             )
     return "\n".join(lines)
 
@@ -271,7 +297,7 @@ def markdown(rows: list[dict]) -> str:
 def _main() -> None:
     payload = json.loads(sys.argv[1])
     cases = [Case(**c) for c in payload["cases"]]
-    print(json.dumps(_compile_all(payload["platform"], cases)))
+    print(json.dumps(_compile_all(payload["platform"], cases, payload["generation"])))
 
 
 if __name__ == "__main__":

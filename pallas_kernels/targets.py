@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import pathlib
 import re
 
@@ -58,6 +59,9 @@ TPU_TOPOLOGIES = {
     "v6e": ("v6e:2x4", 8),
     "v4": ("v4:2x2x1", 8),
 }
+# libtpu without a TPU: a worker host name stops its init error, and several processes (pytest
+# workers) may load it at once.
+LIBTPU_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 CUDA_WHEELS = ("jax-cuda13-plugin", "jax-cuda13-pjrt")
 NVIDIA_WHEELS = ("nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88")
 
@@ -128,6 +132,8 @@ def tpu_mesh(shape, axis_names, generation: str = "v5e"):
         count *= size
     if count > chips:
         raise ValueError(f"mesh {shape} needs {count} devices; {name} has {chips}")
+    for key, value in LIBTPU_ENV.items():  # read when libtpu first loads
+        os.environ.setdefault(key, value)
     topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
     devices = list(topo.devices)[:count]
     import numpy as np

@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import metadata as md
 from pallas_kernels import vma
+from pallas_kernels.config import KERNEL_PRECISION
 
 
 def _row_mask(meta: md.GroupMetadata, visit, tm: int, width: int) -> jax.Array:
@@ -68,7 +69,11 @@ def gmm(
 
         dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
         acc_ref[...] += lax.dot_general(
-            lhs_ref[...], rhs_ref[...], dims, preferred_element_type=jnp.float32
+            lhs_ref[...],
+            rhs_ref[...],
+            dims,
+            precision=KERNEL_PRECISION,
+            preferred_element_type=jnp.float32,
         )
 
         @pl.when(k_i == tiles_k - 1)
@@ -174,8 +179,9 @@ def tgmm(
             x = jnp.where(_row_mask(meta, visit, tm, tk), lhs_ref[...], 0)
             y = jnp.where(_row_mask(meta, visit, tm, tn), rhs_ref[...], 0)
             acc_ref[...] += lax.dot_general(
-                x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
+                x, y, (((0,), (0,)), ((), ())), precision=KERNEL_PRECISION,
+                preferred_element_type=jnp.float32,
+            )  # fmt: skip
 
         @pl.when((visit == last) | (group != next_group))
         def _store():

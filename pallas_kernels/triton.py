@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import metadata as md
 from pallas_kernels import vma
-from pallas_kernels.config import Config
+from pallas_kernels.config import KERNEL_PRECISION, Config
 
 
 def _compiler_params(config: Config):
@@ -90,7 +90,9 @@ def gmm(
                     w = rhs_ref[g, pl.ds(j * tn, tn), pl.ds(kk * tk, tk)].T
                 else:
                     w = rhs_ref[g, pl.ds(kk * tk, tk), pl.ds(j * tn, tn)]
-                return part + jnp.dot(x, w, preferred_element_type=jnp.float32)
+                return part + jnp.dot(
+                    x, w, precision=KERNEL_PRECISION, preferred_element_type=jnp.float32
+                )
 
             part = lax.fori_loop(0, tiles_k, k_body, jnp.zeros((tm, tn), jnp.float32))
             in_group = (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
@@ -164,7 +166,9 @@ def tgmm(
             # Mask both operands: rows of other groups may hold anything, even inf.
             x = jnp.where(in_group, lhs_ref[pl.ds(t * tm, tm), pl.ds(a * tk, tk)], 0)
             y = jnp.where(in_group, rhs_ref[pl.ds(t * tm, tm), pl.ds(b * tn, tn)], 0)
-            return acc + jnp.dot(x.T, y, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(
+                x.T, y, precision=KERNEL_PRECISION, preferred_element_type=jnp.float32
+            )
 
         acc = lax.fori_loop(lo_ref[g], hi_ref[g], body, jnp.zeros((tk, tn), jnp.float32))
         out_ref[...] = acc.astype(out_ref.dtype)

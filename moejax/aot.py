@@ -1,0 +1,159 @@
+"""Compile moejax for GPU and TPU meshes without the hardware (deviceless ahead-of-time).
+
+The programs users run on accelerators — the sharded MoE layer's forward and backward, the LM
+train step — lowered with `jax.ShapeDtypeStruct`s on a deviceless H100 or TPU mesh
+(`pallas_kernels.targets`) and compiled by the real XLA:GPU / XLA:TPU pipelines on a CPU host.
+The compiled program says which kernels run (`kernel_counts`), what the scheduler did
+(`compiled.text`) and what fits (`compiled.memory`, XLA's `memory_analysis()` per device).
+
+>>> from moejax import aot  # doctest: +SKIP
+>>> mesh = aot.mesh("cuda", (2, 4), ("data", "expert"))  # doctest: +SKIP
+>>> fn, args = aot.layer_program(cfg, mesh, strategy, tokens=8192)  # doctest: +SKIP
+>>> out = aot.compile_program(fn, args)  # doctest: +SKIP
+>>> out.kernels  # doctest: +SKIP
+{'gmm/triton': 3, 'gmm_t/triton': 3, 'tgmm/triton': 3}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from pallas_kernels import introspect, targets
+
+KERNEL_NAMES = ("gmm", "gmm_t", "tgmm", "gather_gmm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One deviceless compile.
+
+    Attributes:
+      platform: "cuda" or "tpu".
+      seconds: lowering plus compile wall time.
+      text: the compiled (optimized, scheduled) HLO.
+      memory: `memory_analysis()` fields in bytes per device (arguments, outputs, temporaries).
+      kernels: `"name/backend"` -> count of this package's Pallas kernels in the program.
+    """
+
+    platform: str
+    seconds: float
+    text: str
+    memory: dict
+    kernels: dict
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs + temporaries - aliased: what one device must hold."""
+        m = self.memory
+        return m["argument"] + m["output"] + m["temp"] - m["alias"]
+
+
+def mesh(platform: str, shape, axis_names, **kw):
+    """A deviceless mesh of H100s ("cuda") or TPU chips ("tpu", `generation=` "v5e" default)."""
+    return targets.mesh_for(platform, shape, axis_names, **kw)
+
+
+def platform_of(mesh_) -> str:
+    """The lowering platform of a mesh's devices ("cpu", "cuda", "tpu", ...)."""
+    platform = mesh_.devices.flat[0].platform
+    return "cuda" if platform == "gpu" else platform
+
+
+def kernel_counts(hlo_text: str) -> dict[str, int]:
+    """`"name/backend"` -> count of the Pallas kernels (`KERNEL_NAMES`) in a compiled program
+    (`pallas_kernels.introspect.compiled_kernel_calls`)."""
+    counts: dict[str, int] = {}
+    for call in introspect.compiled_kernel_calls(hlo_text):
+        if call.name in KERNEL_NAMES:
+            counts[str(call)] = counts.get(str(call), 0) + 1
+    return counts
+
+
+def compile_program(fn, args, *, compiler_options: dict | None = None) -> Compiled:
+    """Lower `jax.jit(fn)` on abstract `args` (placed on a deviceless mesh) and compile it."""
+    platform = platform_of(jax.tree.leaves(args)[0].sharding.mesh)
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile(compiler_options or {})
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    memory = {
+        key: int(getattr(stats, f"{key}_size_in_bytes", 0) or 0)
+        for key in ("argument", "output", "temp", "alias", "generated_code")
+    }
+    text = compiled.as_text()
+    return Compiled(platform, seconds, text, memory, kernel_counts(text))
+
+
+def _placed(tree, shardings):
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def layer_program(config, mesh_, strategy, *, tokens: int, seq_len: int = 512, dtype=jnp.bfloat16):
+    """`(fn, args)`: forward and backward of `moe_apply_sharded` (implementation "auto", so the
+    compile target picks the kernels) on `tokens` tokens of `seq_len` per sequence."""
+    import moejax
+    from moejax import parallel
+
+    specs = parallel.param_partition_specs(config, mesh_)
+    shapes = jax.eval_shape(lambda: moejax.init_moe_params(config, jax.random.key(0)))
+    params = _placed(shapes, jax.tree.map(lambda s: NamedSharding(mesh_, s), specs))
+    x_sharding = NamedSharding(mesh_, parallel.activation_spec(mesh_, 3))
+    x = jax.ShapeDtypeStruct(
+        (tokens // seq_len, seq_len, config.d_model), dtype, sharding=x_sharding
+    )
+
+    def fn(params, x):
+        def loss(params, x):
+            y, aux = parallel.moe_apply_sharded(params, x, config, mesh_, strategy=strategy)
+            return jnp.sum(y.astype(jnp.float32) ** 2) + aux.load_balance_loss
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    return fn, (params, x)
+
+
+def train_step_program(model_cfg, train_cfg, mesh_, *, strategy="auto"):
+    """`(fn, args)`: the LM train step (`moejax.training.train_step`, implementation "auto") on
+    an abstract state and batch placed on `mesh_`."""
+    import functools
+
+    from moejax import training
+    from moejax.training import state as state_lib
+
+    step = functools.partial(
+        training.train_step,
+        model_cfg=model_cfg,
+        train_cfg=train_cfg,
+        mesh=mesh_,
+        strategy=strategy,
+        implementation="auto",
+    )
+    state = _placed(
+        state_lib.abstract_state(model_cfg, train_cfg),
+        state_lib.state_shardings(model_cfg, train_cfg, mesh_),
+    )
+    batch = jax.ShapeDtypeStruct(
+        (train_cfg.batch_size, model_cfg.max_seq_len + 1),
+        jnp.int32,
+        sharding=state_lib.batch_sharding(mesh_),
+    )
+    return step, (state, batch)
+
+
+__all__ = [
+    "KERNEL_NAMES",
+    "Compiled",
+    "compile_program",
+    "kernel_counts",
+    "layer_program",
+    "mesh",
+    "platform_of",
+    "train_step_program",
+]

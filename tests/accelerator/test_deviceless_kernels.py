@@ -1,0 +1,134 @@
+"""Every kernel, forward and VJP, fp32 and bf16, at the Mixtral and fine-grained shapes,
+compiled for H100 (Triton -> PTX -> ptxas sm_90a) and TPU (Mosaic) on this CPU machine.
+
+H100: each kernel is in the compiled program, ptxas reports zero spill stores at the chosen
+tiles, and the shared memory of every launch equals `config.triton_smem_bytes` (so the check
+that rejects a config before compiling is exact). TPU: each kernel is in the program and the
+scoped VMEM Mosaic reserves is within the model `check_fits` uses, and within the limit.
+Figures: BENCHMARKS.md ("Deviceless accelerator compiles"), `python experiments/compile_report.py`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _targets import needs_cuda, needs_tpu
+
+import pallas_kernels as pk
+from pallas_kernels import config, resources, targets, triton
+
+pytestmark = pytest.mark.deviceless
+KERNELS = {"gmm", "gmm_t", "tgmm"}
+
+
+@functools.cache
+def _report(platform, generation="v5e"):
+    return resources.report(platform, generation=generation)
+
+
+def _check_cases(rows, platform):
+    cases = {tuple(r["case"].values()) for r in rows}
+    want = {tuple(c.__dict__.values()) for c in resources.default_cases(platform)}
+    assert cases == want
+    for case in resources.default_cases(platform):
+        kernels = {r["kernel"] for r in rows if r["case"] == case.__dict__}
+        assert kernels == set(case.kernels()), case
+
+
+@needs_cuda
+def test_h100_kernels_compile_without_spills_and_smem_as_modelled():
+    rows = _report("cuda")
+    _check_cases(rows, "cuda")
+    assert len(rows) == 2 * 2 * 2 * 3 + 2 * 2  # shapes x dtypes x projections x kernels + gather
+    for r in rows:
+        what = f"{r['case']} {r['kernel']}"
+        assert r["in_program"] == 1, what
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, what
+        assert 0 < r["registers"] <= 255, what
+        assert r["smem"] == r["smem_model"] <= config.TRITON_SMEM_LIMIT, what
+        tm, tk, tn = r["tiles"]
+        m, k, n, g = resources.Case(**r["case"]).dims()
+        if r["kernel"] == "tgmm":  # one program per (group, k-tile, n-tile)
+            assert r["grid"] == [g, k // tk, n // tn], what
+        else:
+            cols = k if r["kernel"] == "gmm_t" else n
+            assert r["grid"] == [m // tm, cols // tn, 1], what
+        assert r["threads"] == 32 * r["config"]["num_warps"], what
+
+
+@needs_tpu
+@pytest.mark.parametrize("generation", ["v5e", "v5p"])
+def test_tpu_kernels_compile_within_the_vmem_model(generation):
+    rows = _report("tpu", generation)
+    _check_cases(rows, "tpu")
+    assert len(rows) == 2 * 2 * 2 * 3
+    for r in rows:
+        what = f"{r['case']} {r['kernel']}"
+        assert r["in_program"] == 1, what
+        # Mosaic's own accounting: at least the blocks, at most the model's envelope.
+        blocks = config.mosaic_block_bytes(r["kernel"], r["tiles"], *[r["case"]["dtype"]] * 2)
+        assert blocks <= r["vmem"] <= r["vmem_model"] <= config.MOSAIC_VMEM_LIMIT, what
+
+
+def _abstract(mesh, *shapes):
+    s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for shape, dtype in shapes]
+
+
+@needs_cuda
+def test_h100_rejects_before_compile_the_config_the_compiler_rejects():
+    """fp32 128^3 with 3 stages: ptxas would need 327680 bytes of shared memory. The check says
+    so before tracing a kernel; compiled anyway (the kernel module, unchecked), XLA fails with
+    the same number."""
+    cfg, tiles = pk.Config(128, 128, 128, num_warps=4, num_stages=3), (128, 128, 128)
+    assert config.triton_smem_bytes("gmm", tiles, cfg, jnp.float32) == 327680
+    lhs, rhs, sizes = _abstract(
+        targets.gpu_mesh((1,), ("x",)), ((1024, 512), jnp.float32), ((8, 512, 512), jnp.float32),
+        ((8,), jnp.int32),
+    )  # fmt: skip
+    checked = jax.jit(lambda x, w, s: pk.gmm(x, w, s, backend="pallas_triton", config=cfg))
+    with pytest.raises(ValueError, match=r"Config\(tm=128.*needs 327680 bytes.*232448"):
+        checked.trace(lhs, rhs, sizes)
+    unchecked = jax.jit(
+        lambda x, w, s: triton.gmm(
+            x,
+            w,
+            s,
+            tiles=tiles,
+            config=cfg,
+            transpose_rhs=False,
+            out_dtype=jnp.float32,
+            interpret=False,
+        )  # fmt: skip
+    )
+    with pytest.raises(Exception, match="requested 327680, available: 232448"):
+        unchecked.lower(lhs, rhs, sizes).compile()
+    # One stage fewer fits, and compiles.
+    fits = pk.Config(128, 128, 128, num_warps=8, num_stages=2)
+    assert pk.fits("gmm", "pallas_triton", fits, jnp.float32)
+    jax.jit(lambda x, w, s: pk.gmm(x, w, s, backend="pallas_triton", config=fits)).lower(
+        lhs, rhs, sizes
+    ).compile()
+
+
+@needs_tpu
+def test_tpu_rejects_before_compile_the_config_mosaic_rejects():
+    """bf16 gmm with 1024 x 2048 x 1024 tiles: 24 MiB of blocks against 16 MiB of scoped VMEM."""
+    from pallas_kernels import tpu
+
+    cfg, tiles = pk.Config(1024, 2048, 1024), (1024, 2048, 1024)
+    lhs, rhs, sizes = _abstract(
+        targets.tpu_mesh((1,), ("x",)), ((4096, 4096), jnp.bfloat16),
+        ((8, 4096, 4096), jnp.bfloat16), ((8,), jnp.int32),
+    )  # fmt: skip
+    checked = jax.jit(lambda x, w, s: pk.gmm(x, w, s, backend="pallas_tpu", config=cfg))
+    with pytest.raises(ValueError, match=r"Config\(tm=1024.*on pallas_tpu needs \d+ bytes"):
+        checked.trace(lhs, rhs, sizes)
+    unchecked = jax.jit(
+        lambda x, w, s: tpu.gmm(
+            x, w, s, tiles=tiles, transpose_rhs=False, out_dtype=jnp.bfloat16, interpret=False
+        )
+    )
+    with pytest.raises(Exception, match="vmem"):
+        unchecked.lower(lhs, rhs, sizes).compile()

@@ -1,0 +1,69 @@
+"""The sharded MoE layer (forward and backward) and the tiny LM's train step, compiled for an
+8 x H100 mesh and TPU v5e / v5p slices on this CPU machine, with `implementation="auto"`: the
+compile target, not the host, puts the Triton or Mosaic kernels in the program."""
+
+import functools
+
+import jax.numpy as jnp
+import pytest
+from _targets import needs_cuda, needs_tpu
+
+import moejax
+from moejax import aot
+from moejax.models import presets
+from moejax.parallel import Strategy
+from moejax.training import presets as train_presets
+
+pytestmark = pytest.mark.deviceless
+PLATFORMS = [
+    pytest.param("cuda", {}, id="h100", marks=needs_cuda),
+    pytest.param("tpu", {"generation": "v5e"}, id="v5e", marks=needs_tpu),
+]
+BACKEND = {"cuda": "triton", "tpu": "mosaic"}
+DEVICE_BYTES = {"cuda": 80 * 2**30, "tpu": 16 * 2**30}  # H100 HBM; v5e HBM per chip
+CONFIG = moejax.MoEConfig(d_model=1024, d_ff=2048, num_experts=8, top_k=2, param_dtype="bfloat16")
+STRATEGIES = [
+    Strategy(mode="expert", dispatcher="dropless"),
+    Strategy(mode="expert", dispatcher="dropless", chunks=2),
+    Strategy(mode="expert", dispatcher="capacity"),
+    Strategy(mode="expert", dispatcher="allgather"),
+    Strategy(mode="data"),
+    Strategy(mode="tensor"),
+]
+
+
+@functools.cache
+def _mesh(platform, generation=None):
+    kw = {"generation": generation} if generation else {}
+    return aot.mesh(platform, (2, 4), ("data", "expert"), **kw)
+
+
+def _assert_kernels(compiled, platform):
+    backend = BACKEND[platform]
+    assert set(compiled.kernels) == {f"{k}/{backend}" for k in ("gmm", "gmm_t", "tgmm")}
+    # Three expert projections, each with its backward gmm_t and tgmm.
+    assert compiled.kernels[f"gmm_t/{backend}"] == compiled.kernels[f"tgmm/{backend}"] >= 3
+
+
+@pytest.mark.parametrize("platform, kw", PLATFORMS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_sharded_layer_compiles_with_the_kernels(platform, kw, strategy):
+    cfg = CONFIG.replace(dispatch="capacity") if strategy.dispatcher == "capacity" else CONFIG
+    mesh = _mesh(platform, **kw)
+    fn, args = aot.layer_program(cfg, mesh, strategy, tokens=16384, dtype=jnp.bfloat16)
+    compiled = aot.compile_program(fn, args)
+    _assert_kernels(compiled, platform)
+    assert 0 < compiled.peak_bytes < DEVICE_BYTES[platform]
+
+
+@pytest.mark.parametrize(
+    "platform, kw",
+    [*PLATFORMS, pytest.param("tpu", {"generation": "v5p"}, id="v5p", marks=needs_tpu)],
+)
+def test_tiny_lm_train_step_compiles_with_the_kernels(platform, kw):
+    model_cfg, train_cfg = presets.get("tiny"), train_presets.get("tiny")
+    fn, args = aot.train_step_program(model_cfg, train_cfg, _mesh(platform, **kw))
+    compiled = aot.compile_program(fn, args)
+    _assert_kernels(compiled, platform)
+    assert compiled.kernels[f"tgmm/{BACKEND[platform]}"] == 3 * len(model_cfg.moe_layers)
+    assert 0 < compiled.peak_bytes < DEVICE_BYTES[platform]
