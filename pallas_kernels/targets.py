@@ -6,7 +6,8 @@ A CPU-only machine compiles for real accelerators through jax's deviceless topol
 ptxas for sm_90a; Mosaic for TPU). Nothing runs; the compiled program, its schedule and its
 memory analysis are real.
 
-What it needs (`install_command()` prints it, pinned to the installed jax):
+What it needs (`python -m pallas_kernels.targets --install` installs it, pinned to the installed
+jax; `install_command()` is the same as text):
   * GPU: the CUDA plugin (`jax-cuda13-plugin`, `jax-cuda13-pjrt`, no NVIDIA libraries needed) and
     ptxas and libdevice (`nvidia-cuda-nvcc`, `nvidia-nvvm`), all installed with `--no-deps`;
   * TPU: `libtpu` at the version jax's `[tpu]` extra pins.
@@ -76,11 +77,16 @@ def libtpu_requirement() -> str:
     raise RuntimeError("the installed jax declares no libtpu pin in its [tpu] extra")
 
 
-def install_command() -> str:
-    """The pip command that makes both deviceless targets available for this jax."""
+def install_requirements() -> list[str]:
+    """The wheels that make both deviceless targets available for the installed jax (to be
+    installed with `--no-deps`: none of their NVIDIA or TPU runtime dependencies is needed)."""
     version = jax.__version__
-    cuda = " ".join(f"{w}=={version}" for w in CUDA_WHEELS)
-    return f"pip install --no-deps {cuda} {' '.join(NVIDIA_WHEELS)} '{libtpu_requirement()}'"
+    return [*(f"{w}=={version}" for w in CUDA_WHEELS), *NVIDIA_WHEELS, libtpu_requirement()]
+
+
+def install_command() -> str:
+    """`install_requirements` as a pip command line."""
+    return "pip install --no-deps " + " ".join(f"'{r}'" for r in install_requirements())
 
 
 def _ptxas() -> pathlib.Path | None:
@@ -158,3 +164,28 @@ def shapes_on(tree, mesh, specs=None):
         tree,
         specs,
     )
+
+
+def _main(argv=None) -> int:
+    import argparse
+    import subprocess
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pallas_kernels.targets",
+        description="Deviceless H100/TPU compile targets: what is missing, and installing it.",
+    )
+    parser.add_argument("--install", action="store_true", help="pip install what is missing")
+    args = parser.parse_args(argv)
+    absent = {p: why for p in ("cuda", "tpu") if (why := missing(p))}
+    for platform in ("cuda", "tpu"):
+        print(f"{platform}: {absent.get(platform, 'ready')}")
+    if args.install and absent:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *install_requirements()]
+        print(" ".join(cmd), flush=True)
+        return subprocess.call(cmd)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

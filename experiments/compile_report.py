@@ -1,0 +1,105 @@
+"""Compile moejax for H100 and TPU on this machine (no accelerator) and report what the
+compilers say: per kernel registers, spills, grid and shared memory (H100) or scoped VMEM
+(TPU), and for the sharded layer and the LM train step the kernels in the program, compile time
+and memory per device.
+
+Run: python -m pallas_kernels.targets --install   (once: CUDA plugin, ptxas, libtpu; ~1.3 GB)
+     python experiments/compile_report.py          (~2 min on 2 cores; markdown on stdout)
+
+The tables go to BENCHMARKS.md ("Deviceless accelerator compiles"). Nothing here runs a kernel:
+speed needs the hardware (experiments/bench_kernels.py on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import subprocess
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+
+import moejax
+from moejax import aot
+from moejax.models import presets
+from moejax.parallel import Strategy
+from moejax.training import presets as train_presets
+from pallas_kernels import resources, targets
+
+LAYER = moejax.MoEConfig(d_model=1024, d_ff=2048, num_experts=8, top_k=2, param_dtype="bfloat16")
+STRATEGIES = (
+    Strategy(mode="expert", dispatcher="dropless"),
+    Strategy(mode="expert", dispatcher="dropless", chunks=2),
+    Strategy(mode="expert", dispatcher="capacity"),
+    Strategy(mode="expert", dispatcher="allgather"),
+    Strategy(mode="data"),
+    Strategy(mode="tensor"),
+)
+TARGETS = (("cuda", {}, "8 x H100"), ("tpu", {"generation": "v5e"}, "TPU v5e 2x4"))
+
+
+def _kernels(counts: dict) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+
+
+def layer_rows() -> list[str]:
+    head = "| target | strategy | kernels in the program | compile s | bytes per device |"
+    rows = [head, "|---|---|---|---|---|"]
+    for platform, kw, label in TARGETS:
+        mesh = aot.mesh(platform, (2, 4), ("data", "expert"), **kw)
+        for strategy in STRATEGIES:
+            cfg = LAYER.replace(dispatch="capacity") if strategy.dispatcher == "capacity" else LAYER
+            fn, args = aot.layer_program(cfg, mesh, strategy, tokens=16384, dtype=jnp.bfloat16)
+            out = aot.compile_program(fn, args)
+            rows.append(
+                f"| {label} | {strategy.mode}/{strategy.dispatcher}, chunks {strategy.chunks} | "
+                f"{_kernels(out.kernels)} | {out.seconds:.1f} | {out.peak_bytes / 2**20:.0f} MiB |"
+            )
+    return rows
+
+
+def train_step_rows() -> list[str]:
+    rows = [
+        "| target | kernels in the program | compile s | per-device bytes |",
+        "|---|---|---|---|",
+    ]
+    model_cfg, train_cfg = presets.get("tiny"), train_presets.get("tiny")
+    for platform, kw, label in (*TARGETS, ("tpu", {"generation": "v5p"}, "TPU v5p 2x2x2")):
+        mesh = aot.mesh(platform, (2, 4), ("data", "expert"), **kw)
+        out = aot.compile_program(*aot.train_step_program(model_cfg, train_cfg, mesh))
+        rows.append(
+            f"| {label} | {_kernels(out.kernels)} | {out.seconds:.1f} | "
+            f"{out.peak_bytes / 2**20:.0f} MiB |"
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    for platform in ("cuda", "tpu"):
+        if (why := targets.missing(platform)) is not None:
+            raise SystemExit(f"cannot compile for {platform}: {why}")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    print(f"# compile_report {datetime.date.today()} jax {jax.__version__} commit {commit}\n")
+    print("## Kernels, forward + VJP, H100 (ptxas -v, XLA thunk sequence)\n")
+    print(resources.markdown(resources.report("cuda")))
+    for generation in ("v5e", "v5p"):
+        print(f"\n## Kernels, forward + VJP, TPU {generation} (Mosaic scoped VMEM)\n")
+        print(resources.markdown(resources.report("tpu", generation=generation)))
+    print("\n## Sharded layer fwd+bwd, D=1024 F=2048 E=8 top-2 bf16, 16384 tokens, 2x4 mesh\n")
+    print("\n".join(layer_rows()))
+    print("\n## Tiny LM train step, 2x4 data x expert mesh\n")
+    print("\n".join(train_step_rows()))
+
+
+if __name__ == "__main__":
+    main()
