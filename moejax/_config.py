@@ -1,6 +1,6 @@
 """`MoEConfig`: the one frozen, validated description of an MoE layer.
 
-Shape letters (see ARCHITECTURE.md): `T` tokens, `D` d_model, `F` d_ff of one expert, `E` experts,
+Shape letters (see docs/design.md): `T` tokens, `D` d_model, `F` d_ff of one expert, `E` experts,
 `K` top-k, `Fs` d_ff of the shared-expert MLP.
 
 Model families differ by fields, never by name branches. Ready-made settings for the published

@@ -1,7 +1,7 @@
 """Pure-jnp grouped matmuls: the test oracle and the fallback on hardware without a kernel.
 
 Both are built on `jax.lax.ragged_dot_general` (correct forward and backward on every backend;
-on CPU it lowers to one masked dense matmul with G times the FLOPs, see FACTS.md).
+on CPU it lowers to one masked dense matmul with G times the FLOPs, see BENCHMARKS.md).
 """
 
 from __future__ import annotations

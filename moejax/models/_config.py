@@ -1,6 +1,6 @@
 """`LMConfig`: the frozen, validated description of a decoder-only MoE transformer.
 
-Shape letters (ARCHITECTURE.md): `B` batch, `S` sequence, `D` d_model, `F` d_ff, `E` experts,
+Shape letters (docs/design.md): `B` batch, `S` sequence, `D` d_model, `F` d_ff, `E` experts,
 `K` top-k, plus `V` vocabulary, `H` query heads, `Hkv` key/value heads, `Dh` head dim, `L` layers,
 `Lm` MoE layers.
 """

@@ -46,7 +46,8 @@ _LOGICAL_TO_MESH = {"E": EXPERT, "F": MODEL, "Fs": MODEL}
 
 
 def make_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...] | None = None, *, devices=None):
-    """A mesh with `Auto` axis types (see FACTS.md: `jax.make_mesh` defaults to Explicit axes).
+    """A mesh with `Auto` axis types (`jax.make_mesh` defaults to Explicit axes, under
+    which eager indexing of sharded arrays raises and shard_map does not reshard inputs).
 
     Args:
       shape: devices per axis, e.g. `(8,)`, `(2, 4)`, `(2, 2, 2)`.

@@ -6,9 +6,9 @@ collectives are synchronous: CPU runs prove numerics only.
 
 Two schedules:
 - `pipelined`: each chunk is one opaque function. XLA's DotMerger re-merges the chunks' expert
-  matmuls (they share weights; FACTS.md), undoing the split, and `stagger=True` here (chunk i+1's
-  input paired with chunk i's output in an optimization barrier) keeps them apart but fences whole
-  chunks on each other, i.e. serializes them.
+  matmuls (they share weights; docs/design.md), undoing the split, and `stagger=True` here
+  (chunk i+1's input paired with chunk i's output in an optimization barrier) keeps them apart
+  but fences whole chunks on each other, i.e. serializes them.
 - `staged`: the stages (dispatch, experts, combine) are separate, and chunk i+1's received rows
   are paired with chunk i's expert output in an optimization barrier (MaxText's batch-split
   schedule): the matmuls stay apart and chunk i+1's exchange is free to run during chunk i's

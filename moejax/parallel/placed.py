@@ -9,7 +9,7 @@ the logical `[E, ...]` layout, and hot experts hold several identical replicas.
 compiled into it: a new placement of the same shape (same `P`, `E`) reuses the compiled step, so
 re-placing experts costs a parameter gather and no recompilation.
 
-Pure functions (shape letters from ARCHITECTURE.md):
+Pure functions (shape letters from docs/design.md):
 
 - `slot_table(placement)`: numpy `Placement` -> `SlotTable`.
 - `assign_slots(expert_index, kept, table, shard)`: the slot of every assignment. The j-th

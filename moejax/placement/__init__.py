@@ -3,7 +3,7 @@
 Plain Python over numpy: nothing here imports jax or touches device arrays, so the controller
 runs on the host beside the training loop and is testable without a device.
 
-Shape letters (ARCHITECTURE.md): ``L`` layers, ``E`` experts, ``N`` devices, ``S`` slots per
+Shape letters (docs/design.md): ``L`` layers, ``E`` experts, ``N`` devices, ``S`` slots per
 device, ``P = N·S`` physical slots.
 
 >>> import numpy as np

@@ -1,6 +1,6 @@
 """Placement tables: which expert each physical expert slot holds.
 
-Shape letters (ARCHITECTURE.md): ``E`` experts, ``N`` devices on the expert axis, ``S`` expert slots
+Shape letters (docs/design.md): ``E`` experts, ``N`` devices on the expert axis, ``S`` expert slots
 per device, ``P = N·S`` physical slots. Slot ``p`` lives on device ``p // S``.
 
 A placement is one int table ``slot_to_expert[P]``. Hot experts hold several slots (replicas) and

@@ -6,7 +6,7 @@ With `TrainConfig.expert_slots_per_device = S > 0` every MoE layer's experts liv
 identical replicas (`moejax.parallel.placed`). Checkpoints hold the logical `[E, ...]` form, so
 they restore onto any placement and any mesh.
 
-The math is the unreplicated model's (ARCHITECTURE.md, invariant "placement never changes what is
+The math is the unreplicated model's (docs/design.md, invariant "placement never changes what is
 computed"):
 
 1. the forward splits each expert's rows over its replicas (`moejax.parallel.moe_apply_sharded`);
