@@ -139,3 +139,46 @@ def test_named_shape_patterns():
     assert (s["fine_grained"].g, s["fine_grained"].k, s["fine_grained"].n) == (128, 2048, 768)
     zipf = np.sort(s["fine_grained_zipf"].group_sizes())
     assert zipf[-1] > 10 * zipf[0]
+
+
+def test_shared_memory_model_matches_what_the_h100_compiler_requested():
+    """Figures the deviceless H100 compile reported (tests/accelerator checks every default)."""
+    smem = config.triton_smem_bytes
+    assert smem("gmm", (128, 128, 128), pk.Config(num_stages=3), jnp.float32) == 327680
+    assert smem("tgmm", (128, 128, 128), pk.Config(num_stages=3), jnp.float32) == 393216
+    assert smem("gmm", (128, 64, 128), pk.Config(num_stages=4), jnp.bfloat16) == 131072
+    assert smem("tgmm", (64, 128, 128), pk.Config(num_stages=3), jnp.bfloat16) == 98304
+
+
+def test_config_that_cannot_fit_is_rejected_before_tracing_naming_config_and_limit():
+    args = (jnp.ones((256, 512)), jnp.ones((2, 512, 256)), jnp.asarray([100, 156], jnp.int32))
+    big = pk.Config(128, 128, 128, num_warps=4, num_stages=3)
+
+    def trace(backend, cfg, **kw):
+        return jax.make_jaxpr(lambda x, w, s: pk.gmm(x, w, s, backend=backend, config=cfg, **kw))(
+            *args
+        )
+
+    match = r"Config\(tm=128, tk=128, tn=128.*gmm at float32 on pallas_triton needs 327680 bytes"
+    with pytest.raises(ValueError, match=match + r".*limit is 232448"):
+        trace("pallas_triton", big)
+    with pytest.raises(ValueError, match=r"tk=32 must be a multiple of 128"):
+        trace("pallas_tpu", pk.Config(64, 32, 128))
+    with pytest.raises(ValueError, match="pallas_triton needs 327680"):  # "pallas" checks every
+        trace("pallas", big)  # target it may be compiled for
+    trace("pallas_triton", big, interpret=True)  # interpret mode has no shared-memory limit
+    assert not pk.fits("gmm", "pallas_triton", big, jnp.float32)
+    assert pk.fits("gmm", "pallas_triton", big, jnp.bfloat16)  # 196608 bytes in bf16
+
+
+@pytest.mark.parametrize("name", ["mixtral_8x7b", "fine_grained"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_default_tiles_fit_every_target_at_the_model_shapes(name, dtype):
+    spec = shapes.SHAPES[name]
+    for k, n in ((spec.k, spec.n), (spec.n, spec.k)):  # up and down projections
+        for kernel in pk.KERNELS:
+            for backend in ("pallas_triton", "pallas_tpu"):
+                cfg = pk.default_config(kernel, backend, dtype, spec.m, k, n, spec.g)
+                tiles = config.effective_tiles(cfg, spec.m, k, n)
+                config.check_fits(kernel, backend, cfg, tiles, dtype, dtype, dims=(spec.m, k, n))
+                assert n % tiles[2] == 0 and k % tiles[1] == 0  # no padding of model dims
