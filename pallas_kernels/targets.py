@@ -89,6 +89,14 @@ def install_command() -> str:
     return "pip install --no-deps " + " ".join(f"'{r}'" for r in install_requirements())
 
 
+def _importable(name: str) -> bool:
+    """Whether module `name` can be imported (False, not an error, when a parent is missing)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _ptxas() -> pathlib.Path | None:
     spec = importlib.util.find_spec("nvidia")
     for root in spec.submodule_search_locations if spec else ():
@@ -101,13 +109,13 @@ def missing(platform: str) -> str | None:
     """None if a deviceless compile for `platform` ("cuda" or "tpu") can run here, else what
     is missing and how to install it."""
     if platform == "cuda":
-        if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+        if not _importable("jax_plugins.xla_cuda13"):
             return f"no CUDA plugin (jax_plugins.xla_cuda13); run: {install_command()}"
         if _ptxas() is None:
             return f"no ptxas (nvidia-cuda-nvcc); run: {install_command()}"
         return None
     if platform == "tpu":
-        if importlib.util.find_spec("libtpu") is None:
+        if not _importable("libtpu"):
             return f"no libtpu; run: {install_command()}"
         return None
     raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
