@@ -28,19 +28,11 @@ import jax.numpy as jnp
 import moejax
 from moejax import aot
 from moejax.models import presets
-from moejax.parallel import Strategy
 from moejax.training import presets as train_presets
 from pallas_kernels import resources, targets
 
 LAYER = moejax.MoEConfig(d_model=1024, d_ff=2048, num_experts=8, top_k=2, param_dtype="bfloat16")
-STRATEGIES = (
-    Strategy(mode="expert", dispatcher="dropless"),
-    Strategy(mode="expert", dispatcher="dropless", chunks=2),
-    Strategy(mode="expert", dispatcher="capacity"),
-    Strategy(mode="expert", dispatcher="allgather"),
-    Strategy(mode="data"),
-    Strategy(mode="tensor"),
-)
+STRATEGIES = aot.strategies()
 TARGETS = (("cuda", {}, "8 x H100"), ("tpu", {"generation": "v5e"}, "TPU v5e 2x4"))
 
 

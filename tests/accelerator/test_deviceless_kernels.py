@@ -13,12 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from _targets import needs_cuda, needs_tpu
+from _targets import CACHE_WARNING, needs_cuda, needs_tpu
 
 import pallas_kernels as pk
 from pallas_kernels import config, resources, targets, triton
 
-pytestmark = pytest.mark.deviceless
+pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
 KERNELS = {"gmm", "gmm_t", "tgmm"}
 
 

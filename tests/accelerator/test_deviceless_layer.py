@@ -6,15 +6,14 @@ import functools
 
 import jax.numpy as jnp
 import pytest
-from _targets import needs_cuda, needs_tpu
+from _targets import CACHE_WARNING, needs_cuda, needs_tpu
 
 import moejax
 from moejax import aot
 from moejax.models import presets
-from moejax.parallel import Strategy
 from moejax.training import presets as train_presets
 
-pytestmark = pytest.mark.deviceless
+pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
 PLATFORMS = [
     pytest.param("cuda", {}, id="h100", marks=needs_cuda),
     pytest.param("tpu", {"generation": "v5e"}, id="v5e", marks=needs_tpu),
@@ -22,14 +21,7 @@ PLATFORMS = [
 BACKEND = {"cuda": "triton", "tpu": "mosaic"}
 DEVICE_BYTES = {"cuda": 80 * 2**30, "tpu": 16 * 2**30}  # H100 HBM; v5e HBM per chip
 CONFIG = moejax.MoEConfig(d_model=1024, d_ff=2048, num_experts=8, top_k=2, param_dtype="bfloat16")
-STRATEGIES = [
-    Strategy(mode="expert", dispatcher="dropless"),
-    Strategy(mode="expert", dispatcher="dropless", chunks=2),
-    Strategy(mode="expert", dispatcher="capacity"),
-    Strategy(mode="expert", dispatcher="allgather"),
-    Strategy(mode="data"),
-    Strategy(mode="tensor"),
-]
+STRATEGIES = aot.strategies()
 
 
 @functools.cache
