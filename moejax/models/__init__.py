@@ -20,28 +20,38 @@ from moejax.models._layers import attention as attention
 from moejax.models._layers import rms_norm as rms_norm
 from moejax.models._layers import rope_tables as rope_tables
 from moejax.models._layers import swiglu_mlp as swiglu_mlp
+from moejax.models._model import REMAT_POLICIES as REMAT_POLICIES
 from moejax.models._model import LMAux as LMAux
 from moejax.models._model import cast_floating as cast_floating
 from moejax.models._model import lm_forward as lm_forward
 from moejax.models._model import moe_layer_inputs as moe_layer_inputs
+from moejax.models._model import remat_policy as remat_policy
 from moejax.models._params import ParamCounts as ParamCounts
 from moejax.models._params import init_lm_params as init_lm_params
-from moejax.models._params import lm_partition_specs as lm_partition_specs
 from moejax.models._params import param_counts as param_counts
+from moejax.models._sharding import check_lm_mesh as check_lm_mesh
+from moejax.models._sharding import lm_compute_specs as lm_compute_specs
+from moejax.models._sharding import lm_logical_axes as lm_logical_axes
+from moejax.models._sharding import lm_partition_specs as lm_partition_specs
 
 __all__ = [
+    "REMAT_POLICIES",
     "LMAux",
     "LMConfig",
     "ParamCounts",
     "apply_rope",
     "attention",
     "cast_floating",
+    "check_lm_mesh",
     "init_lm_params",
+    "lm_compute_specs",
     "lm_forward",
+    "lm_logical_axes",
     "moe_layer_inputs",
     "lm_partition_specs",
     "param_counts",
     "presets",
+    "remat_policy",
     "rms_norm",
     "rope_tables",
     "swiglu_mlp",

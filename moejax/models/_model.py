@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,8 @@ from jax.sharding import NamedSharding
 import moejax
 from moejax.models._config import LMConfig
 from moejax.models._layers import attention, rms_norm, rope_tables, swiglu_mlp
+from moejax.models._sharding import constrain as constrain_specs
+from moejax.models._sharding import lm_compute_specs
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +59,26 @@ def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, placement):
     )
 
 
+Remat = Literal["none", "dots_saveable", "full"]
+REMAT_POLICIES: tuple[str, ...] = Remat.__args__
+
+
+def remat_policy(name: str):
+    """The `jax.checkpoint` policy of a remat name, None for `"none"` (no rematerialisation).
+
+    `"dots_saveable"` keeps every matmul output for the backward and recomputes the rest
+    (norms, activations, softmax); `"full"` keeps only each block's input and recomputes the
+    whole block.
+    """
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat={name!r}: must be one of {REMAT_POLICIES}")
+    return {
+        "none": None,
+        "dots_saveable": jax.checkpoint_policies.checkpoint_dots,
+        "full": jax.checkpoint_policies.nothing_saveable,
+    }[name]
+
+
 def lm_forward(
     params: dict,
     tokens: jax.Array,
@@ -64,6 +88,8 @@ def lm_forward(
     strategy="auto",
     implementation: str = "auto",
     placements=None,
+    remat: Remat = "none",
+    scan_layers: bool = False,
 ) -> tuple[jax.Array, LMAux]:
     """Logits of every position of `tokens`, and the MoE layers' routing statistics.
 
@@ -76,15 +102,22 @@ def lm_forward(
       tokens: `[B, S]` int token ids, `S <= cfg.max_seq_len`.
       cfg: the model config.
       mesh: None for one device (`moejax.moe_apply`); otherwise a `moejax.parallel` mesh: the MoE
-        layers run under `moejax.parallel.moe_apply_sharded` (B split over `("data", "expert")`),
-        everything else under the surrounding `jit`, with the activations constrained to the same
-        batch sharding.
+        layers run under `moejax.parallel.moe_apply_sharded` (B split over the token axes
+        `data`, `fsdp`, `expert`), everything else under the surrounding `jit`, activations
+        constrained to the same batch split and each layer's weights to their compute layout
+        (`moejax.models.lm_compute_specs`: gathered over `fsdp`, heads and widths over
+        `model`) just before the layer uses them.
       strategy: the sharded MoE `Strategy` (or `"auto"`); ignored without a mesh.
       implementation: the grouped-matmul implementation (`moejax.moe_apply`).
       placements: None (experts in logical order `[E, ...]`), or one
         `moejax.parallel.SlotTable` per MoE layer (needs a mesh): that layer's `experts/*` are
         then physical `[P, ...]` slots with identical replicas (`moejax.parallel.placed`).
         Routing statistics stay per logical expert.
+      remat: rematerialisation of each block in the backward (`remat_policy`).
+      scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
+        unit (dense blocks then one MoE block), so the traced and compiled program holds one
+        unit whatever the depth; the parameters are stacked for the scan in the forward (the
+        stored tree stays one dict per layer). Leftover dense blocks run unscanned.
 
     Returns:
       `(logits [B, S, V] fp32, LMAux)`.
@@ -100,50 +133,120 @@ def lm_forward(
             raise ValueError(
                 f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
             )
-    placement_of = dict(
-        zip(cfg.moe_layers, placements or (None,) * len(cfg.moe_layers), strict=True)
-    )
+    policy = remat_policy(remat)
     p = cast_floating(params, cfg.dtype)
+    compute = None if mesh is None else lm_compute_specs(cfg, mesh)
     constrain = _batch_constraint(mesh)
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
-    x = constrain(jnp.take(p["embed"]["embedding"], tokens, axis=0))  # [B, S, D]
-    moe = lambda i, h: _moe_ffn(
-        p["layers"][i]["moe"], h, cfg, mesh, strategy, implementation, placement_of[i]
+    embed = _gathered(p["embed"], compute and compute["embed"], mesh)
+    x = constrain(jnp.take(embed["embedding"], tokens, axis=0))  # [B, S, D]
+    block = functools.partial(
+        _block,
+        cfg=cfg,
+        cos=cos,
+        sin=sin,
+        mesh=mesh,
+        constrain=constrain,
+        moe=functools.partial(
+            _moe_ffn, cfg=cfg, mesh=mesh, strategy=strategy, implementation=implementation
+        ),
     )
-    x, stats, _ = _decoder_layers(p, x, cfg, cos, sin, moe, constrain)
+    tables = list(placements) if placements is not None else [None] * cfg.num_moe_layers
+    if scan_layers:
+        x, stats = _scanned_layers(p, x, cfg, compute, tables, block, policy)
+    else:
+        x, stats = _unscanned_layers(p, x, cfg, compute, tables, block, policy)
     x = rms_norm(x, p["final_norm"]["scale"], cfg.norm_eps)
-    unembed = p["embed"]["embedding"].T if cfg.tie_embeddings else p["unembed"]["kernel"]
+    if cfg.tie_embeddings:
+        unembed = embed["embedding"].T
+    else:
+        unembed = _gathered(p["unembed"], compute and compute["unembed"], mesh)["kernel"]
     logits = jnp.einsum("bsd,dv->bsv", x, unembed, preferred_element_type=jnp.float32)
     aux = LMAux(
-        expert_counts=jnp.stack([a.expert_counts for a in stats]),
-        dropped_fraction=jnp.stack([a.dropped_fraction for a in stats]),
-        load_balance_loss=jnp.stack([a.load_balance_loss for a in stats]),
-        z_loss=jnp.stack([a.z_loss for a in stats]),
-        router_entropy=jnp.stack([_router_entropy(a.router_logits) for a in stats]),
+        expert_counts=stats.expert_counts,
+        dropped_fraction=stats.dropped_fraction,
+        load_balance_loss=stats.load_balance_loss,
+        z_loss=stats.z_loss,
+        router_entropy=stats.router_entropy,
     )
     return logits, aux
 
 
-def _decoder_layers(p, x, cfg: LMConfig, cos, sin, moe, constrain):
-    """The decoder stack: `(x [B, S, D], [MoEAux] per MoE layer, [MoE-layer inputs [B, S, D]])`;
-    `moe(i, h) -> (y, aux)` runs MoE layer `i`."""
-    stats, inputs = [], []
-    for i, layer in enumerate(p["layers"]):
+def _gathered(tree, specs, mesh):
+    """`tree` constrained to its compute layout (the FSDP all-gather point); identity without a
+    mesh."""
+    return tree if mesh is None else constrain_specs(tree, specs, mesh)
+
+
+def _layer_stats(aux) -> LMAux:
+    """The per-layer statistics `LMAux` keeps, from one layer's `MoEAux`."""
+    return LMAux(
+        expert_counts=aux.expert_counts,
+        dropped_fraction=aux.dropped_fraction,
+        load_balance_loss=aux.load_balance_loss,
+        z_loss=aux.z_loss,
+        router_entropy=_router_entropy(aux.router_logits),
+    )
+
+
+def _block(layer, x, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe):
+    """One pre-norm block: `(x, LMAux of this layer or None, the FFN input)`."""
+    layer = _gathered(layer, compute, mesh)
+    with jax.named_scope("attention"):
+        h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
+        x = constrain(x + attention(layer["attn"], h, cos, sin))
+    h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
+    if is_moe:
+        with jax.named_scope("moe"):
+            y, aux = moe(layer["moe"], h, placement=table)
+        stats = _layer_stats(aux)
+    else:
+        with jax.named_scope("mlp"):
+            y = swiglu_mlp(layer["mlp"], h)
+        stats = None
+    return constrain(x + y), stats, h
+
+
+def _unscanned_layers(p, x, cfg, compute, tables, block, policy, start=0):
+    """Blocks `[start, L)` one after the other: `(x, LMAux stacked over their MoE layers)`."""
+    stats, tables = [], iter(tables)
+    for i in range(start, cfg.num_layers):
+        fn = functools.partial(
+            block, is_moe=cfg.is_moe(i), compute=compute and compute["layers"][i]
+        )
+        if policy is not None:
+            fn = jax.checkpoint(fn, policy=policy)
         with jax.named_scope(f"layer_{i}"):
-            with jax.named_scope("attention"):
-                h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
-                x = constrain(x + attention(layer["attn"], h, cos, sin))
-            h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
-            if cfg.is_moe(i):
-                inputs.append(h)
-                with jax.named_scope("moe"):
-                    y, aux = moe(i, h)
-                stats.append(aux)
-            else:
-                with jax.named_scope("mlp"):
-                    y = swiglu_mlp(layer["mlp"], h)
-            x = constrain(x + y)
-    return x, stats, inputs
+            x, s, _ = fn(p["layers"][i], x, next(tables) if cfg.is_moe(i) else None)
+        if s is not None:
+            stats.append(s)
+    return x, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
+
+
+def _scanned_layers(p, x, cfg, compute, tables, block, policy):
+    """Blocks `[0, R * u)` as a scan over R units of `u = moe_every` blocks (the last one MoE),
+    then the leftover (dense) blocks unscanned."""
+    u = cfg.moe_every
+    repeats = cfg.num_layers // u
+    units = [p["layers"][k * u : (k + 1) * u] for k in range(repeats)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *units)  # [R, ...] per unit position
+    unit_compute = compute and compute["layers"][:u]
+    xs = (stacked, None if tables[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *tables))
+
+    def unit(x, xs):
+        layers, table = xs
+        for j in range(u):
+            fn = functools.partial(
+                block, is_moe=cfg.is_moe(j), compute=unit_compute and unit_compute[j]
+            )
+            x, s, _ = fn(layers[j], x, table if cfg.is_moe(j) else None)
+        return x, s
+
+    if policy is not None:
+        unit = jax.checkpoint(unit, policy=policy)
+    x, stats = jax.lax.scan(unit, x, xs)
+    x, _ = _unscanned_layers(p, x, cfg, compute, [], block, policy, start=repeats * u)
+    return x, stats
 
 
 def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax.Array]:
@@ -161,8 +264,19 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
     p = cast_floating(params, cfg.dtype)
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
     x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
-    moe = lambda i, h: moejax.moe_apply(p["layers"][i]["moe"], h, cfg.moe)
-    return _decoder_layers(p, x, cfg, cos, sin, moe, lambda v: v)[2]
+
+    def moe(layer_params, h, placement):
+        return moejax.moe_apply(layer_params, h, cfg.moe)
+
+    inputs = []
+    for i, layer in enumerate(p["layers"]):
+        x, _, h = _block(
+            layer, x, None, is_moe=cfg.is_moe(i), compute=None, cfg=cfg, cos=cos, sin=sin,
+            mesh=None, constrain=lambda v: v, moe=moe,
+        )  # fmt: skip
+        if cfg.is_moe(i):
+            inputs.append(h)
+    return inputs
 
 
 def _batch_constraint(mesh):

@@ -15,9 +15,10 @@ unembed/kernel                 [D, V]   (absent with tie_embeddings)
 ```
 
 `layers` is a list (one dict per block) so that dense and MoE blocks can differ and a block's
-experts can later be re-placed on their own. Sharding (`lm_partition_specs`): everything outside
-the MoE layers is replicated (pure data parallelism over the whole mesh); the MoE layers follow
-`moejax.parallel.param_partition_specs` (experts' `E` over `expert`, `F` over `model`).
+experts can be re-placed on their own; `lm_forward(scan_layers=True)` stacks the repeats of a
+unit of blocks for a scan in the forward. Sharding: `moejax.models._sharding` (one rule table
+from each dimension's logical axis to mesh axes: `D` over `fsdp`, experts over `expert`, heads
+and widths over `model`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 import moejax
 from moejax.models._config import LMConfig
@@ -118,23 +118,6 @@ def init_lm_params(cfg: LMConfig, key: jax.Array) -> dict:
 def abstract_params(cfg: LMConfig) -> dict:
     """The parameter tree as `jax.ShapeDtypeStruct`s (nothing is allocated)."""
     return jax.eval_shape(functools.partial(init_lm_params, cfg), jax.random.key(0))
-
-
-def lm_partition_specs(cfg: LMConfig, mesh) -> dict:
-    """`PartitionSpec`s of the parameter tree on `mesh` (see the module docstring).
-
-    Raises:
-      ValueError: when `moe.num_experts` does not divide over the mesh's `expert` axis (or the
-        expert widths over `model`).
-    """
-    from moejax import parallel  # the parallel package is only needed with a mesh
-
-    abstract = abstract_params(cfg)
-    moe_specs = parallel.param_partition_specs(cfg.moe, mesh)
-    specs = jax.tree.map(lambda _: PartitionSpec(), abstract)
-    for i in cfg.moe_layers:
-        specs["layers"][i]["moe"] = moe_specs
-    return specs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,13 +20,13 @@ from moejax.parallel import mesh as mesh_lib
 class MeshAxes:
     """Which of the conventional axes a mesh has, and their sizes."""
 
-    token: tuple[str, ...]  # axes the tokens are split over ("data", "expert" if present)
+    token: tuple[str, ...]  # axes the tokens are split over ("data", "fsdp", "expert" present)
     expert: str | None  # the expert axis, N devices
     model: str | None  # the model (F) axis, M devices
     all: tuple[str, ...]  # every axis of the mesh
     n: int  # N, devices on the expert axis
     m: int  # M, devices on the model axis
-    token_shards: int  # devices the tokens are split over (data x expert)
+    token_shards: int  # devices the tokens are split over (data x fsdp x expert)
 
     @classmethod
     def of(cls, mesh) -> MeshAxes:

@@ -1,14 +1,21 @@
-"""Mesh conventions: the axes `data`, `expert`, `model` and the partition specs of the MoE layer.
+"""Mesh conventions: the axes `data`, `fsdp`, `expert`, `model` and the MoE layer's specs.
 
 Axes (`AXES`, in mesh order; any subset may be present; an absent axis has size 1):
 
-- `data`: pure data parallelism. Tokens are split over it; every parameter is replicated.
-- `expert`: `N` devices. Tokens are split over it too (tokens over `("data", "expert")`), and the
-  routed experts' `E` axis is split over it (`G = E / N` local experts per device).
+- `data`: pure data parallelism. Tokens are split over it; parameters are replicated over it.
+- `fsdp`: data parallelism with sharded parameters (ZeRO-3). Tokens are split over it as over
+  `data`; the LM stores every weight's `D` dimension split over it (and over `expert` where the
+  weight has no `E`), gathers each layer's weights before using them and reduce-scatters their
+  gradients (`moejax.models.lm_partition_specs`). Inside the MoE layer it acts as `data`.
+- `expert`: `N` devices. Tokens are split over it too (tokens over `("data", "fsdp", "expert")`),
+  and the routed experts' `E` axis is split over it (`G = E / N` local experts per device).
 - `model`: the routed experts' `F` axis (and the shared MLP's `Fs`) is split over it; tokens are
-  replicated over it (Megatron-style tensor parallelism, partial sums by `psum`).
+  replicated over it (Megatron-style tensor parallelism, partial sums by `psum`); in the LM also
+  the attention heads and the dense MLP's width.
 
-Stored parameter layout (one layout for every dispatcher, mode and pipeline degree):
+The MoE layer's parameter layout inside `moe_apply_sharded` (one layout for every dispatcher,
+mode and pipeline degree; a stored layout that also splits `D` over `fsdp` is gathered to it at
+the layer's boundary):
 
 ```
 router/*                      replicated                 P()
@@ -21,7 +28,7 @@ shared/w_down [Fs,D]                                     P("model", None)
 shared/gate [D,1]             replicated                 P()
 ```
 
-Activations `x [B, ..., D]` (or `[T, D]`): the leading axis over `("data", "expert")`.
+Activations `x [B, ..., D]` (or `[T, D]`): the leading axis over `("data", "fsdp", "expert")`.
 
 >>> mesh = make_mesh((2, 4), ("data", "expert"))
 >>> dict(mesh.shape)
@@ -38,8 +45,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from moejax._config import MoEConfig
 from moejax._params import param_specs
 
-DATA, EXPERT, MODEL = "data", "expert", "model"
-AXES: tuple[str, ...] = (DATA, EXPERT, MODEL)
+DATA, FSDP, EXPERT, MODEL = "data", "fsdp", "expert", "model"
+AXES: tuple[str, ...] = (DATA, FSDP, EXPERT, MODEL)
+TOKEN_AXES: tuple[str, ...] = (DATA, FSDP, EXPERT)  # the batch is split over these, in order
 _DEFAULT_NAMES = {1: (EXPERT,), 2: (DATA, EXPERT), 3: (DATA, EXPERT, MODEL)}
 # Logical parameter axis (shape letter, see moejax._params) -> mesh axis.
 _LOGICAL_TO_MESH = {"E": EXPERT, "F": MODEL, "Fs": MODEL}
@@ -51,7 +59,8 @@ def make_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...] | None = None,
 
     Args:
       shape: devices per axis, e.g. `(8,)`, `(2, 4)`, `(2, 2, 2)`.
-      axis_names: a subset of `("data", "expert", "model")`, in any order. Default by rank:
+      axis_names: a subset of `AXES` (`"data"`, `"fsdp"`, `"expert"`, `"model"`), in any
+        order. Default by rank:
         `("expert",)`, `("data", "expert")`, `("data", "expert", "model")`.
       devices: optional device list (default: all devices).
 
@@ -82,13 +91,16 @@ def present(mesh, *names: str) -> tuple[str, ...]:
 
 
 def token_axes(mesh) -> tuple[str, ...]:
-    """Mesh axes the token (leading) axis is split over: `("data", "expert")` if present."""
-    return present(mesh, DATA, EXPERT)
+    """Mesh axes the token (leading) axis is split over: those of `TOKEN_AXES` present."""
+    return present(mesh, *TOKEN_AXES)
 
 
 def token_shards(mesh) -> int:
-    """Number of token shards (`data` x `expert` devices)."""
-    return axis_size(mesh, DATA) * axis_size(mesh, EXPERT)
+    """Number of token shards (`data` x `fsdp` x `expert` devices)."""
+    size = 1
+    for name in TOKEN_AXES:
+        size *= axis_size(mesh, name)
+    return size
 
 
 def activation_spec(mesh, ndim: int) -> PartitionSpec:

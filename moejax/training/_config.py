@@ -13,7 +13,7 @@ class TrainConfig:
     Args:
       steps: length of the run and of the learning-rate schedule.
       batch_size: `B`, sequences per step over the whole mesh (the global batch); must divide
-        over the token shards (`data x expert` devices).
+        over the token shards (`data x fsdp x expert` devices).
       seq_len: `S`, tokens per sequence (None: the model's `max_seq_len`).
       learning_rate: peak learning rate.
       warmup_steps: linear warm-up from 0 to the peak.
@@ -34,6 +34,11 @@ class TrainConfig:
       expert_slots_per_device: `S`, expert slots per device of the mesh's `expert` axis for
         dynamic placement (`moejax.training.placed`); at least `E / N`, spare slots hold
         replicas of hot experts. 0: no placement, experts in logical order.
+      remat: rematerialisation of each block in the backward: `"none"`, `"dots_saveable"`
+        (keep matmul outputs, recompute the rest), `"full"` (keep only block inputs); see
+        `moejax.models.remat_policy`. Changes memory and time, never the math.
+      scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
+        unit (`moejax.models.lm_forward`): compile time stops growing with depth.
     """
 
     steps: int = 300
@@ -56,6 +61,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     expert_slots_per_device: int = 0
+    remat: str = "none"
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch_size"):
@@ -90,10 +97,17 @@ class TrainConfig:
             _bad("clip_norm", self.clip_norm, "must be > 0")
         if not 0 <= self.eval_fraction < 1:
             _bad("eval_fraction", self.eval_fraction, "must lie in [0, 1)")
+        if self.remat not in _REMAT:
+            _bad("remat", self.remat, f"must be one of {_REMAT}")
+        if not isinstance(self.scan_layers, bool):
+            _bad("scan_layers", self.scan_layers, "must be a bool")
 
     def replace(self, **changes) -> TrainConfig:
         """A copy with `changes` applied (and validated)."""
         return dataclasses.replace(self, **changes)
+
+
+_REMAT = ("none", "dots_saveable", "full")  # moejax.models.REMAT_POLICIES
 
 
 def _bad(field: str, value, why: str):

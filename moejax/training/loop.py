@@ -373,7 +373,13 @@ def _evaluate(
         it = BatchIterator(tokens, train_cfg.batch_size, seq_len, seed=train_cfg.seed)
     except DataError:
         return None
-    evaluate = make_eval_step(model_cfg, mesh, strategy=strategy, implementation=implementation)
+    evaluate = make_eval_step(
+        model_cfg,
+        mesh,
+        strategy=strategy,
+        implementation=implementation,
+        scan_layers=train_cfg.scan_layers,
+    )
     n = min(train_cfg.eval_batches, it.batches_per_epoch)
     losses = [
         evaluate(state.params, global_batch(it.next(), mesh), *placing.step_args) for _ in range(n)

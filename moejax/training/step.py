@@ -108,6 +108,8 @@ def train_step(
         strategy=strategy,
         implementation=implementation,
         placements=tuple(tables) or None,
+        remat=train_cfg.remat,
+        scan_layers=train_cfg.scan_layers,
     )
     (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
     aux: LMAux
@@ -189,7 +191,12 @@ def make_train_step(
 
 @functools.lru_cache(maxsize=8)
 def make_eval_step(
-    model_cfg: LMConfig, mesh=None, *, strategy="auto", implementation: str = "auto"
+    model_cfg: LMConfig,
+    mesh=None,
+    *,
+    strategy="auto",
+    implementation: str = "auto",
+    scan_layers: bool = False,
 ):
     """Jitted `(params, batch [B, S + 1][, tables]) -> mean cross-entropy []` (fp32,
     replicated); `tables` as for `train_step`."""
@@ -203,6 +210,7 @@ def make_eval_step(
             strategy=strategy,
             implementation=implementation,
             placements=tuple(tables) or None,
+            scan_layers=scan_layers,
         )
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
