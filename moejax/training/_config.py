@@ -39,6 +39,10 @@ class TrainConfig:
         `moejax.models.remat_policy`. Changes memory and time, never the math.
       scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
         unit (`moejax.models.lm_forward`): compile time stops growing with depth.
+      microbatches: split each step's batch into this many equal micro-batches whose gradients
+        are accumulated (`moejax.training.step`): activation memory of one micro-batch, the
+        same update (the load-balance loss is averaged over micro-batches). `batch_size` must
+        divide into `microbatches` x token shards.
     """
 
     steps: int = 300
@@ -63,10 +67,13 @@ class TrainConfig:
     expert_slots_per_device: int = 0
     remat: str = "none"
     scan_layers: bool = False
+    microbatches: int = 1
 
     def __post_init__(self):
-        for name in ("steps", "batch_size"):
+        for name in ("steps", "batch_size", "microbatches"):
             _positive_int(name, getattr(self, name))
+        if self.batch_size % self.microbatches:
+            _bad("microbatches", self.microbatches, f"must divide batch_size={self.batch_size}")
         if self.seq_len is not None:
             _positive_int("seq_len", self.seq_len)
         for name in (

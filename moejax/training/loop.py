@@ -98,6 +98,18 @@ def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
             f"TrainConfig.batch_size={train_cfg.batch_size}: does not divide over the {shards} "
             f"token shards of the mesh ({shape})"
         )
+    if (train_cfg.batch_size // shards) % train_cfg.microbatches:
+        raise SetupError(
+            f"TrainConfig.microbatches={train_cfg.microbatches}: does not divide the "
+            f"{train_cfg.batch_size // shards} sequences each of the {shards} token shards holds "
+            f"({shape})"
+        )
+    try:
+        from moejax.models import check_lm_mesh
+
+        check_lm_mesh(model_cfg, mesh)
+    except ValueError as err:
+        raise SetupError(f"{err} ({shape})") from None
     experts = mesh_lib.axis_size(mesh, "expert")
     if model_cfg.moe.num_experts % experts:
         raise SetupError(

@@ -75,6 +75,38 @@ def lm_loss(params, batch, model_cfg: LMConfig, train_cfg: TrainConfig, **forwar
     return total, (ce, aux)
 
 
+def _accumulated(grad_fn, params, batch, model_cfg, train_cfg, forward_kw):
+    """`grad_fn` over `TrainConfig.microbatches` equal slices of the batch, one after the other
+    (a `jax.lax.scan`, so activations are those of one micro-batch): the mean loss and
+    gradients, expert counts summed, other statistics averaged.
+
+    Micro-batch `j` takes rows `j, j + n, j + 2n, ...`, so each device keeps its own rows (the
+    batch is split over the token axes in contiguous blocks; each block's size is a multiple of
+    `n`, checked by `TrainConfig` against the mesh in `moejax.training.loop`). Cross-entropy,
+    z-loss and their gradients equal the whole batch's; the load-balance loss, nonlinear in
+    the batch's statistics, is the mean of the micro-batches' (as Megatron-LM and MaxText do).
+    """
+    n = train_cfg.microbatches
+    rows, width = batch.shape
+    micro = batch.reshape(rows // n, n, width).swapaxes(0, 1)  # [n, B / n, S + 1]
+
+    def body(acc, mb):
+        out, grads = grad_fn(params, mb, model_cfg, train_cfg, **forward_kw)
+        return jax.tree.map(jnp.add, acc, (out, grads)), None
+
+    zeros = jax.tree.map(
+        jnp.zeros_like,
+        jax.eval_shape(lambda: grad_fn(params, micro[0], model_cfg, train_cfg, **forward_kw)),
+    )
+    (out, grads), _ = jax.lax.scan(body, zeros, micro)
+    total, (ce, aux) = out
+    mean = lambda x: x / n
+    aux = dataclasses.replace(
+        jax.tree.map(mean, aux), expert_counts=aux.expert_counts
+    )  # counts add up; every other statistic is a mean over tokens or layers
+    return (mean(total), (mean(ce), aux)), jax.tree.map(mean, grads)
+
+
 def _update_correction_biases(params, counts, model_cfg: LMConfig, rate: float):
     layers = list(params["layers"])
     for j, i in enumerate(model_cfg.moe_layers):
@@ -111,7 +143,12 @@ def train_step(
         remat=train_cfg.remat,
         scan_layers=train_cfg.scan_layers,
     )
-    (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
+    if train_cfg.microbatches > 1:
+        (total, (ce, aux)), grads = _accumulated(
+            grad_fn, state.params, batch, model_cfg, train_cfg, forward_kw
+        )
+    else:
+        (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
     aux: LMAux
     if tables:
         grads = placed.combine_grads(grads, tables, model_cfg)

@@ -151,3 +151,21 @@ def test_checkpoint_written_on_one_layout_restores_onto_another(tmp_path):
     np.testing.assert_allclose(
         [r["loss"] for r in resumed.records], [r["loss"] for r in straight.records[4:]], rtol=1e-5
     )
+
+
+def test_microbatches_accumulate_the_whole_batch_gradient():
+    """4 micro-batches of the micro batch, with the load-balance loss off (it is the one term
+    averaged over micro-batches rather than computed on the whole batch): the same steps."""
+    cfg = TRAIN.replace(load_balance_weight=0.0, batch_size=16)
+    ref_state, ref_losses = _reference(MODEL, cfg, 2)
+    state, losses = _steps(MODEL, cfg.replace(microbatches=4, scan_layers=True), None, 2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    assert_close(state.params, ref_state.params, err_msg="params")
+
+
+@pytest.mark.slow
+def test_microbatches_on_a_mesh_with_remat():
+    cfg = TRAIN.replace(load_balance_weight=0.0, batch_size=16)
+    ref_state, _ = _reference(MODEL, cfg, 2)
+    sharded, _ = _steps(MODEL, cfg.replace(microbatches=2, remat="full"), _mesh("f2e4"), 2)
+    assert_close(sharded.params, ref_state.params, err_msg="params, sharded")
