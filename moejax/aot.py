@@ -51,8 +51,10 @@ class Compiled:
       platform: "cuda" or "tpu".
       seconds: lowering plus compile wall time.
       text: the compiled (optimized, scheduled) HLO.
-      memory: `memory_analysis()` fields in bytes per device (arguments, outputs, temporaries).
+      memory: `memory_analysis()` fields in bytes per device (arguments, outputs, temporaries,
+        aliased: outputs written into donated arguments).
       kernels: `"name/backend"` -> count of this package's Pallas kernels in the program.
+      cost: `cost_analysis()` of the per-device program: `flops`, `bytes accessed`.
     """
 
     platform: str
@@ -60,6 +62,7 @@ class Compiled:
     text: str
     memory: dict
     kernels: dict
+    cost: dict = dataclasses.field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -89,11 +92,16 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-def compile_program(fn, args, *, compiler_options: dict | None = None) -> Compiled:
-    """Lower `jax.jit(fn)` on abstract `args` (placed on a deviceless mesh) and compile it."""
+def compile_program(
+    fn, args, *, donate_argnums=(), compiler_options: dict | None = None
+) -> Compiled:
+    """Lower `jax.jit(fn)` on abstract `args` (placed on a deviceless mesh) and compile it;
+    `donate_argnums` as for `jax.jit` (a train step donates its state: outputs alias it)."""
     platform = platform_of(jax.tree.leaves(args)[0].sharding.mesh)
     start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile(compiler_options or {})
+    compiled = (
+        jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile(compiler_options or {})
+    )
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     memory = {
@@ -101,7 +109,11 @@ def compile_program(fn, args, *, compiler_options: dict | None = None) -> Compil
         for key in ("argument", "output", "temp", "alias", "generated_code")
     }
     text = compiled.as_text()
-    return Compiled(platform, seconds, text, memory, kernel_counts(text))
+    analysis = compiled.cost_analysis() or {}
+    if isinstance(analysis, list):  # older jax: one dict per program
+        analysis = analysis[0] if analysis else {}
+    cost = {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
+    return Compiled(platform, seconds, text, memory, kernel_counts(text), cost)
 
 
 def _placed(tree, shardings):

@@ -14,6 +14,7 @@ to shard, checkpoint and re-place.
 """
 
 from moejax.models import presets as presets
+from moejax.models._attention import causal_attention as causal_attention
 from moejax.models._config import LMConfig as LMConfig
 from moejax.models._layers import apply_rope as apply_rope
 from moejax.models._layers import attention as attention
@@ -42,6 +43,7 @@ __all__ = [
     "apply_rope",
     "attention",
     "cast_floating",
+    "causal_attention",
     "check_lm_mesh",
     "init_lm_params",
     "lm_compute_specs",

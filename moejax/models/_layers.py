@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax.models._attention import causal_attention
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm with the statistic in fp32 (as Llama/Mixtral), output in `x.dtype`.
@@ -53,33 +55,37 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def attention(
+    p: dict,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    mesh=None,
+    implementation: str = "auto",
+) -> jax.Array:
     """Causal self-attention with grouped query heads and RoPE.
 
     Each of the `Hkv` key/value heads serves `R = H / Hkv` consecutive query heads (query head
     `h` reads kv head `h // R`, as Hugging Face's `repeat_kv`). Scores and the softmax are fp32.
+    The core is `moejax.models._attention.causal_attention`: flash-attention kernels on GPU and
+    TPU (`implementation="auto"`, by compile target), the XLA reference on CPU.
 
     Args:
       p: `{"wq": [D, H, Dh], "wk": [D, Hkv, Dh], "wv": [D, Hkv, Dh], "wo": [H, Dh, D]}`.
       x: `[B, S, D]` (already normalised).
       cos, sin: `[S, Dh/2]` RoPE tables.
+      mesh: with a mesh the core runs under `shard_map` (batch over the token axes, heads over
+        `model`); the projections are left to the surrounding `jit`.
+      implementation: the core's, `"auto"`, `"xla"` or `"pallas"`.
 
     Returns:
       `[B, S, D]`.
     """
-    b, s, _ = x.shape
-    _, h, dh = p["wq"].shape
-    hkv = p["wk"].shape[1]
     q = apply_rope(jnp.einsum("bsd,dhk->bshk", x, p["wq"]), cos, sin)
     k = apply_rope(jnp.einsum("bsd,dhk->bshk", x, p["wk"]), cos, sin)
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
-    q = q.reshape(b, s, hkv, h // hkv, dh)  # [B, S, Hkv, R, Dh]
-    scores = jnp.einsum("bsgrk,btgk->bgrst", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh**-0.5)
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, dh)
+    out = causal_attention(q, k, v, mesh=mesh, implementation=implementation)
     return jnp.einsum("bshk,hkd->bsd", out, p["wo"])
 
 

@@ -150,6 +150,7 @@ def lm_forward(
         moe=functools.partial(
             _moe_ffn, cfg=cfg, mesh=mesh, strategy=strategy, implementation=implementation
         ),
+        attn_impl=_attention_implementation(implementation),
     )
     tables = list(placements) if placements is not None else [None] * cfg.num_moe_layers
     if scan_layers:
@@ -189,12 +190,19 @@ def _layer_stats(aux) -> LMAux:
     )
 
 
-def _block(layer, x, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe):
+def _attention_implementation(implementation: str) -> str:
+    """The attention core that goes with a grouped-matmul `implementation`: the Pallas kernels
+    with `"pallas"`, by compile target with `"auto"`, the XLA reference with the XLA paths."""
+    return implementation if implementation in ("auto", "pallas") else "xla"
+
+
+def _block(layer, x, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl):
     """One pre-norm block: `(x, LMAux of this layer or None, the FFN input)`."""
     layer = _gathered(layer, compute, mesh)
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
-        x = constrain(x + attention(layer["attn"], h, cos, sin))
+        a = attention(layer["attn"], h, cos, sin, mesh=mesh, implementation=attn_impl)
+        x = constrain(x + a)
     h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
     if is_moe:
         with jax.named_scope("moe"):
@@ -272,7 +280,7 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
     for i, layer in enumerate(p["layers"]):
         x, _, h = _block(
             layer, x, None, is_moe=cfg.is_moe(i), compute=None, cfg=cfg, cos=cos, sin=sin,
-            mesh=None, constrain=lambda v: v, moe=moe,
+            mesh=None, constrain=lambda v: v, moe=moe, attn_impl="xla",
         )  # fmt: skip
         if cfg.is_moe(i):
             inputs.append(h)

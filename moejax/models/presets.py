@@ -6,6 +6,7 @@
 | `tiny` | the README's main job: minutes on 2 CPU cores, 8 simulated devices | 3.4 M / 1.0 M |
 | `small` | bigger CPU runs, benchmark; DeepSeek-style routing + shared expert | 41 M / 8.4 M |
 | `mixtral_8x7b` | Mixtral-8x7B's shapes, for accelerators (not built in tests) | 46.7 B / 12.7 B |
+| `fine_grained_64x1408` | DeepSeek-style: 64 experts of 1408, top-6, 2 shared | 16.9 B / 2.6 B |
 
 "Active" counts the parameters that multiply one token (`moejax.models.param_counts`).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from moejax._config import MoEConfig
 from moejax.models._config import LMConfig
+from moejax.presets import deepseek_v3
 
 # Tests: every routing feature the training loop handles (sigmoid scores, the correction bias
 # updated outside the optimizer, a shared expert) at sizes that compile and step in seconds.
@@ -96,12 +98,40 @@ MIXTRAL_8X7B = LMConfig(
     moe=MoEConfig(d_model=4096, d_ff=14336, num_experts=8, top_k=2, block_size=512),
 )
 
+# Fine-grained experts with DeepSeek routing, at the shapes of DeepSeekMoE-16B (Dai et al. 2024):
+# 28 layers, d_model 2048, 16 heads of 128, 64 routed experts of d_ff 1408, top-6, 2 shared
+# experts, vocab 102400; DeepSeek-V3's router (sigmoid scores, correction bias, 8 groups of which
+# a token may reach 4). Named after its shapes: this is not a checkpoint moejax loads.
+FINE_GRAINED_64X1408 = LMConfig(
+    vocab_size=102400,
+    d_model=2048,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=128,
+    max_seq_len=4096,
+    dtype="bfloat16",
+    moe=deepseek_v3(
+        d_model=2048,
+        d_ff=1408,
+        num_experts=64,
+        top_k=6,
+        num_groups=8,
+        topk_groups=4,
+        routed_scaling_factor=1.0,
+        num_shared_experts=2,
+        block_size=256,
+    ),
+)
+
 PRESETS: dict[str, LMConfig] = {
     "micro": MICRO,
     "tiny": TINY,
     "small": SMALL,
     "mixtral_8x7b": MIXTRAL_8X7B,
+    "fine_grained_64x1408": FINE_GRAINED_64X1408,
 }
+REAL_SIZE: tuple[str, ...] = ("mixtral_8x7b", "fine_grained_64x1408")  # accelerators only
 
 
 def get(name: str) -> LMConfig:

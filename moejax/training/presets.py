@@ -7,8 +7,10 @@
   and the wall time on a 2-core machine.
 - `small`: `python experiments/train_lm.py --preset small` (about 1 s per step per 1k tokens on
   2 CPU cores; meant for more cores or an accelerator).
-- `mixtral_8x7b`: a Mixtral-scale recipe for accelerators (global batch 512 x 4096 tokens);
-  never run in tests.
+- `mixtral_8x7b`, `fine_grained_64x1408`: real-size recipes for accelerators: global batch
+  1024 x 4096 tokens, bf16 compute with fp32 master weights and Adam state, full remat,
+  scanned layers, 4 micro-batches (what fits 64 H100s or 64 TPU v5p chips:
+  `python experiments/plan_scale.py`); compiled, never run, in tests.
 
 >>> get("tiny").steps
 300
@@ -30,11 +32,25 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     ),
     "mixtral_8x7b": TrainConfig(
         steps=100_000,
-        batch_size=512,
+        batch_size=1024,
         learning_rate=3e-4,
         warmup_steps=2000,
         weight_decay=0.1,
         checkpoint_every=1000,
+        remat="full",
+        scan_layers=True,
+        microbatches=4,
+    ),
+    "fine_grained_64x1408": TrainConfig(
+        steps=100_000,
+        batch_size=1024,
+        learning_rate=4.2e-4,
+        warmup_steps=2000,
+        weight_decay=0.1,
+        checkpoint_every=1000,
+        remat="full",
+        scan_layers=True,
+        microbatches=4,
     ),
 }
 

@@ -1,0 +1,65 @@
+"""Does a real-size model fit? Compile its full train step for 64 H100s and TPU v5p slices on
+this CPU machine (deviceless) and report, per layout, per-device memory against HBM, compile
+time, FLOPs per step and a roofline bound on step time and MFU.
+
+Run: python -m pallas_kernels.targets --install   (once; the compilers)
+     python experiments/plan_scale.py             (every real-size preset on h100x64 and
+                                                   v5p-64: ~20-40 min on 2 cores)
+     python experiments/plan_scale.py --preset mixtral_8x7b --target h100x64
+Ends with one line per preset and target: the best layout found and `fits` / `does not fit`.
+The logic lives in `moejax.training.plan`; the table is in BENCHMARKS.md ("Real scale").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax
+
+from moejax.models import presets
+from moejax.training import plan
+from moejax.training import presets as train_presets
+from pallas_kernels import targets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", nargs="+", default=list(presets.REAL_SIZE),
+                        choices=sorted(presets.PRESETS))  # fmt: skip
+    parser.add_argument("--target", nargs="+", default=["h100x64", "v5p-64"],
+                        choices=sorted(plan.TARGETS))  # fmt: skip
+    args = parser.parse_args()
+    for platform in {plan.TARGETS[t].platform for t in args.target}:
+        if (why := targets.missing(platform)) is not None:
+            raise SystemExit(f"cannot compile for {platform}: {why}")
+    print(f"# plan_scale {datetime.date.today()} jax {jax.__version__}\n", flush=True)
+    rows, summary = [], []
+    for name in args.preset:
+        model_cfg, train_cfg = presets.get(name), train_presets.get(name)
+        for target_name in args.target:
+            target = plan.TARGETS[target_name]
+            group = []
+            for layout in plan.default_layouts(model_cfg, target):
+                try:
+                    row = plan.plan_row(name, model_cfg, train_cfg, target, layout)
+                except Exception as err:  # noqa: BLE001 - a layout that does not compile is a row
+                    print(f"{name} {target.name} {layout}: does not compile: {str(err)[:200]}")
+                    continue
+                print(plan.markdown([row]).splitlines()[-1], flush=True)
+                group.append(row)
+            rows += group
+            if group:
+                summary.append(plan.summary_line(group))
+    print("\n" + plan.markdown(rows))
+    print("\n" + "\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()

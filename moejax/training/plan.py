@@ -1,0 +1,227 @@
+"""Will it fit? Compile a model's real train step for a GPU or TPU slice this machine does not
+have, and read memory, FLOPs and a roofline bound from the compiled program.
+
+A `Layout` is a mesh (named axes and sizes) plus the activation policy (`microbatches`,
+`remat`; layers are always scanned). `plan_row` compiles `moejax.training.train_step` with the
+state donated, exactly as `make_train_step` jits it, for a deviceless `Target`, and reports per
+device:
+
+- memory: `memory_analysis()`'s arguments + outputs + temporaries - aliased outputs, against the
+  device's HBM (fits or by how much it does not);
+- FLOPs: the model's (`metrics.flops_per_token`, PaLM's convention) and what the step executes
+  with its remat policy (full remat runs the forward twice: 4/3 of the model's); XLA's own
+  `cost_analysis()` figure is shown where the target gives one (TPU; a deviceless GPU compile
+  gives none), but it counts each loop body once (scanned layers, micro-batches) and so
+  undercounts;
+- a compute roofline: the step takes at least executed FLOPs / peak FLOP/s, so MFU is at most
+  model / executed FLOPs. Communication, HBM traffic and kernel efficiency are not in it: it
+  bounds, it does not predict.
+
+Used by `experiments/plan_scale.py`; the figures are in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moejax.models import LMConfig
+from moejax.training._config import TrainConfig
+from moejax.training.metrics import flops_per_token
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A slice of accelerators to compile for.
+
+    Attributes:
+      name: e.g. "h100x64".
+      platform: "cuda" or "tpu".
+      topology: the deviceless topology (`pallas_kernels.targets`): GPU "slices x hosts x
+        devices per host", TPU "generation:shape".
+      devices: devices in the slice.
+      hbm_bytes: memory of one device.
+      peak_flops: dense bf16 FLOP/s of one device.
+    """
+
+    name: str
+    platform: str
+    topology: str
+    devices: int
+    hbm_bytes: float
+    peak_flops: float
+
+
+_H100 = dict(platform="cuda", hbm_bytes=84_942_979_072, peak_flops=989e12)  # SXM, dense bf16
+_V5P = dict(platform="tpu", hbm_bytes=95e9, peak_flops=459e12)
+TARGETS: dict[str, Target] = {
+    "h100x8": Target("h100x8", topology="1x1x8", devices=8, **_H100),
+    "h100x64": Target("h100x64", topology="1x8x8", devices=64, **_H100),
+    "v5p-64": Target("v5p-64", topology="v5p:4x4x4", devices=64, **_V5P),
+    "v5p-128": Target("v5p-128", topology="v5p:4x4x8", devices=128, **_V5P),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Mesh axes and sizes, micro-batches and remat policy of one training layout."""
+
+    axes: tuple[tuple[str, int], ...]
+    microbatches: int = 1
+    remat: str = "full"
+
+    @property
+    def mesh_name(self) -> str:
+        return "x".join(f"{name}{size}" for name, size in self.axes)
+
+    def __str__(self) -> str:
+        return f"{self.mesh_name} mb{self.microbatches} {self.remat}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One compiled layout (per-device figures)."""
+
+    preset: str
+    target: Target
+    layout: Layout
+    global_batch: int
+    seq_len: int
+    memory: dict
+    compile_s: float
+    xla_flops: float
+    model_flops: float
+    kernels: dict
+
+    @property
+    def total_bytes(self) -> int:
+        m = self.memory
+        return m["argument"] + m["output"] + m["temp"] - m["alias"]
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.target.hbm_bytes
+
+    @property
+    def executed_flops(self) -> float:
+        """Model FLOPs plus the forward that full remat runs again (per device)."""
+        return self.model_flops * (4 / 3 if self.layout.remat == "full" else 1.0)
+
+    @property
+    def step_time_bound_s(self) -> float:
+        return self.executed_flops / self.target.peak_flops
+
+    @property
+    def mfu_bound(self) -> float:
+        return self.model_flops / (self.step_time_bound_s * self.target.peak_flops)
+
+
+def mesh_for(target: Target, layout: Layout):
+    """The deviceless mesh of `layout` on `target`."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    from pallas_kernels import targets
+
+    names, sizes = zip(*layout.axes, strict=True)
+    if math.prod(sizes) != target.devices:
+        raise ValueError(f"layout {layout.mesh_name} has {math.prod(sizes)} devices, "
+                         f"{target.name} has {target.devices}")  # fmt: skip
+    if target.platform == "cuda":
+        return targets.gpu_mesh(sizes, names, topology=target.topology)
+    import os
+
+    from jax.experimental import topologies
+
+    for key, value in targets.LIBTPU_ENV.items():
+        os.environ.setdefault(key, value)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
+    devices = np.array(topo.devices).reshape(sizes)
+    return jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def plan_row(
+    preset: str, model_cfg: LMConfig, train_cfg: TrainConfig, target: Target, layout: Layout
+) -> PlanRow:
+    """Compile the train step of `model_cfg` with `layout` for `target` (see the module doc)."""
+    from moejax import aot
+
+    cfg = train_cfg.replace(microbatches=layout.microbatches, remat=layout.remat, scan_layers=True)
+    mesh = mesh_for(target, layout)
+    fn, args = aot.train_step_program(model_cfg, cfg, mesh)
+    compiled = aot.compile_program(fn, args, donate_argnums=(0,))
+    seq_len = cfg.seq_len or model_cfg.max_seq_len
+    tokens = cfg.batch_size * seq_len / target.devices
+    return PlanRow(
+        preset=preset,
+        target=target,
+        layout=layout,
+        global_batch=cfg.batch_size,
+        seq_len=seq_len,
+        memory=compiled.memory,
+        compile_s=compiled.seconds,
+        xla_flops=compiled.cost.get("flops", 0.0),
+        model_flops=tokens * flops_per_token(model_cfg, seq_len),
+        kernels=compiled.kernels,
+    )
+
+
+def default_layouts(model_cfg: LMConfig, target: Target) -> list[Layout]:
+    """The layouts a user would try on `target`: FSDP over what the expert axis leaves, the
+    expert axis as wide as the experts allow (up to 8 devices, one node), with and without
+    tensor parallelism, with 1-8 micro-batches."""
+    n = target.devices
+    expert = math.gcd(model_cfg.moe.num_experts, 8 if n >= 8 else n)
+    out = []
+    for microbatches in (2, 4, 8):
+        out.append(Layout((("fsdp", n // expert), ("expert", expert)), microbatches, "full"))
+    if n // expert >= 2 and model_cfg.num_kv_heads % 2 == 0:
+        out.append(
+            Layout((("fsdp", n // expert // 2), ("expert", expert), ("model", 2)), 4, "full")
+        )
+    if model_cfg.moe.num_experts >= 2 * expert and n // (2 * expert) >= 1:
+        out.append(Layout((("fsdp", n // (2 * expert)), ("expert", 2 * expert)), 4, "full"))
+    return out
+
+
+def markdown(rows: list[PlanRow]) -> str:
+    """The rows as a BENCHMARKS.md table."""
+    gib = 2**30
+    lines = [
+        "| preset | target | layout | global batch | args / out / temp GiB | total GiB / HBM "
+        "| fits | compile s | model / executed / XLA TFLOP per device | step >= s | MFU <= |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r.memory
+        lines.append(
+            f"| {r.preset} | {r.target.name} | {r.layout} | {r.global_batch} x {r.seq_len} | "
+            f"{m['argument'] / gib:.1f} / {m['output'] / gib:.1f} / {m['temp'] / gib:.1f} | "
+            f"{r.total_bytes / gib:.1f} / {r.target.hbm_bytes / gib:.0f} | "
+            f"{'yes' if r.fits else 'no'} | {r.compile_s:.0f} | {r.model_flops / 1e12:.0f} / "
+            f"{r.executed_flops / 1e12:.0f} / {_tflop(r.xla_flops)} | "
+            f"{r.step_time_bound_s:.2f} | {r.mfu_bound:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def _tflop(flops: float) -> str:
+    return f"{flops / 1e12:.1f}" if flops else "n/a"
+
+
+def summary_line(rows: list[PlanRow]) -> str:
+    """`<preset> <target> <mesh> mb<n> <remat> <total>/<HBM> GiB fits|does not fit`: the fitting
+    layout with the best MFU bound, else the smallest."""
+    fitting = [r for r in rows if r.fits]
+    best = (
+        max(fitting, key=lambda r: r.mfu_bound)
+        if fitting
+        else min(rows, key=lambda r: r.total_bytes)
+    )
+    verdict = "fits" if best.fits else "does not fit"
+    return (
+        f"{best.preset} {best.target.name} {best.layout.mesh_name} mb{best.layout.microbatches} "
+        f"{best.layout.remat} {best.total_bytes / 2**30:.1f}/{best.target.hbm_bytes / 2**30:.1f} "
+        f"GiB {verdict}"
+    )

@@ -1,0 +1,52 @@
+"""The train step at scale, compiled for hardware this machine does not have.
+
+Default run: the `small` preset's step with FSDP x expert parallelism, full remat and scanned
+layers on 8 H100s fits, with the Triton kernels in it. `slow`: both real-size presets on 64 H100s
+and 64 TPU v5p chips, the full table of `experiments/plan_scale.py` (BENCHMARKS.md).
+"""
+
+import pytest
+from _targets import CACHE_WARNING, needs_cuda, needs_tpu
+
+from moejax.models import presets
+from moejax.training import plan
+from moejax.training import presets as train_presets
+
+pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
+
+
+@needs_cuda
+def test_small_preset_fits_8_h100_with_fsdp_remat_and_scan():
+    target = plan.TARGETS["h100x8"]
+    layout = plan.Layout((("fsdp", 2), ("expert", 4)), microbatches=2, remat="full")
+    row = plan.plan_row("small", presets.get("small"), train_presets.get("small"), target, layout)
+    assert row.fits and 0 < row.total_bytes < target.hbm_bytes
+    assert set(row.kernels) == {"gmm/triton", "gmm_t/triton", "tgmm/triton"}
+    assert row.model_flops > 0 and row.mfu_bound == pytest.approx(0.75)  # full remat: 3/4
+    line = plan.summary_line([row])
+    assert line.startswith("small h100x8 fsdp2xexpert4 mb2 full") and line.endswith(" fits")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, target",
+    [
+        pytest.param(n, t, marks=needs_cuda if t.startswith("h100") else needs_tpu)
+        for n in presets.REAL_SIZE
+        for t in ("h100x64", "v5p-64")
+    ],
+)
+def test_real_size_presets_fit_64_devices_at_batch_1024x4096(name, target):
+    model_cfg, train_cfg = presets.get(name), train_presets.get(name)
+    assert train_cfg.batch_size * model_cfg.max_seq_len == 1024 * 4096
+    tgt = plan.TARGETS[target]
+    expert = min(8, model_cfg.moe.num_experts)
+    layout = plan.Layout(
+        (("fsdp", tgt.devices // expert), ("expert", expert)),
+        microbatches=train_cfg.microbatches,
+        remat=train_cfg.remat,
+    )
+    row = plan.plan_row(name, model_cfg, train_cfg, tgt, layout)
+    assert row.fits, plan.markdown([row])
+    backend = "triton" if tgt.platform == "cuda" else "mosaic"
+    assert set(row.kernels) == {f"{k}/{backend}" for k in ("gmm", "gmm_t", "tgmm")}
