@@ -9,12 +9,14 @@ table and the paths of everything written under `--out` (default `runs/<preset>`
   python experiments/train_lm.py                                   # tiny, 2x4 mesh
   python experiments/train_lm.py --preset small --steps 500 --mesh 2,4
   python experiments/train_lm.py --data my_text_dir --out runs/mine
+  python experiments/train_lm.py --mesh fsdp=2,expert=2,model=2 --remat full --scan
   # two processes x 4 simulated devices = one 8-device mesh:
   python experiments/train_lm.py --num-processes 2 --process-id 0 --coordinator 127.0.0.1:1234 &
   python experiments/train_lm.py --num-processes 2 --process-id 1 --coordinator 127.0.0.1:1234
 
 Errors in the inputs (missing/empty corpus, unknown preset, a mesh that does not divide the
-batch or the experts, a foreign or corrupt checkpoint directory) print one line and exit 2.
+batch, the experts, the heads or the widths, a foreign or corrupt checkpoint directory) print
+one line per mistake and exit 2.
 """
 
 from __future__ import annotations
@@ -36,8 +38,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int, help="init and shuffling seed")
     p.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 parameters)")
-    p.add_argument("--mesh", default="2,4", help="mesh shape, e.g. 2,4 (data,expert) or 8")
-    p.add_argument("--mesh-axes", help="axis names, e.g. data,expert (default by rank)")
+    p.add_argument(
+        "--mesh",
+        default="2,4",
+        help="mesh: sizes (2,4 = data,expert by rank; see --mesh-axes) or named axes, e.g. "
+        "fsdp=2,expert=4 or data=2,fsdp=2,expert=2 (axes: data, fsdp, expert, model)",
+    )
+    p.add_argument("--mesh-axes", help="axis names for a sizes-only --mesh, e.g. fsdp,expert")
+    p.add_argument(
+        "--remat",
+        choices=("none", "dots_saveable", "full"),
+        help="rematerialise each block in the backward (default: the preset's)",
+    )
+    p.add_argument("--scan", action="store_true", help="scan the layers (compile once per unit)")
+    p.add_argument("--microbatches", type=int, help="gradient-accumulation micro-batches")
     p.add_argument("--dispatcher", default="auto", help="auto, dropless, allgather, capacity")
     p.add_argument("--implementation", default="auto", help="grouped matmul: auto, blocked, ...")
     p.add_argument("--data", nargs="+", help="text files/dirs or .npy token files")
@@ -78,19 +92,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _mesh_shape(text: str) -> tuple[int, ...]:
+def _mesh_spec(text: str, axes: str | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """(shape, axis names or None for the default by rank) of `--mesh` (and `--mesh-axes`)."""
+    parts = [p.strip() for p in text.split(",")]
+    named = all("=" in p for p in parts)
+    if named and axes:
+        raise InputError(f"--mesh={text!r} names its axes: drop --mesh-axes")
     try:
-        shape = tuple(int(x) for x in text.split(","))
+        if named:
+            names = tuple(p.split("=", 1)[0].strip() for p in parts)
+            shape = tuple(int(p.split("=", 1)[1]) for p in parts)
+        else:
+            names = tuple(a.strip() for a in axes.split(",")) if axes else None
+            shape = tuple(int(p) for p in parts)
     except ValueError:
-        raise InputError(f"--mesh={text!r}: need comma-separated ints, e.g. 2,4") from None
+        raise InputError(
+            f"--mesh={text!r}: need comma-separated ints (2,4) or axis=size pairs (fsdp=2,expert=4)"
+        ) from None
     if not shape or min(shape) < 1:
-        raise InputError(f"--mesh={text!r}: need positive ints")
-    return shape
+        raise InputError(f"--mesh={text!r}: need positive sizes")
+    return shape, names
 
 
 def _setup_devices(args) -> tuple[int, ...]:
     """Before jax is imported: simulated CPU devices for this process's share of the mesh."""
-    shape = _mesh_shape(args.mesh)
+    shape, _ = _mesh_spec(args.mesh, args.mesh_axes)
     total = math.prod(shape)
     if total % args.num_processes:
         raise InputError(
@@ -125,10 +151,13 @@ def _configs(args):
         "keep_checkpoints": args.keep,
         "eval_batches": args.eval_batches,
         "expert_slots_per_device": args.expert_slots,
+        "remat": args.remat,
+        "scan_layers": args.scan or None,
+        "microbatches": args.microbatches,
     }
     train_cfg = train_presets.get(args.preset)
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    if "steps" in overrides and train_cfg.warmup_steps > overrides["steps"]:
+    if "steps" in overrides and train_cfg.warmup_steps >= overrides["steps"]:
         overrides["warmup_steps"] = overrides["steps"] // 10
     return model_cfg, train_cfg.replace(**overrides)
 
@@ -154,7 +183,7 @@ def _setup(args):
             f"--mesh={args.mesh}: needs {math.prod(shape)} devices, "
             f"{jax.device_count()} are available"
         )
-    axes = tuple(args.mesh_axes.split(",")) if args.mesh_axes else None
+    _, axes = _mesh_spec(args.mesh, args.mesh_axes)
     mesh = parallel.make_mesh(shape, axes)
     if args.dispatcher == "auto":
         strategy = "auto"

@@ -33,6 +33,7 @@ from moejax.models._params import param_counts as param_counts
 from moejax.models._sharding import check_lm_mesh as check_lm_mesh
 from moejax.models._sharding import lm_compute_specs as lm_compute_specs
 from moejax.models._sharding import lm_logical_axes as lm_logical_axes
+from moejax.models._sharding import lm_mesh_problems as lm_mesh_problems
 from moejax.models._sharding import lm_partition_specs as lm_partition_specs
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "lm_compute_specs",
     "lm_forward",
     "lm_logical_axes",
+    "lm_mesh_problems",
     "moe_layer_inputs",
     "lm_partition_specs",
     "param_counts",

@@ -123,22 +123,30 @@ def lm_compute_specs(cfg: LMConfig, mesh) -> dict:
     return _specs(cfg, mesh, COMPUTE_RULES)
 
 
-def check_lm_mesh(cfg: LMConfig, mesh) -> None:
-    """ValueError listing every model dimension that does not divide over its mesh axis."""
+def lm_mesh_problems(cfg: LMConfig, mesh) -> list[str]:
+    """One line per model dimension that does not divide over its mesh axis (empty: fits)."""
     n, m = mesh_lib.axis_size(mesh, mesh_lib.EXPERT), mesh_lib.axis_size(mesh, mesh_lib.MODEL)
     checks = [
-        ("moe.num_experts", cfg.moe.num_experts, "expert", n),
-        ("moe.d_ff", cfg.moe.d_ff, "model", m),
-        ("moe shared width", cfg.moe.shared_width, "model", m),
-        ("num_heads", cfg.num_heads, "model", m),
-        ("num_kv_heads", cfg.num_kv_heads, "model", m),
+        ("MoEConfig.num_experts", cfg.moe.num_experts, "expert", n),
+        ("MoEConfig.d_ff", cfg.moe.d_ff, "model", m),
+        ("the shared-expert width", cfg.moe.shared_width, "model", m),
+        ("LMConfig.num_heads", cfg.num_heads, "model", m),
+        ("LMConfig.num_kv_heads", cfg.num_kv_heads, "model", m),
     ]
     if cfg.num_moe_layers < cfg.num_layers:
-        checks.append(("dense_d_ff", cfg.mlp_d_ff, "model", m))
-    bad = [f"{name}={value} is not divisible by {axis}={size}" for name, value, axis, size in checks
-           if value % size]  # fmt: skip
-    if bad:
-        raise ValueError("mesh does not fit the model: " + "; ".join(bad))
+        checks.append(("the dense MLP width", cfg.mlp_d_ff, "model", m))
+    return [
+        f"{name}={value}: does not divide over the mesh's {axis} axis of {size} devices"
+        for name, value, axis, size in checks
+        if value % size
+    ]
+
+
+def check_lm_mesh(cfg: LMConfig, mesh) -> None:
+    """ValueError listing, one per line, every model dimension that does not divide over its
+    mesh axis (`lm_mesh_problems`)."""
+    if problems := lm_mesh_problems(cfg, mesh):
+        raise ValueError("\n".join(problems))
 
 
 def constrain(tree, specs, mesh):

@@ -89,8 +89,8 @@ class TrainConfig:
             _bad("learning_rate", self.learning_rate, "must be a finite number > 0")
         if not 0 <= self.min_lr_ratio <= 1:
             _bad("min_lr_ratio", self.min_lr_ratio, "must lie in [0, 1]")
-        if self.warmup_steps > self.steps:
-            _bad("warmup_steps", self.warmup_steps, f"must be <= steps={self.steps}")
+        if self.warmup_steps >= self.steps and self.warmup_steps:  # the cosine needs a step
+            _bad("warmup_steps", self.warmup_steps, f"must be < steps={self.steps}")
         for name in ("weight_decay", "load_balance_weight", "z_loss_weight", "bias_update_rate"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

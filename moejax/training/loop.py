@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from moejax.data import BatchIterator, Corpus, DataError
-from moejax.models import LMConfig
+from moejax.models import LMConfig, lm_mesh_problems
 from moejax.placement import Placement, save_trace
 from moejax.training import placed, report
 from moejax.training._config import TrainConfig
@@ -73,8 +73,9 @@ def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
     """Validate the run's shapes against each other and the mesh; returns the sequence length.
 
     Raises:
-      SetupError: one line naming the mismatch (batch vs token shards, experts vs the expert
-        axis, sequence length vs the model).
+      SetupError: one line per mismatch, each naming the field (batch vs token shards,
+        micro-batches, experts vs the expert axis, heads and widths vs the model axis, sequence
+        length vs the model).
     """
     seq_len = train_cfg.seq_len or model_cfg.max_seq_len
     if seq_len > model_cfg.max_seq_len:
@@ -93,40 +94,28 @@ def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
 
     shape = " x ".join(f"{k}={v}" for k, v in dict(mesh.shape).items())
     shards = mesh_lib.token_shards(mesh)
+    problems = []
     if train_cfg.batch_size % shards:
-        raise SetupError(
+        problems.append(
             f"TrainConfig.batch_size={train_cfg.batch_size}: does not divide over the {shards} "
-            f"token shards of the mesh ({shape})"
+            f"token shards of the mesh"
         )
-    if (train_cfg.batch_size // shards) % train_cfg.microbatches:
-        raise SetupError(
+    elif (train_cfg.batch_size // shards) % train_cfg.microbatches:
+        problems.append(
             f"TrainConfig.microbatches={train_cfg.microbatches}: does not divide the "
-            f"{train_cfg.batch_size // shards} sequences each of the {shards} token shards holds "
-            f"({shape})"
+            f"{train_cfg.batch_size // shards} sequences each of the {shards} token shards holds"
         )
-    try:
-        from moejax.models import check_lm_mesh
-
-        check_lm_mesh(model_cfg, mesh)
-    except ValueError as err:
-        raise SetupError(f"{err} ({shape})") from None
+    problems += lm_mesh_problems(model_cfg, mesh)
     experts = mesh_lib.axis_size(mesh, "expert")
-    if model_cfg.moe.num_experts % experts:
-        raise SetupError(
-            f"MoEConfig.num_experts={model_cfg.moe.num_experts}: does not divide over the "
-            f"mesh's expert axis of {experts} devices ({shape})"
-        )
-    try:
-        mesh_lib.check_divisible(model_cfg.moe, mesh)
-    except ValueError as err:
-        raise SetupError(f"{err} ({shape})") from None
     slots = train_cfg.expert_slots_per_device
     if slots and slots < model_cfg.moe.num_experts // experts:
-        raise SetupError(
+        problems.append(
             f"TrainConfig.expert_slots_per_device={slots}: fewer than the "
             f"{model_cfg.moe.num_experts // experts} experts each of the {experts} devices of "
-            f"the expert axis must hold ({shape})"
+            f"the expert axis must hold"
         )
+    if problems:  # one line per mistake, each naming the field and the mesh
+        raise SetupError("\n".join(f"{line} ({shape})" for line in problems))
     return seq_len
 
 

@@ -169,19 +169,18 @@ def plan_row(
 
 def default_layouts(model_cfg: LMConfig, target: Target) -> list[Layout]:
     """The layouts a user would try on `target`: FSDP over what the expert axis leaves, the
-    expert axis as wide as the experts allow (up to 8 devices, one node), with and without
-    tensor parallelism, with 1-8 micro-batches."""
+    expert axis as wide as the experts allow within one node (8), 1, 2 or 4 micro-batches with
+    full remat, and at 2 micro-batches: matmul outputs kept (`dots_saveable`), tensor
+    parallelism over 2 devices, a twice wider expert axis."""
     n = target.devices
-    expert = math.gcd(model_cfg.moe.num_experts, 8 if n >= 8 else n)
-    out = []
-    for microbatches in (2, 4, 8):
-        out.append(Layout((("fsdp", n // expert), ("expert", expert)), microbatches, "full"))
+    expert = math.gcd(model_cfg.moe.num_experts, min(8, n))
+    base = (("fsdp", n // expert), ("expert", expert))
+    out = [Layout(base, microbatches, "full") for microbatches in (1, 2, 4)]
+    out.append(Layout(base, 2, "dots_saveable"))
     if n // expert >= 2 and model_cfg.num_kv_heads % 2 == 0:
-        out.append(
-            Layout((("fsdp", n // expert // 2), ("expert", expert), ("model", 2)), 4, "full")
-        )
-    if model_cfg.moe.num_experts >= 2 * expert and n // (2 * expert) >= 1:
-        out.append(Layout((("fsdp", n // (2 * expert)), ("expert", 2 * expert)), 4, "full"))
+        out.append(Layout((("fsdp", n // expert // 2), ("expert", expert), ("model", 2)), 2))
+    if model_cfg.moe.num_experts % (2 * expert) == 0 and n >= 2 * expert:
+        out.append(Layout((("fsdp", n // (2 * expert)), ("expert", 2 * expert)), 2))
     return out
 
 

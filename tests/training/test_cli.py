@@ -80,3 +80,27 @@ def test_placement_with_measured_hardware(capsys, tmp_path):
     assert (out / "placement_events.jsonl").exists()
     assert "expert re-placements" in printed.out and "placement overhead" in printed.out
     assert "placement cost model" in printed.out and "measured: " in printed.out
+
+
+def test_a_layout_that_does_not_fit_gets_one_line_per_mistake(capsys, tmp_path):
+    args = ["--mesh", "fsdp=1,expert=2,model=4", "--batch-size", "9"]
+    code, err, out = _run(capsys, tmp_path, *args)
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 2 and lines[0].startswith("error: ")
+    assert "TrainConfig.batch_size=9: does not divide over the 2 token shards" in lines[0]
+    assert "LMConfig.num_kv_heads=2: does not divide over the mesh's model axis of 4" in lines[1]
+    assert not out.exists()
+    code, err, _ = _run(capsys, tmp_path, "--mesh", "fsdp=2,expert=4", "--mesh-axes", "a,b")
+    assert code == 2 and "names its axes: drop --mesh-axes" in err
+
+
+def test_named_mesh_with_fsdp_remat_and_scan_trains(capsys, tmp_path):
+    args = ["--mesh", "fsdp=2,expert=4", "--remat", "full", "--scan", "--steps", "2"]
+    out = tmp_path / "run"
+    code = train_lm.main(
+        ["--preset", "micro", "--out", str(out), "--no-progress", "--no-outputs", *args]
+    )
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "mesh {'fsdp': 2, 'expert': 4}" in printed.out
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2

@@ -102,7 +102,7 @@ def test_partition_specs_follow_the_rules():
     # A width that does not divide over fsdp stays whole; heads that do not divide are an error.
     micro_on_8 = lm_partition_specs(MODEL.replace(vocab_size=256), _mesh("f8"))
     assert micro_on_8["layers"][0]["attn_norm"]["scale"] == P(None)
-    with pytest.raises(ValueError, match="num_kv_heads=2 is not divisible by model=4"):
+    with pytest.raises(ValueError, match="num_kv_heads=2: does not divide over the mesh.s model"):
         lm_partition_specs(MODEL, parallel.make_mesh((2, 4), ("fsdp", "model")))
 
 
