@@ -6,6 +6,7 @@ Run: python -m pallas_kernels.targets --install   (once; the compilers)
      python experiments/plan_scale.py             (every real-size preset on h100x64 and
                                                    v5p-64: ~20-40 min on 2 cores)
      python experiments/plan_scale.py --preset mixtral_8x7b --target h100x64
+     python experiments/plan_scale.py --target h100x8 --batch 128   (one node)
 Ends with one line per preset and target: the best layout found and `fits` / `does not fit`.
 The logic lives in `moejax.training.plan`; the table is in BENCHMARKS.md ("Real scale").
 """
@@ -35,6 +36,7 @@ def main() -> None:
                         choices=sorted(presets.PRESETS))  # fmt: skip
     parser.add_argument("--target", nargs="+", default=["h100x64", "v5p-64"],
                         choices=sorted(plan.TARGETS))  # fmt: skip
+    parser.add_argument("--batch", type=int, help="global batch (default: the preset's)")
     args = parser.parse_args()
     for platform in {plan.TARGETS[t].platform for t in args.target}:
         if (why := targets.missing(platform)) is not None:
@@ -43,6 +45,8 @@ def main() -> None:
     rows, summary = [], []
     for name in args.preset:
         model_cfg, train_cfg = presets.get(name), train_presets.get(name)
+        if args.batch:
+            train_cfg = train_cfg.replace(batch_size=args.batch)
         for target_name in args.target:
             target = plan.TARGETS[target_name]
             group = []

@@ -8,19 +8,22 @@ below map each letter to mesh axes, and an axis the mesh lacks is skipped.
 | letter | stored (`lm_partition_specs`) | used (`lm_compute_specs`, after the FSDP gather) |
 |---|---|---|
 | `E` | `expert` | `expert` |
-| `D` | `fsdp` (ZeRO-3) | - |
+| `D` | `fsdp`, then `expert` where the array has no `E` (ZeRO-3) | - |
 | `H`, `Hkv`, `F`, `Fs` | `model` (tensor parallel) | `model` |
 | `V`, `Dh` | - | - |
 
-So parameters and optimizer moments are split over `fsdp` (and experts over `expert`, widths and
-heads over `model`); the forward constrains each layer's weights to the compute layout just
-before the layer uses them, which makes XLA all-gather them over `fsdp` there (inside the layer
-scan, one layer at a time) and reduce-scatter their gradients in the backward. The MoE router
+So parameters and optimizer moments are split over `fsdp`, dense ones also over `expert` (which
+otherwise holds them whole: on one 8-GPU node with `expert=8` that is all of the attention),
+experts over `expert`, widths and heads over `model`; the forward constrains each layer's
+weights to the compute layout just before the layer uses them, which makes XLA all-gather them
+there (inside the layer scan, one layer at a time) and reduce-scatter their gradients in the
+backward. The MoE router
 stays replicated over `expert` (every device routes its own tokens).
 
 Rules for dimensions that must divide: `E` over `expert`, `F`, `Fs`, `H`, `Hkv` over `model`
-(`check_lm_mesh` raises one line per mistake); `D` over `fsdp` is skipped where it does not divide
-(a tiny model on a big mesh keeps its width whole).
+(`check_lm_mesh` raises one line per mistake); an axis is used once per array (an expert weight's
+`D` takes `fsdp` only) and, for `D`, skipped where it does not divide (a tiny model on a big mesh
+keeps its width whole).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from moejax.parallel import mesh as mesh_lib
 
 STORAGE_RULES = {
     "E": (mesh_lib.EXPERT,),
-    "D": (mesh_lib.FSDP,),
+    "D": (mesh_lib.FSDP, mesh_lib.EXPERT),
     "H": (mesh_lib.MODEL,),
     "Hkv": (mesh_lib.MODEL,),
     "F": (mesh_lib.MODEL,),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from moejax.models import LMConfig
 from moejax.training._config import TrainConfig
@@ -92,6 +93,7 @@ class PlanRow:
     xla_flops: float
     model_flops: float
     kernels: dict
+    collectives: dict  # op name -> count in the compiled program (FSDP: all-gather, reduce-scatter)
 
     @property
     def total_bytes(self) -> int:
@@ -164,7 +166,16 @@ def plan_row(
         xla_flops=compiled.cost.get("flops", 0.0),
         model_flops=tokens * flops_per_token(model_cfg, seq_len),
         kernels=compiled.kernels,
+        collectives={op: _count_op(compiled.text, op) for op in _COLLECTIVES},
     )
+
+
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+
+
+def _count_op(hlo_text: str, op: str) -> int:
+    """Instructions of collective `op` (sync `op(` or async `op-start(`) in compiled HLO."""
+    return len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", hlo_text))
 
 
 def default_layouts(model_cfg: LMConfig, target: Target) -> list[Layout]:

@@ -8,9 +8,11 @@
 - `small`: `python experiments/train_lm.py --preset small` (about 1 s per step per 1k tokens on
   2 CPU cores; meant for more cores or an accelerator).
 - `mixtral_8x7b`, `fine_grained_64x1408`: real-size recipes for accelerators: global batch
-  1024 x 4096 tokens, bf16 compute with fp32 master weights and Adam state, full remat,
-  scanned layers, 4 micro-batches (what fits 64 H100s or 64 TPU v5p chips:
-  `python experiments/plan_scale.py`); compiled, never run, in tests.
+  1024 x 4096 tokens, bf16 compute with fp32 master weights and Adam state, matmul outputs kept
+  for the backward (`remat="dots_saveable"`), scanned layers, 2 micro-batches: on an
+  fsdp=8 x expert=8 mesh of 64 H100s or 64 TPU v5p chips this fits with 8-24 GiB to spare
+  (`python experiments/plan_scale.py`, BENCHMARKS.md "Real scale"); compiled, never run, in
+  tests.
 
 >>> get("tiny").steps
 300
@@ -37,9 +39,9 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         warmup_steps=2000,
         weight_decay=0.1,
         checkpoint_every=1000,
-        remat="full",
+        remat="dots_saveable",
         scan_layers=True,
-        microbatches=4,
+        microbatches=2,
     ),
     "fine_grained_64x1408": TrainConfig(
         steps=100_000,
@@ -48,9 +50,9 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         warmup_steps=2000,
         weight_decay=0.1,
         checkpoint_every=1000,
-        remat="full",
+        remat="dots_saveable",
         scan_layers=True,
-        microbatches=4,
+        microbatches=2,
     ),
 }
 

@@ -22,6 +22,8 @@ def test_small_preset_fits_8_h100_with_fsdp_remat_and_scan():
     row = plan.plan_row("small", presets.get("small"), train_presets.get("small"), target, layout)
     assert row.fits and 0 < row.total_bytes < target.hbm_bytes
     assert set(row.kernels) == {"gmm/triton", "gmm_t/triton", "tgmm/triton"}
+    # FSDP: weights all-gathered before use, gradients reduce-scattered back to their shards.
+    assert row.collectives["all-gather"] > 0 and row.collectives["reduce-scatter"] > 0
     assert row.model_flops > 0 and row.mfu_bound == pytest.approx(0.75)  # full remat: 3/4
     line = plan.summary_line([row])
     assert line.startswith("small h100x8 fsdp2xexpert4 mb2 full") and line.endswith(" fits")
