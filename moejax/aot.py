@@ -83,13 +83,18 @@ def platform_of(mesh_) -> str:
 
 
 def kernel_counts(hlo_text: str) -> dict[str, int]:
-    """`"name/backend"` -> count of the Pallas kernels (`KERNEL_NAMES`) in a compiled program
-    (`pallas_kernels.introspect.compiled_kernel_calls`)."""
+    """`"name/backend"` -> count of every Pallas kernel in a compiled program
+    (`pallas_kernels.introspect.compiled_kernel_calls`): the grouped matmuls (`KERNEL_NAMES`)
+    and the attention kernels alike."""
     counts: dict[str, int] = {}
     for call in introspect.compiled_kernel_calls(hlo_text):
-        if call.name in KERNEL_NAMES:
-            counts[str(call)] = counts.get(str(call), 0) + 1
+        counts[str(call)] = counts.get(str(call), 0) + 1
     return counts
+
+
+def grouped_matmuls(counts: dict) -> dict:
+    """The grouped-matmul entries (`KERNEL_NAMES`) of `kernel_counts`."""
+    return {k: v for k, v in counts.items() if k.split("/")[0] in KERNEL_NAMES}
 
 
 def compile_program(
@@ -178,6 +183,7 @@ __all__ = [
     "KERNEL_NAMES",
     "Compiled",
     "compile_program",
+    "grouped_matmuls",
     "kernel_counts",
     "layer_program",
     "mesh",

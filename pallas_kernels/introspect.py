@@ -91,11 +91,22 @@ def traced_kernel_calls(fn, *args, platform: str, **kwargs) -> list[KernelCall]:
 
 
 # A kernel call in compiled HLO: a custom call to Triton or Mosaic whose op_name metadata ends
-# with "<kernel name>/pallas_call".
+# with "<kernel name>/pallas_call". Kernels without a name show their caller's scope there:
+# "jit(flash_attention)", or a scope carrying its parameters ("flash_mha_bwd_dq_block_q=128_...").
 _COMPILED_CALL = re.compile(
     r'custom_call_target="(__gpu\$xla\.gpu\.triton|tpu_custom_call)".*?'
-    r'op_name="[^"]*?/?([A-Za-z_][\w]*)/pallas_call"'
+    r'op_name="(?:[^"]*/)?([^/"]+)/pallas_call"'
 )
+
+
+def _kernel_name(scope: str) -> str:
+    if scope.startswith("jit(") and scope.endswith(")"):
+        scope = scope[4:-1]
+    if "=" in scope:  # a scope named after its parameters: keep the name before them
+        scope = scope.split("=")[0].rsplit("_block", 1)[0]
+    return scope
+
+
 _COMPILED_BACKENDS = {"__gpu$xla.gpu.triton": "triton", "tpu_custom_call": "mosaic"}
 
 
@@ -105,5 +116,5 @@ def compiled_kernel_calls(hlo_text: str) -> list[KernelCall]:
     calls = []
     for line in hlo_text.splitlines():
         if "custom-call(" in line and (m := _COMPILED_CALL.search(line)):
-            calls.append(KernelCall(m.group(2), _COMPILED_BACKENDS[m.group(1)]))
+            calls.append(KernelCall(_kernel_name(m.group(2)), _COMPILED_BACKENDS[m.group(1)]))
     return calls
