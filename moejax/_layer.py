@@ -174,4 +174,7 @@ def make_aux(routing: Routing, config: MoEConfig) -> MoEAux:
         dropped_fraction=dropped_fraction.astype(jnp.float32),
         load_balance_loss=_routing.load_balance_loss(routing, e),
         z_loss=_routing.z_loss(routing.logits),
+        routed_fraction=_routing.expert_counts(routing.expert_index, e).astype(jnp.float32)
+        / routing.expert_index.size,
+        mean_probs=routing.probs.mean(0).astype(jnp.float32),
     )

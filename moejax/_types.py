@@ -56,6 +56,10 @@ class MoEAux:
     #                              expert took / T)
     load_balance_loss: jax.Array  # [] fp32 Switch/GShard form, 1.0 when perfectly balanced
     z_loss: jax.Array  # [] fp32 mean(logsumexp(logits)^2)
+    routed_fraction: jax.Array  # [E] fp32 f_e: fraction of the routed assignments that chose e
+    mean_probs: jax.Array  # [E] fp32 P_e: mean router probability of e over the tokens
+    #                        (load_balance_loss = E * sum(f * P); equal-sized batches combine
+    #                        exactly by averaging f and P)
 
     @property
     def num_dropped(self) -> jax.Array:

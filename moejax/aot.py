@@ -151,9 +151,9 @@ def layer_program(config, mesh_, strategy, *, tokens: int, seq_len: int = 512, d
     return fn, (params, x)
 
 
-def train_step_program(model_cfg, train_cfg, mesh_, *, strategy="auto"):
+def train_step_program(model_cfg, train_cfg, mesh_, *, strategy="auto", batch_split: int = 1):
     """`(fn, args)`: the LM train step (`moejax.training.train_step`, implementation "auto") on
-    an abstract state and batch placed on `mesh_`."""
+    an abstract state and batch placed on `mesh_` (`strategy` and `batch_split` as there)."""
     import functools
 
     from moejax import training
@@ -166,6 +166,7 @@ def train_step_program(model_cfg, train_cfg, mesh_, *, strategy="auto"):
         mesh=mesh_,
         strategy=strategy,
         implementation="auto",
+        batch_split=batch_split,
     )
     state = _placed(
         state_lib.abstract_state(model_cfg, train_cfg),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Literal
@@ -32,6 +33,8 @@ class LMAux:
     z_loss: jax.Array  # [Lm] fp32 router z-loss per layer
     router_entropy: jax.Array  # [Lm] fp32 mean over tokens of the entropy (nats) of
     #                            softmax(router logits)
+    routed_fraction: jax.Array  # [Lm, E] fp32 f: fraction of the assignments to each expert
+    mean_probs: jax.Array  # [Lm, E] fp32 P: mean router probability of each expert
 
 
 def cast_floating(tree, dtype):
@@ -90,6 +93,7 @@ def lm_forward(
     placements=None,
     remat: Remat = "none",
     scan_layers: bool = False,
+    batch_split: int = 1,
 ) -> tuple[jax.Array, LMAux]:
     """Logits of every position of `tokens`, and the MoE layers' routing statistics.
 
@@ -118,6 +122,12 @@ def lm_forward(
         unit (dense blocks then one MoE block), so the traced and compiled program holds one
         unit whatever the depth; the parameters are stacked for the scan in the forward (the
         stored tree stays one dict per layer). Leftover dense blocks run unscanned.
+      batch_split: split each device's rows into this many micro-batches that go through
+        every block side by side, one stage behind the other (`split_block`): while one
+        micro-batch's tokens are in an MoE layer's all-to-all, the other's attention (or dense
+        MLP, or shared experts) can run. Per-token results are those of the whole batch; the
+        statistics are combined exactly (`merge_stats`). The local batch (`B` over the token
+        shards) must divide by it.
 
     Returns:
       `(logits [B, S, V] fp32, LMAux)`.
@@ -134,14 +144,23 @@ def lm_forward(
                 f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
             )
     policy = remat_policy(remat)
+    shards = 1 if mesh is None else _token_shards(mesh)
+    if isinstance(batch_split, bool) or not isinstance(batch_split, int) or batch_split < 1:
+        raise ValueError(f"batch_split={batch_split!r}: must be a positive int")
+    if tokens.shape[0] % (shards * batch_split):
+        raise ValueError(
+            f"batch_split={batch_split}: the batch of {tokens.shape[0]} sequences does not "
+            f"split into {batch_split} micro-batches on each of {shards} token shards"
+        )
     p = cast_floating(params, cfg.dtype)
     compute = None if mesh is None else lm_compute_specs(cfg, mesh)
     constrain = _batch_constraint(mesh)
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
     embed = _gathered(p["embed"], compute and compute["embed"], mesh)
     x = constrain(jnp.take(embed["embedding"], tokens, axis=0))  # [B, S, D]
+    xs = tuple(constrain(m) for m in split_rows(x, batch_split))  # k x [B / k, S, D]
     block = functools.partial(
-        _block,
+        split_block,
         cfg=cfg,
         cos=cos,
         sin=sin,
@@ -154,23 +173,17 @@ def lm_forward(
     )
     tables = list(placements) if placements is not None else [None] * cfg.num_moe_layers
     if scan_layers:
-        x, stats = _scanned_layers(p, x, cfg, compute, tables, block, policy)
+        xs, stats = _scanned_layers(p, xs, cfg, compute, tables, block, policy)
     else:
-        x, stats = _unscanned_layers(p, x, cfg, compute, tables, block, policy)
+        xs, stats = _unscanned_layers(p, xs, cfg, compute, tables, block, policy)
+    x = constrain(merge_rows(xs))
     x = rms_norm(x, p["final_norm"]["scale"], cfg.norm_eps)
     if cfg.tie_embeddings:
         unembed = embed["embedding"].T
     else:
         unembed = _gathered(p["unembed"], compute and compute["unembed"], mesh)["kernel"]
     logits = jnp.einsum("bsd,dv->bsv", x, unembed, preferred_element_type=jnp.float32)
-    aux = LMAux(
-        expert_counts=stats.expert_counts,
-        dropped_fraction=stats.dropped_fraction,
-        load_balance_loss=stats.load_balance_loss,
-        z_loss=stats.z_loss,
-        router_entropy=stats.router_entropy,
-    )
-    return logits, aux
+    return logits, stats
 
 
 def _gathered(tree, specs, mesh):
@@ -187,6 +200,8 @@ def _layer_stats(aux) -> LMAux:
         load_balance_loss=aux.load_balance_loss,
         z_loss=aux.z_loss,
         router_entropy=_router_entropy(aux.router_logits),
+        routed_fraction=aux.routed_fraction,
+        mean_probs=aux.mean_probs,
     )
 
 
@@ -196,23 +211,118 @@ def _attention_implementation(implementation: str) -> str:
     return implementation if implementation in ("auto", "pallas") else "xla"
 
 
-def _block(layer, x, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl):
-    """One pre-norm block: `(x, LMAux of this layer or None, the FFN input)`."""
-    layer = _gathered(layer, compute, mesh)
+def _attention_stage(layer, x, *, cfg, cos, sin, mesh, constrain, attn_impl):
+    """The first half of a pre-norm block: `x + attention(norm(x))`."""
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
         a = attention(layer["attn"], h, cos, sin, mesh=mesh, implementation=attn_impl)
-        x = constrain(x + a)
+        return constrain(x + a)
+
+
+def _ffn_stage(layer, x, table, *, is_moe, cfg, constrain, moe):
+    """The second half: `(x + ffn(norm(x)), MoEAux or None, the FFN input)`."""
     h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
     if is_moe:
         with jax.named_scope("moe"):
             y, aux = moe(layer["moe"], h, placement=table)
-        stats = _layer_stats(aux)
     else:
         with jax.named_scope("mlp"):
-            y = swiglu_mlp(layer["mlp"], h)
-        stats = None
-    return constrain(x + y), stats, h
+            y, aux = swiglu_mlp(layer["mlp"], h), None
+    return constrain(x + y), aux, h
+
+
+def _block(layer, x, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl):
+    """One pre-norm block: `(x, LMAux of this layer or None, the FFN input)`."""
+    layer = _gathered(layer, compute, mesh)
+    x = _attention_stage(
+        layer, x, cfg=cfg, cos=cos, sin=sin, mesh=mesh, constrain=constrain, attn_impl=attn_impl
+    )
+    x, aux, h = _ffn_stage(layer, x, table, is_moe=is_moe, cfg=cfg, constrain=constrain, moe=moe)
+    return x, (None if aux is None else _layer_stats(aux)), h
+
+
+def split_block(
+    layer, xs, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl
+):
+    """One block over micro-batches `xs` (a tuple), staggered stage by stage.
+
+    Micro-batch `j`'s input to each stage (attention, then the MoE or dense FFN) is paired
+    with micro-batch `j - 1`'s output of the same stage in an `optimization_barrier` (the
+    batch-split schedule of MaxText's DeepSeek layers). That is the only ordering added: it
+    keeps XLA's DotMerger from re-merging the micro-batches' matmuls (they share the weights),
+    which would make every micro-batch wait for all of them, and leaves micro-batch `j`'s
+    attention free to run while micro-batch `j - 1`'s tokens are in the MoE layer's
+    all-to-alls (and micro-batch `j`'s MoE while the next block's attention of `j - 1` runs).
+    The barrier is the identity, so is its transpose: the backward is staggered the same way.
+
+    Returns:
+      `(xs, LMAux of this layer (merged over micro-batches) or None, the FFN inputs)`.
+    """
+    layer = _gathered(layer, compute, mesh)
+    attend = functools.partial(
+        _attention_stage,
+        cfg=cfg, cos=cos, sin=sin, mesh=mesh, constrain=constrain, attn_impl=attn_impl,
+    )  # fmt: skip
+    ffn = functools.partial(_ffn_stage, is_moe=is_moe, cfg=cfg, constrain=constrain, moe=moe)
+    mid = _staggered(lambda x: (attend(layer, x), None), xs)
+    outs = _staggered(lambda x: _split_ffn_out(ffn(layer, x, table)), [m for m, _ in mid])
+    ys = tuple(y for y, _ in outs)
+    auxes, hs = zip(*(rest for _, rest in outs), strict=True)
+    stats = None if auxes[0] is None else merge_stats([_layer_stats(a) for a in auxes])
+    return ys, stats, hs
+
+
+def _split_ffn_out(out):
+    y, aux, h = out
+    return y, (aux, h)
+
+
+def _staggered(stage, xs):
+    """`[stage(x) for x in xs]` (each `(array, extra)`), micro-batch j's input fenced on
+    micro-batch j-1's output array."""
+    outs = []
+    for j, x in enumerate(xs):
+        if outs:
+            prev, extra = outs[-1]
+            x, prev = jax.lax.optimization_barrier((x, prev))
+            outs[-1] = (prev, extra)
+        with jax.named_scope(f"micro{j}") if len(xs) > 1 else contextlib.nullcontext():
+            outs.append(stage(x))
+    return outs
+
+
+def split_rows(x: jax.Array, k: int) -> tuple[jax.Array, ...]:
+    """`k` micro-batches of `x [B, ...]`: micro-batch `j` takes rows `j, j + k, j + 2k, ...`,
+    so every device keeps its own rows (the batch is split over the token axes in contiguous
+    blocks whose size `k` divides)."""
+    if k == 1:
+        return (x,)
+    grouped = x.reshape(x.shape[0] // k, k, *x.shape[1:])
+    return tuple(grouped[:, j] for j in range(k))
+
+
+def merge_rows(xs) -> jax.Array:
+    """The inverse of `split_rows`."""
+    if len(xs) == 1:
+        return xs[0]
+    stacked = jnp.stack(xs, axis=1)
+    return stacked.reshape(-1, *stacked.shape[2:])
+
+
+def merge_stats(stats: list[LMAux]) -> LMAux:
+    """One layer's statistics over equal-sized micro-batches, as over their union: counts add,
+    per-token means average, and the load-balance loss is re-formed from the averaged `f` and
+    `P` (it is a product of two means, not a mean)."""
+    if len(stats) == 1:
+        return stats[0]
+    mean = lambda *a: sum(a) / len(a)  # noqa: E731
+    merged = jax.tree.map(mean, *stats)
+    e = stats[0].routed_fraction.shape[-1]
+    return dataclasses.replace(
+        merged,
+        expert_counts=sum(s.expert_counts for s in stats),
+        load_balance_loss=e * jnp.sum(merged.routed_fraction * merged.mean_probs, axis=-1),
+    )
 
 
 def _unscanned_layers(p, x, cfg, compute, tables, block, policy, start=0):
@@ -285,6 +395,12 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
         if cfg.is_moe(i):
             inputs.append(h)
     return inputs
+
+
+def _token_shards(mesh) -> int:
+    from moejax.parallel.mesh import token_shards
+
+    return token_shards(mesh)
 
 
 def _batch_constraint(mesh):

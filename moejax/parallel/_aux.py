@@ -45,4 +45,6 @@ def sharded_aux(routing: Routing, config: MoEConfig, axes: col.MeshAxes) -> MoEA
         dropped_fraction=jnp.asarray(dropped_fraction, jnp.float32),
         load_balance_loss=e * jnp.sum(f * p),
         z_loss=lse2 / tg,
+        routed_fraction=f,
+        mean_probs=p.astype(jnp.float32),
     )

@@ -70,9 +70,8 @@ def moe_apply_sharded(
       implementation: grouped matmul, as in `moejax.moe_apply` (not `"reference"`); `"auto"`
         is decided by the platform the program is compiled for (the mesh's devices), so
         compiling for a GPU or TPU mesh runs the Pallas kernels whatever the host.
-      stagger: staggered pipelining (`moejax.parallel.pipeline`): per-stage optimization
-        barriers for the capacity all-to-all, whole-chunk barriers otherwise (GPU scheduling aid;
-        the math is unchanged).
+      stagger: also stagger the pipeline (the same as `Strategy.stagger=True`, which it
+        overrides only to turn staggering on).
       placement: expert placement (`moejax.parallel.placed.slot_table`). Then `params["experts"]`
         are physical, `[P, ...]` with identical replicas (`placed.to_physical`); each expert's
         rows are split over its replicas. None: the logical `[E, ...]` layout.
@@ -96,7 +95,7 @@ def moe_apply_sharded(
     pspecs = mesh_lib.param_partition_specs(expert_config, mesh)
     xspec = mesh_lib.activation_spec(mesh, x.ndim)
     tspec = P(axes.token or None)
-    aux_spec = MoEAux(tspec, tspec, tspec, tspec, P(), P(), P(), P(), P())
+    aux_spec = MoEAux(tspec, tspec, tspec, tspec, *[P()] * 7)
     body = functools.partial(
         _body,
         config=config,
@@ -104,7 +103,7 @@ def moe_apply_sharded(
         strategy=strategy,
         axes=axes,
         implementation=implementation,
-        stagger=stagger,
+        stagger=stagger or strategy.stagger,
     )
     table_spec = None if placement is None else jax.tree.map(lambda _: P(), placement)
     return jax.shard_map(

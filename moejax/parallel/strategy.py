@@ -1,12 +1,13 @@
 """`Strategy`: how one sharded MoE call moves tokens and weights (never what it computes).
 
 Fields: the parallel mode (`moejax.parallel.modes`), the dispatcher (expert mode only), the
-pipeline degree, and the dropless bucket. Every strategy computes the same function as the
-single-device layer; the autotuner (`moejax.parallel.autotune`) picks the fastest.
+pipeline degree and whether its chunks are staggered, and the dropless bucket. Every strategy
+computes the same function as the single-device layer; the autotuner
+(`moejax.parallel.autotune`) picks the fastest.
 `DISPATCHERS` names the dispatchers, `PIPELINE_DEGREES` the allowed pipeline degrees (`chunks`).
 
 >>> Strategy(mode="expert", dispatcher="dropless", chunks=2, bucket=16)
-Strategy(mode='expert', dispatcher='dropless', chunks=2, bucket=16)
+Strategy(mode='expert', dispatcher='dropless', chunks=2, bucket=16, stagger=False)
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Strategy:
         the other modes.
       chunks: pipeline degree: dispatch, experts and combine run on this many token chunks
         (1, 2, 4 or 8), so one chunk's exchange can overlap another's compute.
+      stagger: staggered pipelining (`moejax.parallel.pipeline`): with `chunks > 1`, chunk
+        i+1's exchange is paired with chunk i's expert output in an optimization barrier so XLA
+        can neither re-merge the chunks' matmuls nor serialize them (a GPU/TPU scheduling aid;
+        the math is unchanged).
       bucket: dropless rows per (source, destination) pair per round, for the whole local batch
         (each chunk gets `ceil(bucket / chunks)`); None = the balanced share `ceil(T K / N)`.
     """
@@ -43,6 +48,7 @@ class Strategy:
     dispatcher: Dispatcher = "dropless"
     chunks: int = 1
     bucket: int | None = None
+    stagger: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -53,6 +59,8 @@ class Strategy:
             )
         if self.chunks not in PIPELINE_DEGREES:
             raise ValueError(f"Strategy.chunks={self.chunks!r}: must be one of {PIPELINE_DEGREES}")
+        if not isinstance(self.stagger, bool):
+            raise ValueError(f"Strategy.stagger={self.stagger!r}: must be a bool")
         if self.bucket is not None and (isinstance(self.bucket, bool) or self.bucket < 1):
             raise ValueError(f"Strategy.bucket={self.bucket!r}: must be a positive int or None")
 

@@ -127,11 +127,14 @@ def train_step(
     mesh=None,
     strategy="auto",
     implementation: str = "auto",
+    batch_split: int = 1,
 ) -> tuple[TrainState, StepMetrics]:
     """One training step (module docstring); pure, to be jitted by `make_train_step`.
 
     `tables`: one `moejax.parallel.SlotTable` per MoE layer when the state's experts are
-    physical slots (`moejax.training.placed`), else `()`.
+    physical slots (`moejax.training.placed`), else `()`. `strategy` (the sharded MoE
+    layers' `Strategy`) and `batch_split` (micro-batches side by side through every block,
+    `moejax.models.lm_forward`) change the schedule, never the math.
     """
     tx = make_optimizer(train_cfg, clip=not tables)
     grad_fn = jax.value_and_grad(lm_loss, has_aux=True)
@@ -142,6 +145,7 @@ def train_step(
         placements=tuple(tables) or None,
         remat=train_cfg.remat,
         scan_layers=train_cfg.scan_layers,
+        batch_split=batch_split,
     )
     if train_cfg.microbatches > 1:
         (total, (ce, aux)), grads = _accumulated(
@@ -195,6 +199,7 @@ def make_train_step(
     *,
     strategy="auto",
     implementation: str = "auto",
+    batch_split: int = 1,
 ):
     """`train_step` jitted: `(state, batch [B, S + 1][, tables]) -> (state, StepMetrics)`.
 
@@ -210,6 +215,7 @@ def make_train_step(
         mesh=mesh,
         strategy=strategy,
         implementation=implementation,
+        batch_split=batch_split,
     )
     if mesh is None:
         return jax.jit(step, donate_argnums=0)
