@@ -25,8 +25,11 @@ from moejax.models._model import REMAT_POLICIES as REMAT_POLICIES
 from moejax.models._model import LMAux as LMAux
 from moejax.models._model import cast_floating as cast_floating
 from moejax.models._model import lm_forward as lm_forward
+from moejax.models._model import merge_rows as merge_rows
+from moejax.models._model import merge_stats as merge_stats
 from moejax.models._model import moe_layer_inputs as moe_layer_inputs
 from moejax.models._model import remat_policy as remat_policy
+from moejax.models._model import split_rows as split_rows
 from moejax.models._params import ParamCounts as ParamCounts
 from moejax.models._params import init_lm_params as init_lm_params
 from moejax.models._params import param_counts as param_counts
@@ -51,6 +54,8 @@ __all__ = [
     "lm_forward",
     "lm_logical_axes",
     "lm_mesh_problems",
+    "merge_rows",
+    "merge_stats",
     "moe_layer_inputs",
     "lm_partition_specs",
     "param_counts",
@@ -58,5 +63,6 @@ __all__ = [
     "remat_policy",
     "rms_norm",
     "rope_tables",
+    "split_rows",
     "swiglu_mlp",
 ]

@@ -37,9 +37,9 @@ def _mesh(name):
     return parallel.make_mesh(*MESHES[name])
 
 
-def _steps(model, train_cfg, mesh, n=STEPS):
+def _steps(model, train_cfg, mesh, n=STEPS, step=None):
     it = BatchIterator(corpus().tokens, train_cfg.batch_size, model.max_seq_len, seed=0)
-    step = make_train_step(model, train_cfg, mesh)
+    step = step or make_train_step(model, train_cfg, mesh)
     state, losses = init_train_state(model, train_cfg, mesh), []
     for _ in range(n):
         state, metrics = step(state, global_batch(it.next(), mesh))
