@@ -47,3 +47,40 @@ def overlap(hlo_text: str, collective: str = "all-to-all") -> list[tuple[str, in
             for k in open_:
                 open_[k] += 1
     return out
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def window_kernels(
+    hlo_text: str, collective: str = "all-to-all"
+) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The GEMMs and Pallas kernels inside each async `<collective>` window of the ENTRY
+    computation, by their `op_name` (the jax scope that made them: `.../micro1/attention/...`,
+    `transpose(jvp(...))/...` for the backward, `.../tgmm/pallas_call` for an expert weight
+    gradient).
+
+    Returns `(start name, [(op_name, result shape) of each GEMM or kernel between the start and
+    its done])` in schedule order; `overlap` counts the XLA GEMMs only.
+    """
+    entry = hlo_text[hlo_text.index("ENTRY") :]
+    open_: dict[str, list[tuple[str, str]]] = {}
+    out = []
+    for line in entry.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name = m.group(1)
+        if name.startswith(f"{collective}-start"):
+            open_[name] = []
+        elif name.startswith(f"{collective}-done"):
+            started = re.search(rf"%({collective}-start[\w.\-]*)", line)
+            if started and started.group(1) in open_:
+                key = started.group(1)
+                out.append((key, open_.pop(key)))
+        elif "gemm" in name or " custom-call(" in line:
+            tag = _OP_NAME.search(line)
+            shape = line[m.end() :].split(" ", 1)[0]
+            for ops in open_.values():
+                ops.append((tag.group(1) if tag else name, shape))
+    return out
