@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.deviceless, needs_cuda, CACHE_WARNING]
 
 BATCH = 256  # 32 sequences of 128 per device
 SYNC = {"xla_gpu_disable_async_collectives": "ALLTOALL"}
-# Exposed all-to-all with batch_split=2 must be at most this fraction of the unsplit step's.
-EXPOSED_RATIO = 0.6
+# Exposed all-to-all with batch_split=2 must be at most this fraction of the unsplit step's
+# (measured with jax 0.10.2: 0.042 / 0.139 ms = 0.301, i.e. 69.9% less; Lancet reports 77%).
+EXPOSED_RATIO = 0.31
 
 
 @functools.cache

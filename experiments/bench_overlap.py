@@ -1,0 +1,73 @@
+"""Exposed all-to-all and modeled step time of the LM train step on a deviceless H100 mesh.
+
+Compiles the train step for 8 (or 64) H100s on this CPU host (`moejax.aot`, needs the CUDA
+plugin wheels: `python -m pallas_kernels.targets --install`) for every combination asked of
+batch split, dispatcher, pipeline chunks and stagger, and replays each compiled schedule on the
+H100 model of `moejax.schedule_model`: compute, all-to-all time, the part of it left exposed,
+and the estimated step. Prints one Markdown row per program (the BENCHMARKS.md table).
+
+    JAX_PLATFORMS=cpu python experiments/bench_overlap.py --preset tiny --batch 256 \\
+        --batch-split 1 2 4 --dispatcher capacity dropless --chunks 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+from moejax import aot, parallel, schedule_model, training
+from moejax.models import presets
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    p.add_argument("--devices", type=int, default=8, help="H100s on the expert axis (default 8)")
+    p.add_argument("--batch", type=int, default=256, help="global batch, sequences (default 256)")
+    p.add_argument("--batch-split", type=int, nargs="+", default=[1, 2], help="default: 1 2")
+    p.add_argument(
+        "--dispatcher", nargs="+", default=["dropless"], help="capacity, dropless, allgather"
+    )
+    p.add_argument("--chunks", type=int, nargs="+", default=[1], help="default: 1")
+    p.add_argument("--stagger", action="store_true", help="stagger the chunks")
+    return p.parse_args(argv)
+
+
+def row(model, args, k, dispatcher, chunks) -> str:
+    if dispatcher == "capacity":
+        model = model.replace(moe=model.moe.replace(dispatch="capacity"))
+    train_cfg = training.TrainConfig(batch_size=args.batch, steps=10, warmup_steps=1)
+    mesh = aot.mesh("cuda", (args.devices,), ("expert",))
+    strategy = parallel.Strategy(
+        dispatcher=dispatcher, chunks=chunks, stagger=args.stagger and chunks > 1
+    )
+    fn, fargs = aot.train_step_program(model, train_cfg, mesh, strategy=strategy, batch_split=k)
+    start = time.perf_counter()
+    compiled = aot.compile_program(fn, fargs, donate_argnums=(0,))
+    est = schedule_model.estimate(compiled.text)
+    a2a, exposed = est.comm("all-to-all"), est.exposed("all-to-all")
+    share = exposed / a2a if a2a else 0.0
+    return (
+        f"| {args.preset} | {args.devices}xH100 | {args.batch} | {k} | {dispatcher} | {chunks}"
+        f"{' staggered' if strategy.stagger else ''} | {est.compute_s * 1e3:.3f} "
+        f"| {a2a * 1e3:.3f} | {exposed * 1e3:.3f} ({share:.0%}) | {est.step_s * 1e3:.3f} "
+        f"| {time.perf_counter() - start:.0f} |"
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = presets.get(args.preset)
+    print(
+        "| preset | mesh | batch | batch split | dispatcher | chunks | compute ms "
+        "| all-to-all ms | exposed ms | step ms | compile s |"
+    )
+    print("|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|")
+    for k, dispatcher, chunks in itertools.product(args.batch_split, args.dispatcher, args.chunks):
+        print(row(model, args, k, dispatcher, chunks), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
