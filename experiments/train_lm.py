@@ -4,12 +4,16 @@ Default: the `tiny` preset, byte-level, on Python's standard-library sources, on
 devices as a data x expert = 2 x 4 mesh; a progress bar while training, then plots, a summary
 table and the paths of everything written under `--out` (default `runs/<preset>`):
 `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `routing_trace.npy`, `loss.png`,
-`expert_load.png`. Rerunning with the same `--out` resumes from the latest checkpoint.
+`expert_load.png`, `tuning_events.jsonl`. The parallel strategy is chosen by timing train steps
+within a budget (`--strategy auto`, `moejax.training.tuning`); the summary says which and why.
+Rerunning with the same `--out` resumes from the latest checkpoint.
 
   python experiments/train_lm.py                                   # tiny, 2x4 mesh
   python experiments/train_lm.py --preset small --steps 500 --mesh 2,4
   python experiments/train_lm.py --data my_text_dir --out runs/mine
   python experiments/train_lm.py --mesh fsdp=2,expert=2,model=2 --remat full --scan
+  python experiments/train_lm.py --tune-budget inf             # time every candidate strategy
+  python experiments/train_lm.py --strategy dropless,chunks=2,stagger,batch_split=2   # pinned
   # two processes x 4 simulated devices = one 8-device mesh:
   python experiments/train_lm.py --num-processes 2 --process-id 0 --coordinator 127.0.0.1:1234 &
   python experiments/train_lm.py --num-processes 2 --process-id 1 --coordinator 127.0.0.1:1234
@@ -52,7 +56,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--scan", action="store_true", help="scan the layers (compile once per unit)")
     p.add_argument("--microbatches", type=int, help="gradient-accumulation micro-batches")
-    p.add_argument("--dispatcher", default="auto", help="auto, dropless, allgather, capacity")
+    p.add_argument(
+        "--strategy",
+        default="auto",
+        help="auto: chosen by timing train steps (moejax.training.tuning: at the start and when "
+        "the routing load moves the dropless bucket, within --tune-budget); default: the "
+        "layer's default for the whole run; or pinned, e.g. data, allgather, "
+        "dropless,chunks=2,stagger,batch_split=2",
+    )
+    p.add_argument(
+        "--tune-budget",
+        type=float,
+        default=0.1,
+        help="with --strategy auto: fraction of the projected run time tuning may cost "
+        "(compiles, slower candidates' steps); inf: no limit, 0: keep the default",
+    )
+    p.add_argument(
+        "--tune-candidates",
+        help="with --strategy auto: ';'-separated candidates in priority order (default: "
+        "dropless;data;allgather on CPU, plus chunks=2,stagger and batch_split=2 on GPU/TPU)",
+    )
+    p.add_argument("--tune-steps", type=int, default=3, help="timed steps per candidate")
+    p.add_argument(
+        "--dispatcher",
+        default="auto",
+        help="pin the dispatcher (dropless, allgather, capacity): --strategy <dispatcher>",
+    )
     p.add_argument("--implementation", default="auto", help="grouped matmul: auto, blocked, ...")
     p.add_argument("--data", nargs="+", help="text files/dirs or .npy token files")
     p.add_argument("--max-bytes", type=int, help="cap on corpus tokens")
@@ -185,10 +214,7 @@ def _setup(args):
         )
     _, axes = _mesh_spec(args.mesh, args.mesh_axes)
     mesh = parallel.make_mesh(shape, axes)
-    if args.dispatcher == "auto":
-        strategy = "auto"
-    else:
-        strategy = parallel.Strategy(dispatcher=args.dispatcher)
+    strategy = _strategy(args, model_cfg, train_cfg, mesh)
     if args.data:
         corpus = data.load_corpus(
             args.data, vocab_size=model_cfg.vocab_size, max_bytes=args.max_bytes
@@ -199,6 +225,28 @@ def _setup(args):
         g = model_cfg.moe.num_experts // max(1, dict(mesh.shape).get("expert", 1))
         train_cfg = train_cfg.replace(expert_slots_per_device=g + max(1, g // 2))
     return model_cfg, train_cfg, mesh, strategy, corpus
+
+
+def _strategy(args, model_cfg, train_cfg, mesh):
+    """What `train(strategy=)` gets from --strategy, --tune-* and --dispatcher."""
+    from moejax.training import tuning
+
+    if args.dispatcher != "auto":
+        if args.strategy != "auto":
+            raise InputError("--dispatcher pins a strategy, so does --strategy: give one")
+        args.strategy = args.dispatcher
+    if args.strategy == "default":
+        return "auto"
+    if args.strategy == "auto":
+        candidates = args.tune_candidates and tuning.parse_candidates(args.tune_candidates)
+        return tuning.TuningConfig(
+            candidates=candidates or None, budget=args.tune_budget, repeats=args.tune_steps
+        )
+    candidate = tuning.parse_candidate(args.strategy)
+    problems = tuning.candidate_problems(candidate, model_cfg, train_cfg, mesh)
+    if problems:
+        raise InputError(f"--strategy={args.strategy}: {'; '.join(problems)}")
+    return candidate
 
 
 def _controller(args, model_cfg, train_cfg, mesh):
@@ -250,6 +298,8 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
     if primary and not args.no_outputs:
         print(report.summary_table(result))
         events = ", placement_events.jsonl" if args.placement else ""
+        if result.tuning and result.tuning["kind"] != "fixed":
+            events += ", tuning_events.jsonl"
         if result.placement and result.placement["replacements"]:
             events += ", placement_forecast.png"
         print(

@@ -5,12 +5,14 @@ corpus, a foreign or corrupt checkpoint directory) are `ValueError` subclasses w
 messages that name the problem; `experiments/train_lm.py` prints them and exits 2.
 
 Dynamic expert placement (`TrainConfig.expert_slots_per_device`, `train(controller=...)`,
-`train_lm.py --placement`): `moejax.training.placed`.
+`train_lm.py --placement`): `moejax.training.placed`. The parallel strategy chosen by timing
+train steps (`train(strategy="tune")`, `train_lm.py --strategy auto`): `moejax.training.tuning`.
 """
 
 from moejax.data import DataError as DataError
 from moejax.training import placed as placed
 from moejax.training import presets as presets
+from moejax.training import tuning as tuning
 from moejax.training._config import TrainConfig as TrainConfig
 from moejax.training.checkpoint import Checkpointer as Checkpointer
 from moejax.training.checkpoint import CheckpointError as CheckpointError
@@ -59,4 +61,5 @@ __all__ = [
     "state_shardings",
     "train",
     "train_step",
+    "tuning",
 ]

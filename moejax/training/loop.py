@@ -27,7 +27,7 @@ import numpy as np
 from moejax.data import BatchIterator, Corpus, DataError
 from moejax.models import LMConfig, lm_mesh_problems
 from moejax.placement import Placement, save_trace
-from moejax.training import placed, report
+from moejax.training import placed, report, tuning
 from moejax.training._config import TrainConfig
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import MetricsWriter, flops_per_token, step_record
@@ -39,7 +39,7 @@ from moejax.training.state import (
     init_train_state,
     state_shardings,
 )
-from moejax.training.step import make_eval_step, make_train_step
+from moejax.training.step import make_eval_step
 
 
 @dataclasses.dataclass
@@ -63,6 +63,7 @@ class RunResult:
     state: TrainState | None = dataclasses.field(repr=False, default=None)  # the final state
     placement: dict | None = None  # PlacementRuntime.summary: re-placements and their overhead
     placements: tuple = ()  # the final `Placement` of every MoE layer (the state's layout)
+    tuning: dict | None = None  # tuning.StepRunner.summary: the strategy chosen and why
 
 
 class SetupError(ValueError):
@@ -182,7 +183,13 @@ def train(
       corpus: the tokenized corpus (its tail `train_cfg.eval_fraction` is held out).
       run_dir: the run directory; an existing checkpoint there is resumed.
       mesh: a `moejax.parallel` mesh, or None for one device.
-      strategy, implementation: the sharded MoE strategy and grouped-matmul implementation.
+      strategy: how the step runs on the mesh: `"auto"` (the layer's default `Strategy`) or a
+        `moejax.parallel.Strategy` or a `tuning.Candidate` (a strategy and a batch split) for
+        the whole run; or chosen by measurement: `"tune"`, a `tuning.TuningConfig` or a
+        `tuning.StrategyTuner` (`moejax.training.tuning`: timed rounds at the start and when
+        the routing load moves the dropless bucket, within a time budget; decisions go to
+        `tuning_events.jsonl` and `RunResult.tuning`). On one device tuning is skipped.
+      implementation: the grouped-matmul implementation.
       stop_at: stop after this step (default `train_cfg.steps`); the schedule still spans
         `train_cfg.steps`.
       progress: show a tqdm progress bar.
@@ -255,9 +262,10 @@ def train(
 
     os.makedirs(run_dir, exist_ok=True)
     writer = MetricsWriter(run_dir, keep_up_to=start, tensorboard=tensorboard) if primary else None
-    step_fn = make_train_step(
-        model_cfg, train_cfg, mesh, strategy=strategy, implementation=implementation
+    steps = tuning.StepRunner(
+        strategy, model_cfg, train_cfg, mesh, implementation, run_dir if primary else None
     )
+    steps.begin(start, stop)
     tokens_per_step = train_cfg.batch_size * seq_len
     flops_per_step = flops_per_token(model_cfg, seq_len) * tokens_per_step
     last_saved = latest
@@ -300,6 +308,7 @@ def train(
         t_prev = now
         if writer is not None:
             writer.write(rec)
+        steps.observe(rec)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics.loss:.3f}", tok_s=f"{rec['tokens_per_s'] or 0:,.0f}")
         return metrics
@@ -308,7 +317,8 @@ def train(
         for step in range(start, stop):
             batch = global_batch(iterator.next(), mesh)
             layout = placing.placements  # what this step runs on
-            state, metrics = step_fn(state, batch, *placing.step_args)  # dispatched, not awaited
+            # Dispatched, not awaited (unless the tuner times this step).
+            state, metrics = steps(step + 1, state, batch, *placing.step_args)
             if pending is not None:
                 fetched = record(*pending)
                 # Counts of step `pending`, one step late; a re-placement applies to the state
@@ -332,7 +342,15 @@ def train(
     bar.close()
 
     eval_loss = _evaluate(
-        state, placing, eval_tokens, model_cfg, train_cfg, seq_len, mesh, strategy, implementation
+        state,
+        placing,
+        eval_tokens,
+        model_cfg,
+        train_cfg,
+        seq_len,
+        mesh,
+        steps.strategy,
+        implementation,
     )
     records = writer.records if writer is not None else []
     if writer is not None:
@@ -353,6 +371,7 @@ def train(
     result.state = state
     result.placement = placing.summary(result.wall_s, records)
     result.placements = placing.placements
+    result.tuning = steps.summary()
     if primary and outputs and records:
         write_outputs(run_dir, result, events=placing.events)
     return result

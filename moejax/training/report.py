@@ -210,6 +210,7 @@ def summary_rows(result) -> list[tuple[str, str]]:
         ("device-load imbalance (mean)", _fmt(result.mean_imbalance, "{:.3f}")),
         ("dropped fraction (mean)", _fmt(result.mean_dropped, "{:.4f}")),
         ("wall time", f"{result.wall_s:.1f} s"),
+        *_tuning_rows(getattr(result, "tuning", None)),
         *_placement_rows(getattr(result, "placement", None)),
         ("run directory", result.run_dir),
     ]
@@ -229,6 +230,44 @@ def summary_table(result) -> str:
 
 def _fmt(value, pattern: str) -> str:
     return "n/a" if value is None or not math.isfinite(value) else pattern.format(value)
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s"
+
+
+def _tuning_rows(summary: dict | None) -> list[tuple[str, str]]:
+    """The strategy the run ended on, why, and what tuning cost (`tuning.StepRunner.summary`)."""
+    if not summary:
+        return []
+    if summary["kind"] == "fixed":
+        return [("parallel strategy", f"{summary['chosen']} ({summary['reason']})")]
+    times = summary.get("times") or {}
+    compared = ", ".join(f"{label} {_seconds(t)}" for label, t in times.items())
+    how = {
+        "measured": f"fastest median step of {len(times)} timed",
+        "cost": f"lowest cost of {len(times)}",
+        "followed": "followed the routing load",
+        "skipped": "kept, not re-timed",
+        "probe": "the default, the only candidate",
+    }[summary["kind"]]
+    budget = summary.get("budget_s")
+    budget = "n/a" if budget is None else "no limit" if math.isinf(budget) else _seconds(budget)
+    rows = [
+        ("parallel strategy", f"{summary['chosen']} ({how})"),
+        ("strategy decision", summary["reason"]),
+    ]
+    if compared:
+        rows.append(("step times compared (median)", compared))
+    rows.append(
+        (
+            "strategy tuning",
+            f"{summary['decisions']} decisions, {summary['rounds']} timed rounds; cost "
+            f"{_seconds(summary['spent_s'])} of a "
+            f"{budget} budget (tuning_events.jsonl)",
+        )
+    )
+    return rows
 
 
 def _placement_rows(summary: dict | None) -> list[tuple[str, str]]:
