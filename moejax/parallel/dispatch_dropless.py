@@ -2,22 +2,53 @@
 
 Every device sorts its `A = T * K` kept assignments by expert (so by destination device) and sends
 them in rounds: round `r` carries, to each of the `N` expert-axis devices, the destination's rows
-`[r * B, (r + 1) * B)`, in a padded `[N * B, D]` all-to-all buffer (`B` = `bucket`, a static
-number of rows per (source, destination) pair). The receiver runs its `G` experts on the `N * B`
-rows of the round and a second all-to-all returns the outputs in the same slots. The number of
+`[r * B, (r + 1) * B)` into an `[N * B, D]` receive buffer (`B` = `bucket`, a static number of
+rows per (source, destination) pair; block `s` holds source `s`'s rows). The receiver runs its `G`
+experts on the `N * B` rows of the round and a second exchange returns the outputs. The number of
 rounds is `max over (source, destination) of ceil(count / B)`, agreed by a `pmax` over the whole
-mesh and run by a `lax.while_loop`; with a bucket chosen from the previous step's routing (see
-`choose_bucket`), one round is the steady state and skewed steps take extra rounds, so even all
-tokens on one expert are delivered. Memory per round is `O(N * B * D)` whatever the routing.
+mesh; with a bucket chosen from the previous step's routing (see `choose_bucket`), one round is
+the steady state and skewed steps take extra rounds, so even all tokens on one expert are
+delivered. Memory per round is `O(N * B * D)` whatever the routing.
 
-Reverse-mode differentiation of `while_loop` is unsupported, so the exchange is a `custom_vjp`
-whose backward runs the same rounds: it re-sends the round's rows and output gradients, takes the
-VJP of the local experts on the receiver, and returns row gradients through the reverse
-all-to-all (recomputing the forward per round: activation memory stays per round too).
+**Round 0 is straight-line code; rounds 1.. run in a loop.** A `lax.while_loop` is opaque to
+XLA's scheduler: nothing outside it can run inside its all-to-all windows, and it runs its rounds
+one after the other (a deviceless 8 x H100 compile of the layer put no GEMM inside any exchange
+window, at any chunk count, when every round was in the loop). So round 0, the only round of the
+steady state, is ordinary differentiable code (its exchanges, the expert FFN, and their
+transposes in the backward), which the scheduler can overlap with other work: another chunk's
+expert GEMMs under staged pipelining (`DroplessStages` with `moejax.parallel.pipeline.staged`),
+another micro-batch's attention. Only the rows past the first `B` of a pair go through the loop
+(`_leftover`), which runs zero iterations in the steady state; each call keeps its own loop.
 
-On CPU the exchange is a padded `all_to_all` (`ragged_all_to_all` does not compile on XLA:CPU).
-On GPU/TPU `jax.lax.ragged_all_to_all` could send exactly `count` rows per pair in one round;
-that branch is not written (it could not be tested here).
+Reverse-mode differentiation of `while_loop` is unsupported, so the leftover rounds are a
+`custom_vjp` whose backward runs the same rounds: it re-sends the round's rows and output
+gradients, takes the VJP of the local experts on the receiver, and returns row gradients through
+the reverse exchange (recomputing the forward per round: activation memory stays per round too).
+Round 0 keeps its FFN activations for autodiff like any layer: one round's worth.
+
+**The sizes are exchanged first.** One tiny all-to-all of `N * (G + 1)` ints per call tells
+every receiver how many rows each source sends to each of its local experts (so it can tell the
+received rows' local experts itself, in every round) and where the source keeps them (for the
+return).
+
+**The exchange by compile target** (`jax.lax.platform_dependent`, decided at lowering: a
+deviceless compile for an H100 or TPU mesh on a CPU host keeps the accelerator branch):
+- GPU, TPU: `jax.lax.ragged_all_to_all` sends exactly `min(count - r * B, B)` rows per pair,
+  straight from the sorted rows into block `source * B` of the receive buffer (the offset in the
+  receiver's buffer is given by the sender: `source * B`), and returns the outputs straight into
+  their sorted positions at the sender: no padding on the wire, no gather. XLA:GPU makes it
+  async (`ragged-all-to-all-start`/`-done`); the XLA:TPU of libtpu 0.0.42.1 compiles it
+  synchronous, even with `--xla_tpu_enable_async_all_to_all` (which makes the sizes'
+  `all-to-all` async).
+- CPU (XLA:CPU cannot compile `ragged-all-to-all`): the padded `all_to_all` of the `[N * B, D]`
+  buffer, gathered from the sorted rows, and its reverse, scattered back.
+Both branches produce the same buffers (empty slots are zeros). Send and return are linear and
+each other's transpose, so each is a `custom_vjp` whose backward is the other: autodiff's own
+transpose of the `platform_dependent` would stay a `conditional` in XLA:GPU's backward (opaque
+to the scheduler, like a loop), and jax's ragged transpose would exchange offsets both sides
+already know. The CPU tests run the padded branch, and the ragged one through an emulation of
+`ragged_all_to_all` (`tests/parallel/test_dropless_ragged.py`); the deviceless tests compile the
+ragged one for H100 and TPU.
 """
 
 from __future__ import annotations
@@ -32,19 +63,25 @@ import jax.numpy as jnp
 from moejax._config import MoEConfig
 from moejax._permute import dispatch, make_layout
 from moejax._types import Routing
+from moejax._vma import match_vma
 from moejax.parallel import _collectives as col
 from moejax.parallel._local import combine_varying, regrouped_ffn
 
+# Lowering platforms that compile `ragged-all-to-all` (XLA:CPU does not).
+_RAGGED_PLATFORMS = ("cuda", "rocm", "tpu")
+
 
 class RoundPlan(NamedTuple):
-    """Where the sender's expert-sorted rows go (`A` rows, `N` destinations)."""
+    """Where the sender's expert-sorted rows go (`A` rows, `N` destinations), and what the
+    receiver gets from each of the `N` sources (`G` local experts)."""
 
     dest_start: jax.Array  # [N] int32 first sorted row for each destination device
     dest_count: jax.Array  # [N] int32 rows for each destination device
     row_dest: jax.Array  # [A] int32 destination of each sorted row
-    row_local: jax.Array  # [A] int32 local expert (on the destination) of each sorted row
     total: jax.Array  # [] int32 kept rows (rows past it are unused)
     rounds: jax.Array  # [] int32 rounds, the same on every device
+    recv_counts: jax.Array  # [N, G] int32 rows each source sends to each local expert
+    recv_start: jax.Array  # [N] int32 where each source keeps its rows for this device
 
 
 def default_bucket(tokens: int, top_k: int, n: int) -> int:
@@ -90,40 +127,97 @@ def dropless_all_to_all(
     Returns:
       `[T, D]` routed output (a partial sum over `model` when F is sliced).
     """
-    e, n = config.num_experts, axes.n
-    g = e // n
-    with jax.named_scope("dispatch"):
-        layout = make_layout(routing, e, 1)  # A rows sorted by expert
-        rows = dispatch(x, layout)  # [A, D]
-        counts = layout.group_sizes
-        dest_count = counts.reshape(n, g).sum(1).astype(jnp.int32)
-        dest_start = (jnp.cumsum(dest_count) - dest_count).astype(jnp.int32)
-        rounds = jnp.max((dest_count + bucket - 1) // bucket).astype(jnp.int32)
-        plan = RoundPlan(
-            dest_start=dest_start,
-            dest_count=dest_count,
-            row_dest=layout.group_of_row // g,
-            row_local=layout.group_of_row % g,
-            total=jnp.sum(counts).astype(jnp.int32),
-            rounds=col.pmax(rounds, axes.all),
-        )
-    ffn = functools.partial(_ffn, config=config, implementation=implementation)
-    out = _exchange(ffn, bucket, axes.expert, rows, plan, experts)
-    with jax.named_scope("combine"):
-        return combine_varying(out, routing.weight, layout)
+    stages = DroplessStages(experts, config, implementation, axes, bucket)
+    sent = stages.dispatch(x, routing)
+    return stages.combine(stages.experts(sent), sent)
+
+
+class DroplessStages:
+    """The bounded dropless all-to-all as three stages, separable for staged pipelining
+    (`moejax.parallel.pipeline.staged`): `dispatch` plans the rounds and sends round 0,
+    `experts` runs round 0's rows, `combine` returns them, runs the leftover rounds (none in
+    the steady state) and forms the weighted sum per token."""
+
+    def __init__(self, experts, config, implementation, axes, bucket):
+        self.experts_params, self.config, self.implementation = experts, config, implementation
+        self.axes, self.bucket = axes, bucket
+        self._ffn = functools.partial(_ffn, config=config, implementation=implementation)
+
+    def dispatch(self, x: jax.Array, routing: Routing) -> dict:
+        """Sort, plan, exchange the sizes and send round 0. Returns the received rows
+        `[N * B, D]`, their local expert ids, and what `combine` needs."""
+        e, n, b = self.config.num_experts, self.axes.n, self.bucket
+        g = e // n
+        with jax.named_scope("dispatch"):
+            layout = make_layout(routing, e, 1)  # A rows sorted by expert
+            rows = dispatch(x, layout)  # [A, D]
+            plan = _plan(layout, n, g, b, self.axes)
+            recv = _send(rows, plan, 0, b, self.axes.expert)
+        return {
+            "recv": recv,
+            "local": _recv_local(plan, 0, b, g),
+            "rows": rows,
+            "plan": plan,
+            "layout": layout,
+            "weight": routing.weight,
+        }
+
+    def experts(self, sent: dict) -> jax.Array:
+        """The `G` local experts on round 0's received rows."""
+        with jax.named_scope("experts"):
+            return self._ffn(sent["recv"], sent["local"], self.experts_params)
+
+    def combine(self, out: jax.Array, sent: dict) -> jax.Array:
+        """Return round 0's outputs, run the leftover rounds, weighted sum per token."""
+        axis, b, rows, plan = self.axes.expert, self.bucket, sent["rows"], sent["plan"]
+        with jax.named_scope("combine"):
+            first = _return(out, plan, 0, b, axis, rows)
+        rest = _leftover(self._ffn, b, axis, rows, plan, self.experts_params)
+        with jax.named_scope("combine"):
+            return combine_varying(first + rest, sent["weight"], sent["layout"])
 
 
 def _ffn(rows, local_expert, experts, *, config, implementation):
     return regrouped_ffn(rows, local_expert, experts, config, implementation)
 
 
-def _round_slots(plan: RoundPlan, r, bucket: int, num_local: int, num_rows: int):
-    """Sorted row feeding each of the `N * B` send slots of round `r`, and its local expert."""
+def _plan(layout, n: int, g: int, bucket: int, axes: col.MeshAxes) -> RoundPlan:
+    """The rounds of one call, with the sizes exchanged (one all-to-all of `N * (G + 1)` ints)."""
+    counts = layout.group_sizes.astype(jnp.int32)  # [E] rows per expert, E = N * G
+    dest_count = counts.reshape(n, g).sum(1)
+    dest_start = jnp.cumsum(dest_count) - dest_count
+    rounds = jnp.max((dest_count + bucket - 1) // bucket).astype(jnp.int32)
+    sizes = jnp.concatenate([counts.reshape(n, g), dest_start[:, None]], axis=1)  # [N, G + 1]
+    recv = col.all_to_all(sizes.reshape(-1), axes.expert).reshape(n, g + 1)  # row s: source s
+    return RoundPlan(
+        dest_start=dest_start,
+        dest_count=dest_count,
+        row_dest=(layout.group_of_row // g).astype(jnp.int32),
+        total=jnp.sum(counts),
+        rounds=col.pmax(rounds, axes.all),
+        recv_counts=recv[:, :g],
+        recv_start=recv[:, g],
+    )
+
+
+def _round_sizes(count, r, bucket: int):
+    """Rows of round `r` out of `count` rows of a pair: `clip(count - r * B, 0, B)`."""
+    return jnp.clip(count - r * bucket, 0, bucket).astype(jnp.int32)
+
+
+def _recv_local(plan: RoundPlan, r, bucket: int, num_local: int):
+    """Local expert of each of the `N * B` received slots of round `r` (`G`: empty slot)."""
+    ends = jnp.cumsum(plan.recv_counts, axis=1)  # [N, G] end of each local expert's run
+    pos = r * bucket + jnp.arange(bucket, dtype=jnp.int32)  # [B] position in the source's run
+    local = jnp.sum(ends[:, None, :] <= pos[None, :, None], axis=2)  # [N, B] in 0..G
+    return local.reshape(-1).astype(jnp.int32)
+
+
+def _send_slots(plan: RoundPlan, r, bucket: int, num_rows: int):
+    """Sorted row feeding each of the `N * B` send slots of round `r` (`num_rows`: empty)."""
     pos = r * bucket + jnp.arange(bucket, dtype=jnp.int32)  # [B]
     valid = pos[None, :] < plan.dest_count[:, None]  # [N, B]
-    idx = jnp.where(valid, plan.dest_start[:, None] + pos[None, :], num_rows).reshape(-1)
-    local = jnp.take(plan.row_local, idx, mode="fill", fill_value=num_local)
-    return idx, jnp.where(valid.reshape(-1), local, num_local)
+    return jnp.where(valid, plan.dest_start[:, None] + pos[None, :], num_rows).reshape(-1)
 
 
 def _row_slots(plan: RoundPlan, bucket: int, num_rows: int):
@@ -135,64 +229,164 @@ def _row_slots(plan: RoundPlan, bucket: int, num_rows: int):
     return rnd, d * bucket + pos % bucket
 
 
+def _send(rows, plan: RoundPlan, r, bucket: int, axis):
+    """Round `r` of the sorted rows `[A, D]` -> the receive buffer `[N * B, D]` (block `s`:
+    source `s`'s rows, zeros past them). Ragged on GPU/TPU, padded elsewhere."""
+    return _send_vjp(bucket, axis, rows, plan, jnp.int32(r))
+
+
+def _return(y, plan: RoundPlan, r, bucket: int, axis, rows):
+    """Round `r`'s outputs `[N * B, D]` back to their senders: `[A, D]`, each of this device's
+    round-`r` rows in its sorted position, zeros elsewhere (`rows`: for the shape)."""
+    return _return_vjp(bucket, axis, rows.shape[0], y, plan, jnp.int32(r))
+
+
+# `_send` and `_return` are linear and each other's transpose: each one's VJP is the other (see
+# the module docstring).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _send_vjp(bucket, axis, rows, plan, r):
+    kw = dict(bucket=bucket, axis=axis)
+    return _by_target(_send_padded, _send_ragged, kw, axis, rows, plan, r)
+
+
+def _send_fwd(bucket, axis, rows, plan, r):
+    return _send_vjp(bucket, axis, rows, plan, r), (plan, r, _witness(rows))
+
+
+def _send_bwd(bucket, axis, res, ct):
+    plan, r, rows = res
+    d_rows = _return_vjp(bucket, axis, plan.row_dest.shape[0], ct, plan, r)
+    return _as(d_rows, rows), None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _return_vjp(bucket, axis, num_rows, y, plan, r):
+    kw = dict(bucket=bucket, axis=axis, num_rows=num_rows)
+    return _by_target(_return_padded, _return_ragged, kw, axis, y, plan, r)
+
+
+def _return_fwd(bucket, axis, num_rows, y, plan, r):
+    return _return_vjp(bucket, axis, num_rows, y, plan, r), (plan, r, _witness(y))
+
+
+def _return_bwd(bucket, axis, num_rows, res, ct):
+    plan, r, y = res
+    return _as(_send_vjp(bucket, axis, ct, plan, r), y), None, None
+
+
+_send_vjp.defvjp(_send_fwd, _send_bwd)
+_return_vjp.defvjp(_return_fwd, _return_bwd)
+
+
+def _witness(x):
+    """A scalar with `x`'s dtype and varying axes (a residual that keeps only `x`'s type)."""
+    return col.vary_like(jnp.zeros((), x.dtype), col.vma(x))
+
+
+def _as(ct, witness):
+    """`ct` typed like the primal `witness` stands for (dtype, varying axes)."""
+    return match_vma(ct.astype(witness.dtype), witness)
+
+
+def _by_target(padded, ragged, kw, axis, x, plan, r):
+    """`ragged` when compiled for GPU or TPU, `padded` elsewhere (decided at lowering), typed
+    alike: both vary over the inputs' axes and the expert axis."""
+    if axis is None:  # one device on the expert axis: nothing to exchange
+        return padded(x, plan, r, **kw)
+    target = col.vma(x, plan) | {axis}
+
+    def run(fn):
+        return lambda *a: col.vary_like(fn(*a, **kw), target)
+
+    ragged = run(ragged)
+    return jax.lax.platform_dependent(
+        x, plan, r, **dict.fromkeys(_RAGGED_PLATFORMS, ragged), default=run(padded)
+    )
+
+
+def _send_padded(rows, plan, r, *, bucket, axis):
+    idx = _send_slots(plan, r, bucket, rows.shape[0])
+    return col.all_to_all(_take(rows, idx), axis)
+
+
+def _send_ragged(rows, plan, r, *, bucket, axis):
+    n = plan.dest_count.shape[0]
+    sizes = _round_sizes(plan.dest_count, r, bucket)  # to each destination
+    starts = jnp.where(sizes > 0, plan.dest_start + r * bucket, 0)
+    at = jnp.full((n,), jax.lax.axis_index(axis) * bucket, jnp.int32)  # block `me` there
+    recv_sizes = _round_sizes(plan.recv_counts.sum(1), r, bucket)  # from each source
+    out = col.vary_like(jnp.zeros((n * bucket, rows.shape[1]), rows.dtype), col.vma(rows))
+    return jax.lax.ragged_all_to_all(rows, out, starts, sizes, at, recv_sizes, axis_name=axis)
+
+
+def _return_padded(y, plan, r, *, bucket, axis, num_rows):
+    rnd, slot = _row_slots(plan, bucket, num_rows)
+    back = col.all_to_all(y, axis)
+    return jnp.where((rnd == r)[:, None], _take(back, slot), 0)
+
+
+def _return_ragged(y, plan, r, *, bucket, axis, num_rows):
+    n = plan.dest_count.shape[0]
+    sizes = _round_sizes(plan.recv_counts.sum(1), r, bucket)  # back to each source
+    starts = jnp.arange(n, dtype=jnp.int32) * bucket  # source s's block
+    at = jnp.where(sizes > 0, plan.recv_start + r * bucket, 0)  # its sorted position there
+    recv_sizes = _round_sizes(plan.dest_count, r, bucket)  # from each destination
+    out = col.vary_like(jnp.zeros((num_rows, y.shape[1]), y.dtype), col.vma(y))
+    return jax.lax.ragged_all_to_all(y, out, starts, sizes, at, recv_sizes, axis_name=axis)
+
+
 def _take(x, idx):
     return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
 
 
-def _num_local(experts) -> int:
-    return jax.tree.leaves(experts)[0].shape[0]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _exchange(ffn, bucket, axis, rows, plan, experts):
-    """`rows [A, D]` (expert-sorted) -> each row's expert output `[A, D]`, in rounds."""
-    return _exchange_fwd(ffn, bucket, axis, rows, plan, experts)[0]
+def _leftover(ffn, bucket, axis, rows, plan, experts):
+    """`rows [A, D]` (expert-sorted) -> the expert output of each row past round 0 (zeros on
+    round 0's rows and unused rows), `[A, D]`, in rounds `1 .. plan.rounds - 1`."""
+    return _leftover_fwd(ffn, bucket, axis, rows, plan, experts)[0]
 
 
-def _exchange_fwd(ffn, bucket, axis, rows, plan, experts):
-    a, g = rows.shape[0], _num_local(experts)
-    rnd, slot = _row_slots(plan, bucket, a)
+def _leftover_fwd(ffn, bucket, axis, rows, plan, experts):
+    g = _num_local(experts)
 
     def body(carry):
         r, out = carry
-        idx, local = _round_slots(plan, r, bucket, g, a)
         with jax.named_scope("dispatch"):
-            recv = col.all_to_all(_take(rows, idx), axis)
-            recv_local = col.all_to_all(local, axis)
+            recv = _send(rows, plan, r, bucket, axis)
         with jax.named_scope("experts"):
-            y = ffn(recv, recv_local, experts)
+            y = ffn(recv, _recv_local(plan, r, bucket, g), experts)
         with jax.named_scope("combine"):
-            back = col.all_to_all(y, axis)
-        return r + 1, jnp.where((rnd == r)[:, None], _take(back, slot), out)
+            return r + 1, out + _return(y, plan, r, bucket, axis, rows)
 
     init = col.vary_like(jnp.zeros_like(rows), col.vma(rows, experts))
-    _, out = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (jnp.int32(0), init))
+    _, out = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (jnp.int32(1), init))
     return out, (rows, plan, experts)
 
 
-def _exchange_bwd(ffn, bucket, axis, res, d_out):
+def _leftover_bwd(ffn, bucket, axis, res, d_out):
     rows, plan, experts = res
-    a, g = rows.shape[0], _num_local(experts)
-    rnd, slot = _row_slots(plan, bucket, a)
+    g = _num_local(experts)
 
     def body(carry):
         r, d_rows, d_experts = carry
-        idx, local = _round_slots(plan, r, bucket, g, a)
-        recv = col.all_to_all(_take(rows, idx), axis)
-        recv_local = col.all_to_all(local, axis)
-        d_y = col.all_to_all(_take(d_out, idx), axis)
-        _, vjp = jax.vjp(lambda x, w: ffn(x, recv_local, w), recv, experts)
+        recv = _send(rows, plan, r, bucket, axis)
+        d_y = _send(d_out, plan, r, bucket, axis)
+        local = _recv_local(plan, r, bucket, g)
+        _, vjp = jax.vjp(lambda x, w: ffn(x, local, w), recv, experts)
         d_recv, d_w = vjp(d_y)
-        d_back = col.all_to_all(d_recv, axis)
-        d_rows = jnp.where((rnd == r)[:, None], _take(d_back, slot), d_rows)
+        d_rows = d_rows + _return(d_recv, plan, r, bucket, axis, rows)
         return r + 1, d_rows, jax.tree.map(jnp.add, d_experts, d_w)
 
-    init = (jnp.int32(0), jnp.zeros_like(rows), jax.tree.map(jnp.zeros_like, experts))
+    init = (jnp.int32(1), jnp.zeros_like(rows), jax.tree.map(jnp.zeros_like, experts))
     _, d_rows, d_experts = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, init)
     return d_rows, None, d_experts
 
 
-_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+_leftover.defvjp(_leftover_fwd, _leftover_bwd)
+
+
+def _num_local(experts) -> int:
+    return jax.tree.leaves(experts)[0].shape[0]
 
 
 def max_pair_count(topk_indices, kept, token_shards: int, n: int, num_experts: int) -> int:

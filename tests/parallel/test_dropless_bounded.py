@@ -1,5 +1,6 @@
 """Bounded dropless all-to-all under adversarial routing: nothing dropped, exact, and every
-all-to-all in the compiled program is at most `N * bucket` rows (never the worst case)."""
+all-to-all in the compiled program is at most `N * bucket` rows (never the worst case); on CPU
+the exchange is the padded all-to-all (no ragged op reaches XLA:CPU)."""
 
 import re
 
@@ -17,12 +18,23 @@ def _adversarial(kind):
     params, x = make_params(DROPLESS), jnp.abs(inputs())
     if kind == "all_on_one":  # every token's first choice is expert 0, second choice expert 1
         return force_routing(params, 0), x
+    if kind == "one_per_expert":
+        # 4 tokens (one per device of e4m2), token i one-hot on feature i, sent to the two experts
+        # PAIRS[i] on two other devices: every expert gets exactly one row.
+        kernel = jnp.zeros_like(params["router"]["kernel"])
+        for i, (a, b) in enumerate(PAIRS):
+            kernel = kernel.at[i, a].set(30.0).at[i, b].set(20.0)
+        x = jnp.eye(4, x.shape[-1], dtype=x.dtype)[:, None, :]  # [4, 1, D]
+        return {**params, "router": {**params["router"], "kernel": kernel}}, x
     # "one_empty_per_device": odd experts get strongly negative logits, so with G = 2 experts
     # per device (N = 4) each device has one expert with no rows at all.
     kernel = params["router"]["kernel"]
     odd = jnp.arange(kernel.shape[1]) % 2 == 1
     kernel = jnp.where(odd[None, :], -30.0, kernel)
     return {**params, "router": {**params["router"], "kernel": kernel}}, x
+
+
+PAIRS = ((2, 5), (4, 7), (6, 1), (0, 3))  # token i -> experts; expert e on device e // 2
 
 
 def _all_to_all_rows(compiled_text):
@@ -37,30 +49,47 @@ def _all_to_all_rows(compiled_text):
 
 
 @pytest.mark.parametrize(
-    ("kind", "mesh_name", "bucket"),
-    [("all_on_one", "e8", 2), ("all_on_one", "d2e2m2", 3), ("one_empty_per_device", "e4m2", 2)],
+    ("kind", "mesh_name", "bucket", "chunks", "stagger"),
+    [
+        ("all_on_one", "e8", 2, 1, False),
+        ("all_on_one", "d2e2m2", 3, 1, False),
+        ("one_empty_per_device", "e4m2", 2, 1, False),
+        ("all_on_one", "e8", 4, 2, True),
+        ("all_on_one", "d2e4", 4, 4, True),
+        ("one_empty_per_device", "e4m2", 4, 4, True),
+        ("one_per_expert", "e4m2", 1, 1, False),
+        ("one_per_expert", "e4m2", 1, 1, True),
+    ],
 )
-def test_adversarial_routing_exact_and_bounded(kind, mesh_name, bucket):
+def test_adversarial_routing_exact_and_bounded(kind, mesh_name, bucket, chunks, stagger):
     params, x = _adversarial(kind)
     (_, (y0, aux0)), g0 = single_device(DROPLESS, "ragged_dot")(params, x)
     counts = np.asarray(aux0.expert_counts)
     if kind == "all_on_one":
         assert counts[0] == x.shape[0] * x.shape[1]  # really all tokens on expert 0
+    elif kind == "one_per_expert":
+        assert (counts == 1).all()
     else:
         assert (counts[1::2] == 0).all()
-    fn = sharded(DROPLESS, mesh_name, Strategy(dispatcher="dropless", bucket=bucket), "ragged_dot")
+    strategy = Strategy(dispatcher="dropless", bucket=bucket, chunks=chunks, stagger=stagger)
+    fn = sharded(DROPLESS, mesh_name, strategy, "ragged_dot")
     (_, (y, aux)), g = fn(params, x)
     assert int(aux.num_dropped) == 0
     np.testing.assert_array_equal(aux.kept_counts, aux.expert_counts)
     assert_close(y, y0)
     assert_close(aux, aux0)
     assert_close(g, g0)
-    # Buffer bound: every exchanged buffer holds N * bucket rows, whatever the routing.
+    # Buffer bound: every exchanged buffer holds N * (bucket per chunk) rows, whatever the routing.
     n = mesh(mesh_name).shape["expert"]
-    rows = _all_to_all_rows(fn.lower(params, x).compile().as_text())
-    assert rows and max(rows) == n * bucket, rows
-    worst_case = 64 // parallel.mesh.token_shards(mesh(mesh_name)) * 2 * n  # N * T_local * K
-    assert n * bucket < worst_case / 2
+    chunk_bucket = -(-bucket // chunks)
+    text = fn.lower(params, x).compile().as_text()
+    rows = _all_to_all_rows(text)
+    assert rows and max(rows) == n * chunk_bucket, rows
+    tokens = x.shape[0] * x.shape[1] // parallel.mesh.token_shards(mesh(mesh_name)) // chunks
+    if kind != "one_per_expert":
+        assert n * chunk_bucket < tokens * 2 * n / 2  # worst case: N * T_chunk * K
+    # XLA:CPU cannot compile ragged-all-to-all: only the padded exchange reaches it.
+    assert "ragged-all-to-all" not in text and "ragged_all_to_all" not in text
 
 
 def test_rounds_needed_under_skew():
