@@ -38,7 +38,11 @@ from moejax.parallel._aux import sharded_aux
 from moejax.parallel._local import local_moe
 from moejax.parallel.dispatch_allgather import allgather_reduce_scatter
 from moejax.parallel.dispatch_capacity import CapacityStages, capacity_all_to_all, slot_bound
-from moejax.parallel.dispatch_dropless import default_bucket, dropless_all_to_all
+from moejax.parallel.dispatch_dropless import (
+    DroplessStages,
+    default_bucket,
+    dropless_all_to_all,
+)
 from moejax.parallel.modes import experts_view
 from moejax.parallel.pipeline import chunk_slices, pipelined, staged
 from moejax.parallel.placed import SlotTable, assign_slots
@@ -174,6 +178,10 @@ def _body(params, x, placement, *, config, expert_config, strategy, axes, implem
         slots = slot_bound(config, chunk_tokens, xt.shape[0] // seqs, seqs)
         stages = CapacityStages(experts, config, implementation, axes, slots)
         y = staged(stages, xt, routing, strategy.chunks)
+    elif stagger and strategy.mode == "expert" and strategy.dispatcher == "dropless":
+        bucket = _bucket(strategy, chunk_tokens, routing.expert_index.shape[1], axes)
+        stages = DroplessStages(experts, config, implementation, axes, bucket)
+        y = staged(stages, xt, routing, strategy.chunks)
     else:
         y = pipelined(routed, xt, routing, strategy.chunks, stagger=stagger)
     if config.shared_width:
@@ -203,9 +211,12 @@ def _routed(xc, rc, *, experts, config, strategy, axes, implementation, sizes):
     if strategy.dispatcher == "capacity":
         slots = slot_bound(config, chunk_tokens, seq_len, seqs)
         return capacity_all_to_all(xc, rc, experts, config, implementation, axes, slots)
-    k = rc.expert_index.shape[1]
-    if strategy.bucket is None:
-        bucket = default_bucket(chunk_tokens, k, axes.n)
-    else:
-        bucket = -(-strategy.bucket // strategy.chunks)
+    bucket = _bucket(strategy, chunk_tokens, rc.expert_index.shape[1], axes)
     return dropless_all_to_all(xc, rc, experts, config, implementation, axes, bucket)
+
+
+def _bucket(strategy, chunk_tokens, k, axes):
+    """Dropless rows per (source, destination) pair and round, for one chunk."""
+    if strategy.bucket is None:
+        return default_bucket(chunk_tokens, k, axes.n)
+    return -(-strategy.bucket // strategy.chunks)

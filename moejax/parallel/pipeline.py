@@ -12,7 +12,9 @@ Two schedules:
 - `staged`: the stages (dispatch, experts, combine) are separate, and chunk i+1's received rows
   are paired with chunk i's expert output in an optimization barrier (MaxText's batch-split
   schedule): the matmuls stay apart and chunk i+1's exchange is free to run during chunk i's
-  experts. Used for the dispatchers that expose stages (capacity all-to-all).
+  experts. Used for the dispatchers that expose stages: the capacity all-to-all
+  (`CapacityStages`) and the bounded dropless one (`DroplessStages`: its round 0, the steady
+  state's only round; leftover rounds of skewed steps run in the chunk's `combine`, in a loop).
 """
 
 from __future__ import annotations

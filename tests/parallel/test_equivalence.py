@@ -91,11 +91,18 @@ def test_shared_experts_and_blocked(mesh_name, strategy):
 
 @pytest.mark.parametrize(
     ("cfg", "strategy"),
-    [(CAPACITY, Strategy(dispatcher="capacity", chunks=4)), (DROPLESS, Strategy(chunks=2))],
-    ids=["capacity_staged", "dropless_barrier"],
+    [
+        (CAPACITY, Strategy(dispatcher="capacity", chunks=4)),
+        (DROPLESS, Strategy(chunks=1)),
+        (DROPLESS, Strategy(chunks=2)),
+        (DROPLESS, Strategy(chunks=4)),
+        # 2 local tokens per chunk, 1 row per pair and round: several leftover rounds per chunk.
+        (DROPLESS, Strategy(chunks=4, bucket=4)),
+    ],
+    ids=["capacity_staged", "dropless_1", "dropless_2", "dropless_4", "dropless_4_rounds"],
 )
 def test_staggered_pipelines_match_single_device(cfg, strategy):
-    """Optimization barriers (staged or whole-chunk) change the schedule only."""
+    """Staged pipelines (optimization barriers between chunks' stages) change the schedule only."""
     _check(cfg, "d2e4", strategy, "ragged_dot", stagger=True)
 
 

@@ -1,0 +1,98 @@
+"""The dropless dispatcher compiled for 8 x H100 and a TPU v5e slice on this CPU machine.
+
+Needs the compiler wheels (`python -m pallas_kernels.targets --install`); skips otherwise. On
+GPU and TPU the exchange is `ragged-all-to-all` (the compile target picks it; XLA:CPU, which
+the other tests run on, gets the padded all-to-all). Round 0 is straight-line code, so with
+staged pipelining XLA:GPU puts one chunk's expert GEMMs inside the next chunk's exchange
+windows; before round 0 was peeled out of the rounds' `while_loop`, no GEMM sat in any window.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import moejax
+from moejax import aot, parallel
+from moejax.parallel import gpu_hlo
+from pallas_kernels import targets
+
+pytestmark = [
+    pytest.mark.deviceless,
+    # A deviceless executable cannot be loaded back from the persistent compilation cache the
+    # training tests enable in this worker; jax warns and compiles anyway.
+    pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry"),
+]
+needs_cuda = pytest.mark.skipif(
+    targets.missing("cuda") is not None, reason=str(targets.missing("cuda"))
+)
+needs_tpu = pytest.mark.skipif(
+    targets.missing("tpu") is not None, reason=str(targets.missing("tpu"))
+)
+
+CONFIG = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2)
+
+
+@functools.cache
+def _compiled(platform: str, chunks: int, stagger: bool, grad: bool) -> str:
+    """Compiled text of the layer (forward, or forward and backward) on 8 devices of `platform`,
+    64 sequences of 256 tokens, bounded dropless."""
+    mesh = aot.mesh(platform, (8,), ("expert",))
+    strategy = parallel.Strategy(dispatcher="dropless", chunks=chunks, stagger=stagger)
+
+    def forward(p, x):
+        y, _ = parallel.moe_apply_sharded(
+            p, x, CONFIG, mesh, strategy=strategy, implementation="ragged_dot"
+        )
+        return y
+
+    def step(p, x):
+        return jax.grad(lambda p, x: jnp.sum(forward(p, x) ** 2), argnums=(0, 1))(p, x)
+
+    _, (params, x) = aot.layer_program(CONFIG, mesh, strategy, tokens=64 * 256, seq_len=256)
+    x = jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding)
+    return aot.compile_program(step if grad else forward, (params, x)).text
+
+
+def _windows(text: str) -> list[int]:
+    """GEMMs inside each async exchange window (ragged rows and the sizes' all-to-all)."""
+    pairs = gpu_hlo.overlap(text, "ragged-all-to-all") + gpu_hlo.overlap(text, "all-to-all")
+    return [n for _, n in pairs]
+
+
+@needs_cuda
+def test_h100_exchanges_rows_with_ragged_all_to_all():
+    text = _compiled("cuda", 1, False, True)
+    ragged = gpu_hlo.overlap(text, "ragged-all-to-all")
+    # Round 0 in the ENTRY computation, async: send and return in the forward, their
+    # transposes (return and send) in the backward.
+    assert len(ragged) == 4, ragged
+    # The only all-to-all is the sizes' exchange (ints); rows never travel padded.
+    starts = [line for line in text.splitlines() if " all-to-all-start(" in line]
+    assert starts and all(
+        not re.search(r"(f32|bf16)\[", s.split("all-to-all-start(")[0]) for s in starts
+    )
+    # The leftover rounds (none in the steady state) stay in their loops, forward and backward.
+    assert text.count(" while(") == 2
+
+
+@needs_cuda
+def test_h100_staged_dropless_puts_gemms_inside_exchange_windows():
+    staged = _windows(_compiled("cuda", 4, True, False))
+    plain = _windows(_compiled("cuda", 4, False, False))
+    assert len(staged) == len(plain) == 12  # 4 chunks x (sizes, rows, return)
+    # Staged: chunk i's expert GEMMs run inside chunk i+1's exchange windows.
+    assert sum(staged) >= 3, staged
+    # Negative control: the unstaggered split gets no forward GEMM inside any window.
+    assert sum(plain) == 0, plain
+
+
+@needs_tpu
+def test_tpu_compiles_ragged_all_to_all():
+    text = _compiled("tpu", 1, False, False)
+    ragged = re.compile(r" ragged-all-to-all(?:-start)?\(")
+    # Round 0's send and return in the ENTRY computation, the same two in the leftover loop.
+    assert len(ragged.findall(text[text.index("ENTRY") :])) == 2
+    assert len(ragged.findall(text)) == 4
