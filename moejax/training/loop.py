@@ -222,6 +222,12 @@ def train(
     iterator = BatchIterator(train_tokens, train_cfg.batch_size, seq_len, seed=train_cfg.seed)
     stop = min(stop_at or train_cfg.steps, train_cfg.steps)
     primary = jax.process_index() == 0
+    try:  # writes nothing yet
+        steps = tuning.StepRunner(
+            strategy, model_cfg, train_cfg, mesh, implementation, run_dir if primary else None
+        )
+    except ValueError as err:  # no candidate strategy fits the run
+        raise SetupError(str(err)) from None
 
     ckpt = Checkpointer(
         os.path.join(run_dir, "checkpoints"),
@@ -262,9 +268,6 @@ def train(
 
     os.makedirs(run_dir, exist_ok=True)
     writer = MetricsWriter(run_dir, keep_up_to=start, tensorboard=tensorboard) if primary else None
-    steps = tuning.StepRunner(
-        strategy, model_cfg, train_cfg, mesh, implementation, run_dir if primary else None
-    )
     steps.begin(start, stop)
     tokens_per_step = train_cfg.batch_size * seq_len
     flops_per_step = flops_per_token(model_cfg, seq_len) * tokens_per_step

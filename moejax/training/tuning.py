@@ -404,7 +404,7 @@ class StrategyTuner:
         self.current = self.at(self.space[0], self.key)
         self.spent_s, self.budget_s = 0.0, None
         self._steps = 0  # steps of this run (for the budget)
-        self._last_step = 0
+        self._last_step = self._stop = 0
         self._queue: list[Candidate] = []
         self._round: _Round | None = None
         self._choice: dict[int, Candidate] = {}
@@ -419,7 +419,7 @@ class StrategyTuner:
     def begin(self, start: int, stop: int, history: Sequence[Decision] = ()) -> None:
         """Start at step `start` (steps done) of a run that stops at `stop`; `history`: the
         decisions of the run this one resumes (it continues on the last one's choice)."""
-        self._steps, self._last_step = stop - start, start
+        self._steps, self._last_step, self._stop = stop - start, start, stop
         self.decisions = list(history)
         if history:
             last = history[-1]
@@ -529,7 +529,12 @@ class StrategyTuner:
             if skipped
             else "no other candidate"
         )
-        if len(chosen) > 1:
+        steps = sum(self._runs_needed(c, key) for c in chosen)
+        if len(chosen) > 1 and steps >= self._stop - self._last_step:
+            if key not in self._skipped_keys:  # the winner would never run
+                self._skipped_keys.add(key)
+                self._log("skipped", f"{reason}; a round of {steps} steps does not fit", key)
+        elif len(chosen) > 1:
             self._start_round(key, chosen, reason, kind="measured", skipped=tuple(skipped))
         elif chosen:  # one affordable candidate: nothing to compare, take it
             c = chosen[0]
@@ -546,11 +551,14 @@ class StrategyTuner:
         self._round = _Round(self._last_step + 1, key, list(candidates), reason, kind, skipped)
         self._queue = []
         for c in candidates:
-            runs = int(c not in self._compiled)
-            runs += max(0, self.config.repeats - len(self._samples.get((c, key), ())))
-            self._queue += [c] * runs
+            self._queue += [c] * self._runs_needed(c, key)
         if not self._queue:
             self._finish_round()
+
+    def _runs_needed(self, candidate: Candidate, key: int) -> int:
+        """Steps a round runs `candidate` for: one that compiles it, then the timed ones."""
+        runs = int(candidate not in self._compiled)
+        return runs + max(0, self.config.repeats - len(self._samples.get((candidate, key), ())))
 
     def _finish_round(self):
         rnd, self._round = self._round, None

@@ -1,6 +1,7 @@
 """experiments/train_lm.py on bad input: one line on stderr, exit code 2, nothing written."""
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -29,6 +30,14 @@ def _run(capsys, tmp_path, *args):
         (["--mesh", "2,x"], "--mesh='2,x': need comma-separated ints"),
         (["--mesh", "4,4"], "needs 16 devices, 8 are available"),
         (["--steps", "-3"], "TrainConfig.steps=-3: must be a positive int"),
+        (["--strategy", "dropless,chunk=2"], "strategy 'dropless,chunk=2': cannot read 'chunk=2'"),
+        (
+            ["--strategy", "dropless,batch_split=2"],
+            "--strategy=dropless,batch_split=2: batch_split=2 does not divide the 1 sequences",
+        ),
+        (["--strategy", "data", "--dispatcher", "allgather"], "--dispatcher pins a strategy"),
+        (["--tune-budget", "-1"], "TuningConfig.budget=-1.0: must be >= 0"),
+        (["--tune-candidates", "capacity"], "no candidate strategy fits the run: capacity: the"),
     ],
 )
 def test_bad_flags_are_one_line_errors(capsys, tmp_path, args, message):
@@ -80,6 +89,25 @@ def test_placement_with_measured_hardware(capsys, tmp_path):
     assert (out / "placement_events.jsonl").exists()
     assert "expert re-placements" in printed.out and "placement overhead" in printed.out
     assert "placement cost model" in printed.out and "measured: " in printed.out
+    # --strategy auto, the default: 8 steps cannot pay for a compile, so it keeps the default
+    # and says so (tuning within the budget: tests/training/test_tuning.py).
+    assert "parallel strategy                     | dropless (kept, not re-timed)" in printed.out
+    assert "kept dropless: a compile is estimated at" in printed.out
+    assert (out / "tuning_events.jsonl").exists()
+
+
+def test_strategy_auto_times_the_candidates_and_keeps_the_fastest(capsys, tmp_path):
+    out = tmp_path / "run"
+    args = ["--preset", "micro", "--out", str(out), "--no-progress", "--steps", "12"]
+    tune = ["--tune-budget", "inf", "--tune-candidates", "allgather;data", "--tune-steps", "2"]
+    code = train_lm.main([*args, *tune, "--eval-batches", "0"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    events = [json.loads(line) for line in (out / "tuning_events.jsonl").open()]
+    assert [e["kind"] for e in events] == ["probe", "measured"]
+    times = events[1]["times"]  # the real clock: whichever was faster here wins
+    assert set(times) == {"allgather", "data"} and events[1]["chosen"] == min(times, key=times.get)
+    assert "parallel strategy" in printed.out and "fastest median step of 2 timed" in printed.out
 
 
 def test_a_layout_that_does_not_fit_gets_one_line_per_mistake(capsys, tmp_path):
