@@ -1,6 +1,13 @@
 """Autotuner: per layer shape and routing-load bucket, time compiled candidate strategies once,
 cache the fastest, and reuse it (and its compiled executable) on every later call.
 
+A candidate is timed on what training runs: forward and backward (`objective="fwd+bwd"`, the
+gradient of `sum(y)` with respect to the parameters and the tokens), one untimed run that
+compiles it, then `repeats` timed runs; the median counts (one slow outlier on a shared machine
+does not decide, nor one lucky run). Only the winner's forward is compiled for the calls. A whole
+training step, with the rest of the model and the batch split, is tuned by
+`moejax.training.tuning`.
+
 The key is `(x shape, x dtype, bucket)`, where `bucket` is the dropless all-to-all bucket the host
 chose from the previous step's routing (`choose_bucket`); a new bucket means new candidate
 programs (the bucket is a static buffer size), so the tuner re-decides then and only then. In
@@ -22,10 +29,12 @@ True
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from moejax._config import MoEConfig
 from moejax.parallel.layer import moe_apply_sharded
@@ -52,8 +61,11 @@ class Autotuner:
         not fit a shape (chunks not dividing the local tokens, tensor mode with F/M not divisible
         by N) are skipped.
       implementation: grouped matmul implementation.
-      repeats: timed runs per candidate (the minimum is used) after one warm-up run.
-      timer: a clock (seconds), replaceable in tests.
+      repeats: timed runs per candidate (the median is used) after one warm-up run.
+      timer: a clock (seconds), replaceable in tests; `timing` is the strategy being timed
+        while it runs (None otherwise), for a test clock to read.
+      objective: what is timed: `"fwd+bwd"` (forward and backward, as in training) or
+        `"fwd"`.
     """
 
     def __init__(
@@ -65,13 +77,19 @@ class Autotuner:
         implementation: str = "auto",
         repeats: int = 3,
         timer: Callable[[], float] = time.perf_counter,
+        objective: str = "fwd+bwd",
     ):
+        if objective not in ("fwd+bwd", "fwd"):
+            raise ValueError(f"objective={objective!r}: must be 'fwd+bwd' or 'fwd'")
         self.config, self.mesh = config, mesh
         self.candidates = tuple(candidates or default_candidates(config))
         self.implementation, self.repeats, self.timer = implementation, repeats, timer
+        self.objective = objective
         self.timings: dict[tuple, dict[Strategy, float]] = {}
+        self.timing: Strategy | None = None
         self._choice: dict[tuple, Strategy] = {}
         self._fns: dict[Strategy, Callable] = {}
+        self._timed_fns: dict[Strategy, Callable] = {}
 
     def fn(self, strategy: Strategy) -> Callable:
         """The jitted `(params, x) -> (y, aux)` of one strategy (one per strategy, reused)."""
@@ -86,6 +104,23 @@ class Autotuner:
                 )
             )
         return self._fns[strategy]
+
+    def timed_fn(self, strategy: Strategy) -> Callable:
+        """The jitted function timed for `strategy`: `fn` itself with `objective="fwd"`, else
+        `(params, x) -> gradients of sum(y)` with respect to both (one per strategy, reused)."""
+        if self.objective == "fwd":
+            return self.fn(strategy)
+        if strategy not in self._timed_fns:
+            forward = functools.partial(
+                moe_apply_sharded,
+                config=self.config,
+                mesh=self.mesh,
+                strategy=strategy,
+                implementation=self.implementation,
+            )
+            loss = lambda params, x: forward(params, x)[0].astype(jnp.float32).sum()  # noqa: E731
+            self._timed_fns[strategy] = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        return self._timed_fns[strategy]
 
     def choice(self, shape, dtype, bucket) -> Strategy | None:
         """The cached strategy for a key, or None if not tuned yet."""
@@ -113,14 +148,16 @@ class Autotuner:
                 cand = cand.replace(bucket=bucket)
             if not self._fits(cand, x):
                 continue
-            f = self.fn(cand)
+            f = self.timed_fn(cand)
             jax.block_until_ready(f(params, x))  # compile + warm up
-            best = float("inf")
+            samples = []
+            self.timing = cand
             for _ in range(self.repeats):
                 start = self.timer()
                 jax.block_until_ready(f(params, x))
-                best = min(best, self.timer() - start)
-            timings[cand] = best
+                samples.append(self.timer() - start)
+            self.timing = None
+            timings[cand] = statistics.median(samples)
         if not timings:
             raise ValueError(f"x.shape={x.shape}: no candidate strategy fits")
         self.timings[key] = timings
