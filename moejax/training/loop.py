@@ -224,7 +224,7 @@ def train(
     primary = jax.process_index() == 0
     try:  # writes nothing yet
         steps = tuning.StepRunner(
-            strategy, model_cfg, train_cfg, mesh, implementation, run_dir if primary else None
+            strategy, model_cfg, train_cfg, mesh, implementation, run_dir, write=primary
         )
     except ValueError as err:  # no candidate strategy fits the run
         raise SetupError(str(err)) from None

@@ -416,12 +416,15 @@ class StrategyTuner:
 
     # -- the loop's side ------------------------------------------------------------------
 
-    def begin(self, start: int, stop: int, history: Sequence[Decision] = ()) -> None:
+    def begin(
+        self, start: int, stop: int, history: Sequence[Decision] = (), *, resume_choice=True
+    ) -> None:
         """Start at step `start` (steps done) of a run that stops at `stop`; `history`: the
-        decisions of the run this one resumes (it continues on the last one's choice)."""
+        decisions of the run this one resumes, kept in `decisions`; with `resume_choice` it
+        continues on the last one's choice."""
         self._steps, self._last_step, self._stop = stop - start, start, stop
         self.decisions = list(history)
-        if history:
+        if history and resume_choice:
             last = history[-1]
             chosen = parse_candidate(last.chosen)
             if chosen.unbucketed() in self.space:
@@ -501,8 +504,9 @@ class StrategyTuner:
     def redecide(self, key: int, reason: str) -> None:
         """Choose for bucket `key`: a cached choice, or a round within the budget."""
         if key in self._choice and self._choice[key] in self._compiled:
-            self.key, self.current = key, self._choice[key]
-            self._log("followed", f"{reason}; decided before", key, ())
+            if (key, self._choice[key]) != (self.key, self.current):  # else nothing changes
+                self.key, self.current = key, self._choice[key]
+                self._log("followed", f"{reason}; decided before", key, ())
             return
         ordered = sorted(self.space, key=lambda c: c != self.current.unbucketed())
         candidates = list(dict.fromkeys(self.at(c, key) for c in ordered))
@@ -653,10 +657,18 @@ class StepRunner:
     only: one device has nothing to choose and runs the default): asks the tuner per step, keeps
     one jitted step per candidate here (so `make_train_step`'s small cache never forces a
     recompile), and times the steps the tuner asks for (waits for the previous step, runs,
-    waits for the outputs). New decisions are appended to `<run_dir>/tuning_events.jsonl`.
+    waits for the outputs). New decisions are appended to `<run_dir>/tuning_events.jsonl`
+    (with `write`: process 0). A resumed single-process run continues on the strategy its log
+    last chose; with several processes each starts from the default (they must agree, and
+    only process 0 may see the log).
+
+    Raises:
+      ValueError: a pinned `Candidate` or a candidate space that does not fit the run.
     """
 
-    def __init__(self, strategy, model_cfg, train_cfg, mesh, implementation, run_dir=None):
+    def __init__(
+        self, strategy, model_cfg, train_cfg, mesh, implementation, run_dir=None, *, write=True
+    ):
         self.model_cfg, self.train_cfg, self.mesh = model_cfg, train_cfg, mesh
         self.implementation = implementation
         self.tuner: StrategyTuner | None = None
@@ -670,12 +682,15 @@ class StepRunner:
         if isinstance(strategy, StrategyTuner):
             self.tuner, self.fixed = strategy, None
         elif isinstance(strategy, Candidate):
+            problems = candidate_problems(strategy, model_cfg, train_cfg, mesh)
+            if problems:
+                raise ValueError(f"strategy {strategy.label}: {'; '.join(problems)}")
             self.fixed = (strategy.strategy, strategy.batch_split)
         else:  # "auto" or a Strategy, exactly as before tuning existed
             self.fixed = (strategy, 1)
         self._fns: dict = {}
         self._path = None if run_dir is None else os.path.join(run_dir, EVENTS_FILE)
-        self._written = 0
+        self._write, self._written = write, 0
 
     @property
     def strategy(self):
@@ -686,11 +701,13 @@ class StepRunner:
         """Before the first step; resumes the decision log of an earlier run up to `start`."""
         if self.tuner is None:
             return
-        history = read_decisions(self._path, up_to_step=start) if self._path else []
-        if self._path:
+        import jax
+
+        history = read_decisions(self._path, up_to_step=start)
+        if self._path and self._write:
             with open(self._path, "w") as f:
                 f.writelines(json.dumps(d.to_json()) + "\n" for d in history)
-        self.tuner.begin(start, stop, history)
+        self.tuner.begin(start, stop, history, resume_choice=jax.process_count() == 1)
         self._written = len(history)
         self._flush()
 
@@ -743,7 +760,7 @@ class StepRunner:
 
     def _flush(self):
         new = self.tuner.decisions[self._written :]
-        if new and self._path:
+        if new and self._path and self._write:
             with open(self._path, "a") as f:
                 f.writelines(json.dumps(d.to_json()) + "\n" for d in new)
         self._written = len(self.tuner.decisions)

@@ -173,22 +173,23 @@ def test_wanted_bucket_grows_with_imbalance_up_to_the_cap():
     assert tuning.wanted_bucket(1.0, 4096, 2, 4, margin=0) == 2048
 
 
-def test_train_tunes_records_its_decisions_and_compiles_each_program_once(tmp_path):
-    cfg = TRAIN.replace(steps=16, eval_batches=1, checkpoint_every=0)
-    step_s = {"allgather": 0.2, "data": 0.1}
-    clock = CandidateClock(step_s)
+def _tuned_run(run_dir, cfg, stop_at):
+    clock = CandidateClock({"allgather": 0.2, "data": 0.1})
     config = TuningConfig((ALLGATHER, DATA), repeats=2, budget=math.inf, redecide=False)
     tuner = tuning.tuner_for_run(MODEL, cfg, mesh(), config, clock=clock)
     clock.tuner = tuner
-    result = train(
-        MODEL, cfg, corpus(), run_dir=str(tmp_path), mesh=mesh(), strategy=tuner, progress=False
-    )
-    assert result.step == 16 and result.final_loss is not None
+    kw = dict(mesh=mesh(), strategy=tuner, stop_at=stop_at, progress=False)
+    return train(MODEL, cfg, corpus(), run_dir=str(run_dir), **kw)
+
+
+def test_train_tunes_records_its_decisions_compiles_each_program_once_and_resumes(tmp_path):
+    cfg = TRAIN.replace(steps=16, eval_batches=1, checkpoint_every=0)
+    result = _tuned_run(tmp_path, cfg, stop_at=12)
+    assert result.step == 12 and result.final_loss is not None
     assert result.tuning["chosen"] == "data" and result.tuning["kind"] == "measured"
     assert list(result.tuning["times"])[0] == "data"
     # Each step function compiled exactly one executable; one per distinct program run.
-    assert set(result.tuning["compiled"].values()) == {1}
-    assert set(result.tuning["compiled"]) == {"allgather", "data"}
+    assert result.tuning["compiled"] == {"allgather": 1, "data": 1}
     events = [json.loads(line) for line in (tmp_path / "tuning_events.jsonl").open()]
     assert [e["kind"] for e in events] == ["probe", "measured"]
     assert events[1]["chosen"] == "data" and events[1]["times"] == {"data": 0.1, "allgather": 0.2}
@@ -198,6 +199,13 @@ def test_train_tunes_records_its_decisions_and_compiles_each_program_once(tmp_pa
     rows = dict(report.summary_rows(result))
     assert rows["parallel strategy"] == "data (fastest median step of 2 timed)"
     assert rows["step times compared (median)"] == "data 0.1 s, allgather 0.2 s"
+
+    # Resumed: it continues on data (the probe times it; the bucket was decided for) and the
+    # log keeps the first run's decisions.
+    resumed = _tuned_run(tmp_path, cfg, stop_at=None)
+    assert resumed.steps_this_run == 4 and resumed.tuning["compiled"] == {"data": 1}
+    events = [json.loads(line) for line in (tmp_path / "tuning_events.jsonl").open()]
+    assert [(e["kind"], e["chosen"]) for e in events[2:]] == [("probe", "data")]
 
 
 def test_one_device_runs_the_default(tmp_path):
