@@ -452,6 +452,7 @@ def write_outputs(run_dir: str, result: RunResult, events=()) -> None:
         baseline=result.unigram_entropy,
         eval_loss=result.eval_loss,
         events=events,
+        switches=(result.tuning or {}).get("switches", ()),
     )
     report.plot_expert_load(result.records, os.path.join(run_dir, "expert_load.png"))
     if events:

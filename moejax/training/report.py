@@ -38,11 +38,13 @@ def plot_loss(
     baseline: float | None = None,
     eval_loss=None,
     events=(),
+    switches=(),
 ):
     """Training loss (raw and a 20-step average), the unigram-entropy baseline, the final eval
-    loss, skipped steps; below it the device-load imbalance of every MoE layer, raw per step and
-    a 10-step average, with expert re-placement `events` (`placement_events.jsonl` records)
-    marked where they took effect."""
+    loss, skipped steps, the steps where the parallel strategy changed (`switches`: `(step,
+    label)`, from `moejax.training.tuning`); below it the device-load imbalance of every MoE
+    layer, raw per step and a 10-step average, with expert re-placement `events`
+    (`placement_events.jsonl` records) marked where they took effect."""
     plt = _pyplot()
     steps = np.array([r["step"] for r in records])
     loss = _series(records, "loss")
@@ -56,6 +58,12 @@ def plot_loss(
     skipped = [r["step"] for r in records if r["skipped"]]
     if skipped:
         top.vlines(skipped, *top.get_ylim(), color="tab:orange", lw=0.8, label="skipped step")
+    for i, (step, label) in enumerate(switches):
+        top.axvline(
+            step - 0.5, color="tab:green", ls=":", lw=1, label="strategy" if not i else None
+        )
+        top.annotate(label, (step, 1), xycoords=("data", "axes fraction"), fontsize=7,
+                     rotation=90, va="top", ha="left", color="tab:green")  # fmt: skip
     top.set_ylabel("cross-entropy (nats / byte)")
     top.legend()
     top.grid(alpha=0.3)
@@ -258,7 +266,7 @@ def _tuning_rows(summary: dict | None) -> list[tuple[str, str]]:
         ("strategy decision", summary["reason"]),
     ]
     if compared:
-        rows.append(("step times compared (median)", compared))
+        rows.append(("step times measured (median)", compared))
     rows.append(
         (
             "strategy tuning",

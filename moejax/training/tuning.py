@@ -252,6 +252,8 @@ class Decision:
         out["times"] = dict(self.times)
         out["compile_s"] = dict(self.compile_s)
         out["skipped"] = list(self.skipped)
+        if self.budget_s is not None and math.isinf(self.budget_s):
+            out["budget_s"] = "inf"  # JSON has no infinity
         return out
 
     @classmethod
@@ -262,6 +264,7 @@ class Decision:
                 "times": tuple(record["times"].items()),
                 "compile_s": tuple(record["compile_s"].items()),
                 "skipped": tuple(record["skipped"]),
+                "budget_s": None if record["budget_s"] is None else float(record["budget_s"]),
             }
         )
 
@@ -785,7 +788,18 @@ class StepRunner:
             "spent_s": self.tuner.spent_s,
             "budget_s": self.tuner.budget_s,
             "compiled": self.compiled(),
+            "switches": _switches(decisions, self.tuner.space[0].label),
         }
+
+
+def _switches(decisions: Sequence[Decision], default: str) -> list[tuple[int, str]]:
+    """`(step, label)` where the strategy changed (from the default at the start)."""
+    out, running = [], default
+    for d in decisions:
+        if d.chosen != running:
+            out.append((d.step, d.chosen))
+            running = d.chosen
+    return out
 
 
 def read_decisions(path: str, *, up_to_step: int | None = None) -> list[Decision]:

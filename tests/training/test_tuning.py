@@ -97,6 +97,8 @@ def test_a_routing_shift_redecides_once_per_bucket_and_compiles_once_per_program
     assert (shift.started, shift.step) == (22, 22 + 4 + 3 + 3)
     assert len(shift.times) == 3 and shift.chosen == f"dropless,bucket={skewed}"
     assert tuner.current == tuner.at(DROPLESS, calm)
+    as_json = [json.loads(json.dumps(d.to_json(), allow_nan=False)) for d in tuner.decisions]
+    assert [tuning.Decision.from_json(d) for d in as_json] == tuner.decisions
     # One compile per distinct program: the default (bucket None), dropless at both buckets,
     # data and allgather once (their programs do not depend on the bucket).
     assert len(clock.programs) == len(set(clock.programs)) == len(tuner.programs) == 5
@@ -196,9 +198,11 @@ def test_train_tunes_records_its_decisions_compiles_each_program_once_and_resume
     # The probe (steps 1-3), then the round for the bucket the load wants (steps 4-8: data
     # compiles and runs 2 timed steps, allgather is re-timed twice), then data.
     assert (events[1]["started"], events[1]["step"]) == (4, 9)
+    assert result.tuning["switches"] == [(9, "data")]  # marked in loss.png
+    assert (tmp_path / "loss.png").exists()
     rows = dict(report.summary_rows(result))
     assert rows["parallel strategy"] == "data (fastest median step of 2 timed)"
-    assert rows["step times compared (median)"] == "data 0.1 s, allgather 0.2 s"
+    assert rows["step times measured (median)"] == "data 0.1 s, allgather 0.2 s"
 
     # Resumed: it continues on data (the probe times it; the bucket was decided for) and the
     # log keeps the first run's decisions.
