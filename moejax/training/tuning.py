@@ -50,10 +50,11 @@ Every decision (probe, measured round, decision by cost function, skip for budge
 `tuning_events.jsonl` and the run summary shows the last one. Several processes must run the
 same program: every timed sample is broadcast from process 0 (`agree`), so all decide alike.
 
-For a target you do not have, `cost` replaces the clock: a function `Candidate -> seconds`
-(e.g. a schedule model reading the deviceless compile of `moejax.aot.train_step_program`);
-the tuner then ranks candidates by it without timing steps (`choose_by_cost`). No such model
-ships with this module yet.
+For a target you do not have, a cost function replaces the clock: `schedule_cost` compiles a
+candidate's train step for a deviceless mesh of the target (`moejax.aot.train_step_program`) and
+replays the schedule on the target's model (`moejax.schedule_model.estimate`); `plan_strategy`
+ranks the target's candidates by it (`choose_by_cost`), and `StrategyTuner(cost=...)` decides
+with it instead of timing steps.
 
 >>> c = parse_candidate("dropless,chunks=2,stagger,batch_split=2")
 >>> c.strategy.chunks, c.strategy.stagger, c.batch_split
@@ -351,6 +352,63 @@ def choose_by_cost(candidates: Sequence[Candidate], cost: Callable[[Candidate], 
     return min(candidates, key=times.__getitem__), times
 
 
+def schedule_cost(model_cfg, train_cfg, target_mesh, hardware=None):
+    """A `cost` (`Candidate -> seconds`) for a target you do not have: the candidate's train
+    step compiled for `target_mesh` (a deviceless mesh, `moejax.aot.mesh`) and its schedule
+    replayed on `hardware` (`moejax.schedule_model`; default: `H100_SXM` for a GPU mesh,
+    `TPU_V5E` for a TPU one). Each candidate compiles once (cached); compiling the `tiny` step
+    for 8 H100s takes ~17 s on a 2-core CPU. The model ranks schedules (how much communication
+    stays exposed), it does not predict wall time (`moejax.schedule_model`)."""
+    from moejax import aot, schedule_model
+
+    if hardware is None:
+        platform = aot.platform_of(target_mesh)
+        hardware = schedule_model.TPU_V5E if platform == "tpu" else schedule_model.H100_SXM
+    cache: dict[Candidate, float] = {}
+
+    def cost(candidate: Candidate) -> float:
+        if candidate not in cache:
+            fn, args = aot.train_step_program(
+                model_cfg,
+                train_cfg,
+                target_mesh,
+                strategy=candidate.strategy,
+                batch_split=candidate.batch_split,
+            )
+            compiled = aot.compile_program(fn, args, donate_argnums=(0,))
+            cache[candidate] = schedule_model.estimate(compiled, hardware).step_s
+        return cache[candidate]
+
+    return cost
+
+
+def plan_strategy(
+    model_cfg, train_cfg, target_mesh, *, candidates=None, hardware=None, bucket=None
+):
+    """The candidate to train with on a target you do not have, by `schedule_cost`.
+
+    Args:
+      model_cfg, train_cfg: the run's configs.
+      target_mesh: a deviceless mesh of the target (`moejax.aot.mesh("cuda", (8,), ("expert",))`).
+      candidates: to rank (default: `default_candidates` for the target's platform); those that
+        do not fit are left out.
+      hardware: a `moejax.schedule_model.Hardware` (default by platform).
+      bucket: the dropless bucket to compile with (None: the balanced share; on GPU and TPU the
+        dropless rows travel by `ragged_all_to_all`, exact counts, so the bucket only bounds the
+        receive buffer).
+
+    Returns:
+      `(best, {candidate: modelled step seconds})`.
+    """
+    space = candidate_space(model_cfg, train_cfg, target_mesh, candidates)
+    if bucket is not None:
+        space = tuple(
+            dataclasses.replace(c, strategy=c.strategy.replace(bucket=bucket)) if c.bucketed else c
+            for c in space
+        )
+    return choose_by_cost(space, schedule_cost(model_cfg, train_cfg, target_mesh, hardware))
+
+
 @dataclasses.dataclass
 class _Round:
     started: int
@@ -577,7 +635,9 @@ class StrategyTuner:
             self.budget_s = self.config.budget * self._steps * median[best]
         else:  # what the round took beyond running the winner all along
             self.spent_s += sum(s for _, s in rnd.runs) - len(rnd.runs) * median[best]
-        self.key, self.current, self._choice[rnd.key] = rnd.key, best, best
+        self.key, self.current = rnd.key, best
+        if rnd.kind != "probe":  # the probe measured one candidate: it decided nothing
+            self._choice[rnd.key] = best
         self._log(
             rnd.kind,
             rnd.reason,

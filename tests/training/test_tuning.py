@@ -78,6 +78,16 @@ def test_the_fastest_candidate_wins(fastest):
     assert len(times) == 3 and min(times.values()) == pytest.approx(0.10)
 
 
+def test_the_start_round_runs_when_the_load_wants_the_balanced_bucket():
+    tuner, clock = _tuner({"dropless": 0.3, "data": 0.2, "allgather": 0.1}, budget=math.inf)
+    _drive(tuner, clock, [None] * 20)  # no routing statistics: the balanced bucket stands
+    assert [(d.kind, d.bucket) for d in tuner.decisions] == [
+        ("probe", tuner.balanced),
+        ("measured", tuner.balanced),
+    ]
+    assert tuner.current == ALLGATHER and dict(tuner.decisions[1].times)["dropless"] == 0.3
+
+
 def test_a_routing_shift_redecides_once_per_bucket_and_compiles_once_per_program():
     step_s = {"dropless": 0.10, "data": 0.20, "allgather": 0.30}
     tuner, clock = _tuner(step_s, budget=math.inf, window=3)
