@@ -271,8 +271,7 @@ def _tuning_rows(summary: dict | None) -> list[tuple[str, str]]:
         (
             "strategy tuning",
             f"{summary['decisions']} decisions, {summary['rounds']} timed rounds; cost "
-            f"{_seconds(summary['spent_s'])} of a "
-            f"{budget} budget (tuning_events.jsonl)",
+            f"{_seconds(summary['spent_s'])} (budget {budget}; tuning_events.jsonl)",
         )
     )
     return rows

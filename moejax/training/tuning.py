@@ -12,16 +12,18 @@ How the tuner decides (plain Python on the host; no tracing, testable with a fak
    first step (compile + run) and the next `repeats` steps are timed. That gives the step time
    the budget is measured against, and what one compilation costs on this machine.
 2. **Rounds.** Each candidate in the round runs one step that compiles it (timed, to learn the
-   compile cost) and `repeats` timed steps; the lowest median wins (ties: the earlier
-   candidate). A timed step is the jitted train step itself, forward, backward and optimizer
-   update: the host waits for the previous step, reads the clock, runs the step and waits for
-   its outputs. These are the run's own steps, and they train: every candidate computes the
-   same update, so a round costs no extra steps, only its compilations and its slower
-   candidates' time. (Timing on a throwaway copy of the state would double the state's memory
-   and spend steps that do not train; the step donates its state, so copies would be needed.)
+   compile cost), then the candidates take turns for `repeats` timed steps each (a load that
+   drifts during the round, as on a shared machine, weighs on all alike); the lowest median
+   wins (ties: the earlier candidate). A timed step is the jitted train step itself (forward,
+   backward, optimizer update): the host waits for the previous step, reads the clock, runs
+   the step and waits for its outputs. These are the run's own steps, and they train: every
+   candidate computes the same update, so a round costs no extra steps, only its compilations
+   and its slower candidates' time. (Timing on a throwaway copy of the state would double the
+   state's memory and spend steps that do not train; the step donates its state.)
 3. **Routing drift.** The bounded dropless dispatcher sends its rows in all-to-all rounds of a
    static `bucket` rows per (source, destination) pair: too small and skewed steps take extra
-   rounds, too large and every round moves padding. After each step the host reads the step's
+   rounds, too large and every round carries padding (on the wire on CPU, in the receive
+   buffer the experts run on everywhere). After each step the host reads the step's
    per-layer device-load imbalance (one step late, from the metrics the loop fetches anyway) and
    turns it into the bucket one round needs (`wanted_bucket`); over the last `window` steps the
    largest wins (so the bucket grows at once and shrinks slowly). When it differs from the
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -614,9 +617,14 @@ class StrategyTuner:
 
     def _start_round(self, key, candidates, reason, *, kind, skipped=()):
         self._round = _Round(self._last_step + 1, key, list(candidates), reason, kind, skipped)
-        self._queue = []
-        for c in candidates:
-            self._queue += [c] * self._runs_needed(c, key)
+        # The compiling runs first, then the timed ones taken in turns (A B C A B C ...): a
+        # load that drifts during the round (a shared machine) weighs on every candidate alike.
+        self._queue = [c for c in candidates if c not in self._compiled]
+        timed = [
+            [c] * max(0, self.config.repeats - len(self._samples.get((c, key), ())))
+            for c in candidates
+        ]
+        self._queue += [c for turn in itertools.zip_longest(*timed) for c in turn if c]
         if not self._queue:
             self._finish_round()
 
