@@ -195,7 +195,8 @@ class TuningConfig:
 
     Args:
       candidates: the candidates in priority order (None: `default_candidates` for the mesh's
-        platform); those that do not fit the run are left out (`candidate_problems`).
+        platform); those that do not fit the run are left out (`candidate_problems`); their
+        buckets are the tuner's to set.
       repeats: timed steps per candidate and bucket (the median counts), after the step that
         compiles it.
       budget: fraction of the projected run time (the probe's step time x the run's steps)
@@ -577,7 +578,7 @@ class StrategyTuner:
         if self.cost is not None:
             t0 = time.perf_counter()
             best, times = choose_by_cost(candidates, self.cost)
-            self.spent_s += time.perf_counter() - t0
+            self.spent_s += self._agree(time.perf_counter() - t0)  # processes decide alike
             self.key, self.current, self._choice[key] = key, best, best
             self._log("cost", f"{reason}; ranked by the cost function", key, (), times=times)
             return
