@@ -3,6 +3,7 @@ candidate wins; a routing shift re-decides (and a bucket seen before costs nothi
 distinct (candidate, bucket) compiles once; the budget bounds what is tried; `train` records its
 decisions in the run's outputs."""
 
+import collections
 import json
 import math
 
@@ -20,18 +21,23 @@ TOKENS, TOP_K, N = 1024, 2, 4  # balanced bucket 512 rows, quantum 64, cap 640
 
 class CandidateClock:
     """A clock that is called twice around each timed step (as `StepRunner` does); the second
-    call advances it by the running candidate's step time, plus `compile_s` on a program's
-    first run. `tuner` is set after the tuner is built."""
+    call advances it by the running candidate's step time (by its label without the bucket: a
+    number, or a list with one per run), plus `compile_s` on a program's first run. `tuner` is
+    set after the tuner is built."""
 
-    def __init__(self, step_s: dict[str, float], compile_s: float = 5.0):
+    def __init__(self, step_s: dict, compile_s: float = 5.0):
         self.step_s, self.compile_s = step_s, compile_s
         self.tuner, self.now, self.calls, self.programs = None, 0.0, 0, []
+        self.runs = collections.Counter()
 
     def __call__(self):
         self.calls += 1
         if self.calls % 2 == 0:
             running = self.tuner.running
-            self.now += self.step_s[running.unbucketed().label]
+            label = running.unbucketed().label
+            step_s = self.step_s[label]
+            self.now += step_s if isinstance(step_s, float) else step_s[self.runs[label]]
+            self.runs[label] += 1
             if running not in self.programs:
                 self.programs.append(running)
                 self.now += self.compile_s
@@ -76,6 +82,16 @@ def test_the_fastest_candidate_wins(fastest):
     assert measured[0].times[0][0] == tuner.current.label  # fastest first
     assert times[tuner.current.label] == pytest.approx(0.10)
     assert len(times) == 3 and min(times.values()) == pytest.approx(0.10)
+
+
+def test_one_lucky_step_does_not_decide():
+    # data is slower, but one of its timed steps is 20x faster (the machine was idle just
+    # then): the fastest single step would pick it, the median does not.
+    data = [0.20, 0.20, 0.01, 0.20]  # its compiling run (plus compile_s), then 3 timed
+    tuner, clock = _tuner({"dropless": 0.10, "data": data, "allgather": 0.30}, budget=math.inf)
+    _drive(tuner, clock, [1.0] * 40)
+    assert clock.runs["data"] == 4 and tuner.current.unbucketed() == DROPLESS
+    assert dict(tuner.decisions[-1].times)["data"] == pytest.approx(0.20)
 
 
 def test_the_start_round_runs_when_the_load_wants_the_balanced_bucket():
