@@ -73,8 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--tune-candidates",
-        help="with --strategy auto: ';'-separated candidates in priority order (default: "
-        "dropless;data;allgather on CPU, plus chunks=2,stagger and batch_split=2 on GPU/TPU)",
+        help="with --strategy auto: ';'-separated candidates in priority order (default: the "
+        "default dispatcher, data, allgather on CPU; on GPU/TPU also the default with "
+        "chunks=2,stagger and with batch_split=2)",
     )
     p.add_argument("--tune-steps", type=int, default=3, help="timed steps per candidate")
     p.add_argument(
