@@ -23,6 +23,7 @@ from moejax._permute import dispatch, make_layout
 from moejax._types import GroupedLayout, Routing
 from moejax.parallel import _collectives as col
 from moejax.parallel._local import combine_varying, regrouped_ffn
+from moejax.parallel._overlap import tie
 
 
 def slot_bound(config: MoEConfig, chunk_tokens: int, seq_len: int, local_sequences: int) -> int:
@@ -110,18 +111,27 @@ class CapacityStages:
         g = e // n
         with jax.named_scope("dispatch"):
             layout = slot_layout(routing, e, c)
-            recv = col.all_to_all(dispatch(x, layout), self.axes.expert)  # block s: from device s
+            # `tie`: the experts' weight gradients are computed inside the window of this
+            # all-to-all's transpose (moejax.parallel._overlap).
+            send, experts = tie(dispatch(x, layout), self.experts_params)
+            recv = col.all_to_all(send, self.axes.expert)  # block s: from device s
             recv_counts = col.all_to_all(layout.group_sizes, self.axes.expert).reshape(n, g, 1)
             slot = jnp.arange(c, dtype=jnp.int32)
             g_ids = jnp.arange(g, dtype=jnp.int32)[None, :, None]
             local_expert = jnp.where(slot < recv_counts, g_ids, g).reshape(n * g * c)
-        return {"recv": recv, "local": local_expert, "layout": layout, "weight": routing.weight}
+        return {
+            "recv": recv,
+            "experts": experts,
+            "local": local_expert,
+            "layout": layout,
+            "weight": routing.weight,
+        }
 
     def experts(self, sent: dict) -> jax.Array:
         """The `G` local experts on the received rows."""
         with jax.named_scope("experts"):
             return regrouped_ffn(
-                sent["recv"], sent["local"], self.experts_params, self.config, self.implementation
+                sent["recv"], sent["local"], sent["experts"], self.config, self.implementation
             )
 
     def combine(self, out: jax.Array, sent: dict) -> jax.Array:

@@ -66,6 +66,7 @@ from moejax._types import Routing
 from moejax._vma import match_vma
 from moejax.parallel import _collectives as col
 from moejax.parallel._local import combine_varying, regrouped_ffn
+from moejax.parallel._overlap import tie
 
 # Lowering platforms that compile `ragged-all-to-all` (XLA:CPU does not).
 _RAGGED_PLATFORMS = ("cuda", "rocm", "tpu")
@@ -152,9 +153,11 @@ class DroplessStages:
             layout = make_layout(routing, e, 1)  # A rows sorted by expert
             rows = dispatch(x, layout)  # [A, D]
             plan = _plan(layout, n, g, b, self.axes)
-            recv = _send(rows, plan, 0, b, self.axes.expert)
+            sent_rows, experts = tie(rows, self.experts_params)  # dW inside the send's window
+            recv = _send(sent_rows, plan, 0, b, self.axes.expert)
         return {
             "recv": recv,
+            "experts": experts,
             "local": _recv_local(plan, 0, b, g),
             "rows": rows,
             "plan": plan,
@@ -165,7 +168,7 @@ class DroplessStages:
     def experts(self, sent: dict) -> jax.Array:
         """The `G` local experts on round 0's received rows."""
         with jax.named_scope("experts"):
-            return self._ffn(sent["recv"], sent["local"], self.experts_params)
+            return self._ffn(sent["recv"], sent["local"], sent["experts"])
 
     def combine(self, out: jax.Array, sent: dict) -> jax.Array:
         """Return round 0's outputs, run the leftover rounds, weighted sum per token."""
