@@ -4,7 +4,7 @@ Compiles the train step for 8 (or 64) H100s on this CPU host (`moejax.aot`, need
 plugin wheels: `python -m pallas_kernels.targets --install`) for every combination asked of
 batch split, dispatcher, pipeline chunks and stagger, and replays each compiled schedule on the
 H100 model of `moejax.schedule_model`: compute, all-to-all time, the part of it left exposed,
-and the estimated step. Prints one Markdown row per program (the BENCHMARKS.md table).
+and the estimated step (all-to-all: plain and ragged together). Prints one Markdown row per program (the BENCHMARKS.md table).
 
     JAX_PLATFORMS=cpu python experiments/bench_overlap.py --preset tiny --batch 256 \\
         --batch-split 1 2 4 --dispatcher capacity dropless --chunks 1 2
@@ -18,12 +18,22 @@ import time
 
 from moejax import aot, parallel, schedule_model, training
 from moejax.models import presets
+from moejax.training import presets as train_presets
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
-    p.add_argument("--devices", type=int, default=8, help="H100s on the expert axis (default 8)")
+    p.add_argument(
+        "--mesh",
+        default="expert=8",
+        help="named axes of the H100 mesh, e.g. fsdp=8,expert=8 (default expert=8)",
+    )
+    p.add_argument(
+        "--train-preset",
+        default=None,
+        help="training preset whose remat, scan and micro-batches to use (default: none of them)",
+    )
     p.add_argument("--batch", type=int, default=256, help="global batch, sequences (default 256)")
     p.add_argument("--batch-split", type=int, nargs="+", default=[1, 2], help="default: 1 2")
     p.add_argument(
@@ -37,8 +47,12 @@ def parse_args(argv=None):
 def row(model, args, k, dispatcher, chunks) -> str:
     if dispatcher == "capacity":
         model = model.replace(moe=model.moe.replace(dispatch="capacity"))
-    train_cfg = training.TrainConfig(batch_size=args.batch, steps=10, warmup_steps=1)
-    mesh = aot.mesh("cuda", (args.devices,), ("expert",))
+    if args.train_preset:
+        train_cfg = train_presets.get(args.train_preset).replace(batch_size=args.batch)
+    else:
+        train_cfg = training.TrainConfig(batch_size=args.batch, steps=10, warmup_steps=1)
+    axes = dict(part.split("=") for part in args.mesh.split(","))
+    mesh = aot.mesh("cuda", tuple(int(v) for v in axes.values()), tuple(axes))
     strategy = parallel.Strategy(
         dispatcher=dispatcher, chunks=chunks, stagger=args.stagger and chunks > 1
     )
@@ -46,10 +60,12 @@ def row(model, args, k, dispatcher, chunks) -> str:
     start = time.perf_counter()
     compiled = aot.compile_program(fn, fargs, donate_argnums=(0,))
     est = schedule_model.estimate(compiled.text)
-    a2a, exposed = est.comm("all-to-all"), est.exposed("all-to-all")
+    kinds = ("all-to-all", "ragged-all-to-all")  # the dropless rows go ragged on GPU
+    a2a = sum(est.comm(kind) for kind in kinds)
+    exposed = sum(est.exposed(kind) for kind in kinds)
     share = exposed / a2a if a2a else 0.0
     return (
-        f"| {args.preset} | {args.devices}xH100 | {args.batch} | {k} | {dispatcher} | {chunks}"
+        f"| {args.preset} | {args.mesh} | {args.batch} | {k} | {dispatcher} | {chunks}"
         f"{' staggered' if strategy.stagger else ''} | {est.compute_s * 1e3:.3f} "
         f"| {a2a * 1e3:.3f} | {exposed * 1e3:.3f} ({share:.0%}) | {est.step_s * 1e3:.3f} "
         f"| {time.perf_counter() - start:.0f} |"
@@ -60,7 +76,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model = presets.get(args.preset)
     print(
-        "| preset | mesh | batch | batch split | dispatcher | chunks | compute ms "
+        "| preset | H100 mesh | batch | batch split | dispatcher | chunks | compute ms "
         "| all-to-all ms | exposed ms | step ms | compile s |"
     )
     print("|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|")

@@ -1,10 +1,10 @@
 """Batch split on the real XLA:GPU schedule of the `tiny` LM train step (8 x H100, deviceless).
 
 With `batch_split=2` one micro-batch's attention runs inside the other's MoE all-to-all windows
-in the forward, expert weight-gradient GEMMs fill backward windows, XLA's DotMerger leaves the
-micro-batches' matmuls apart, and the schedule model (`moejax.schedule_model`) finds less
-exposed all-to-all time than in the unsplit step. A negative control compiled with synchronous
-all-to-alls loses it all.
+in the forward, every expert weight-gradient GEMM sits in a backward window, XLA's DotMerger
+leaves the micro-batches' matmuls apart, and the schedule model (`moejax.schedule_model`) finds
+70% less exposed all-to-all time than in the unsplit step. A negative control compiled with
+synchronous all-to-alls loses it all.
 """
 
 import functools
@@ -21,9 +21,9 @@ pytestmark = [pytest.mark.deviceless, needs_cuda, CACHE_WARNING]
 
 BATCH = 256  # 32 sequences of 128 per device
 SYNC = {"xla_gpu_disable_async_collectives": "ALLTOALL"}
-# Exposed all-to-all with batch_split=2 must be at most this fraction of the unsplit step's
-# (measured with jax 0.10.2: 0.042 / 0.139 ms = 0.301, i.e. 69.9% less; Lancet reports 77%).
-EXPOSED_RATIO = 0.31
+# Exposed all-to-all with batch_split=2 must be at most this fraction of the unsplit step's: the
+# issue's 70% less (Lancet reports 77%). Measured with jax 0.10.2: 0.029 / 0.118 ms = 0.25.
+EXPOSED_RATIO = 0.3
 
 
 @functools.cache
@@ -65,8 +65,11 @@ def test_batch_split_overlaps_attention_with_the_other_micro_batchs_all_to_all(d
     in_windows = [o for o in fwd2 if "attention" in o]
     assert len({re.search(r"layer_\d+", o).group() for o in in_windows}) >= 3, in_windows
     assert {"micro0", "micro1"} <= {m for o in in_windows for m in re.findall(r"micro\d", o)}
-    # Backward: expert weight gradients (tgmm kernels) fill all-to-all windows.
-    assert sum("tgmm" in o for o in bwd2) >= 3, bwd2
+    # Backward: every expert weight gradient (tgmm kernel) sits in an all-to-all window, by
+    # construction (`moejax.parallel._overlap.tie`), split or not.
+    for text, windows in ((whole, w1), (split, w2)):
+        in_windows = sum("tgmm" in o for o in _split(windows)[1])
+        assert in_windows == aot.kernel_counts(text)["tgmm/triton"] > 0
 
 
 def test_dot_merger_keeps_the_micro_batches_apart():
