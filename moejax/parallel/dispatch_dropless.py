@@ -31,7 +31,11 @@ every receiver how many rows each source sends to each of its local experts (so 
 received rows' local experts itself, in every round) and where the source keeps them (for the
 return).
 
-**The exchange by compile target** (`jax.lax.platform_dependent`, decided at lowering: a
+**The exchange** (`Strategy.exchange`): `"padded"` (the default) is the padded `all_to_all`
+below on every platform; XLA:GPU's latency-hiding scheduler fills its windows (with another
+micro-batch's attention, the experts' weight gradients). `"ragged"` chooses by compile target
+as follows; it sends fewer bytes under skew, but with jax 0.10.2 XLA:GPU left its windows empty
+in the LM step (deviceless H100 schedule) and libtpu runs it synchronously. **By compile target** (`jax.lax.platform_dependent`, decided at lowering: a
 deviceless compile for an H100 or TPU mesh on a CPU host keeps the accelerator branch):
 - GPU, TPU: `jax.lax.ragged_all_to_all` sends exactly `min(count - r * B, B)` rows per pair,
   straight from the sorted rows into block `source * B` of the receive buffer (the offset in the
@@ -70,6 +74,7 @@ from moejax.parallel._overlap import tie
 
 # Lowering platforms that compile `ragged-all-to-all` (XLA:CPU does not).
 _RAGGED_PLATFORMS = ("cuda", "rocm", "tpu")
+EXCHANGES = ("padded", "ragged")
 
 
 class RoundPlan(NamedTuple):
@@ -113,6 +118,7 @@ def dropless_all_to_all(
     implementation: str,
     axes: col.MeshAxes,
     bucket: int,
+    exchange: str = "padded",
 ) -> jax.Array:
     """Expert outputs of the local tokens through bounded all-to-all rounds.
 
@@ -124,11 +130,14 @@ def dropless_all_to_all(
       implementation: as for `moejax.parallel._local.local_moe` ("auto" allowed).
       axes: the mesh axes.
       bucket: `B`, rows per (source, destination) pair per round.
+      exchange: `"padded"` (an `all_to_all` of the `[N * B, D]` buffer, every platform) or
+        `"ragged"` (`ragged_all_to_all` of exactly the rows when compiled for GPU or TPU,
+        padded on CPU); see `Strategy.exchange`.
 
     Returns:
       `[T, D]` routed output (a partial sum over `model` when F is sliced).
     """
-    stages = DroplessStages(experts, config, implementation, axes, bucket)
+    stages = DroplessStages(experts, config, implementation, axes, bucket, exchange)
     sent = stages.dispatch(x, routing)
     return stages.combine(stages.experts(sent), sent)
 
@@ -139,9 +148,11 @@ class DroplessStages:
     `experts` runs round 0's rows, `combine` returns them, runs the leftover rounds (none in
     the steady state) and forms the weighted sum per token."""
 
-    def __init__(self, experts, config, implementation, axes, bucket):
+    def __init__(self, experts, config, implementation, axes, bucket, exchange="padded"):
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange={exchange!r}: must be one of {EXCHANGES}")
         self.experts_params, self.config, self.implementation = experts, config, implementation
-        self.axes, self.bucket = axes, bucket
+        self.axes, self.bucket, self.ragged = axes, bucket, exchange == "ragged"
         self._ffn = functools.partial(_ffn, config=config, implementation=implementation)
 
     def dispatch(self, x: jax.Array, routing: Routing) -> dict:
@@ -154,7 +165,7 @@ class DroplessStages:
             rows = dispatch(x, layout)  # [A, D]
             plan = _plan(layout, n, g, b, self.axes)
             sent_rows, experts = tie(rows, self.experts_params)  # dW inside the send's window
-            recv = _send(sent_rows, plan, 0, b, self.axes.expert)
+            recv = _send(sent_rows, plan, 0, b, self.axes.expert, self.ragged)
         return {
             "recv": recv,
             "experts": experts,
@@ -174,8 +185,8 @@ class DroplessStages:
         """Return round 0's outputs, run the leftover rounds, weighted sum per token."""
         axis, b, rows, plan = self.axes.expert, self.bucket, sent["rows"], sent["plan"]
         with jax.named_scope("combine"):
-            first = _return(out, plan, 0, b, axis, rows)
-        rest = _leftover(self._ffn, b, axis, rows, plan, self.experts_params)
+            first = _return(out, plan, 0, b, axis, rows, self.ragged)
+        rest = _leftover(self._ffn, b, (axis, self.ragged), rows, plan, self.experts_params)
         with jax.named_scope("combine"):
             return combine_varying(first + rest, sent["weight"], sent["layout"])
 
@@ -232,49 +243,51 @@ def _row_slots(plan: RoundPlan, bucket: int, num_rows: int):
     return rnd, d * bucket + pos % bucket
 
 
-def _send(rows, plan: RoundPlan, r, bucket: int, axis):
+def _send(rows, plan: RoundPlan, r, bucket: int, axis, ragged: bool):
     """Round `r` of the sorted rows `[A, D]` -> the receive buffer `[N * B, D]` (block `s`:
-    source `s`'s rows, zeros past them). Ragged on GPU/TPU, padded elsewhere."""
-    return _send_vjp(bucket, axis, rows, plan, jnp.int32(r))
+    source `s`'s rows, zeros past them). With `ragged`: ragged on GPU/TPU, padded elsewhere."""
+    return _send_vjp(bucket, (axis, ragged), rows, plan, jnp.int32(r))
 
 
-def _return(y, plan: RoundPlan, r, bucket: int, axis, rows):
+def _return(y, plan: RoundPlan, r, bucket: int, axis, rows, ragged: bool):
     """Round `r`'s outputs `[N * B, D]` back to their senders: `[A, D]`, each of this device's
     round-`r` rows in its sorted position, zeros elsewhere (`rows`: for the shape)."""
-    return _return_vjp(bucket, axis, rows.shape[0], y, plan, jnp.int32(r))
+    return _return_vjp(bucket, (axis, ragged), rows.shape[0], y, plan, jnp.int32(r))
 
 
 # `_send` and `_return` are linear and each other's transpose: each one's VJP is the other (see
 # the module docstring).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _send_vjp(bucket, axis, rows, plan, r):
+def _send_vjp(bucket, wire, rows, plan, r):
+    axis, ragged = wire
     kw = dict(bucket=bucket, axis=axis)
-    return _by_target(_send_padded, _send_ragged, kw, axis, rows, plan, r)
+    return _by_target(_send_padded, _send_ragged if ragged else None, kw, axis, rows, plan, r)
 
 
-def _send_fwd(bucket, axis, rows, plan, r):
-    return _send_vjp(bucket, axis, rows, plan, r), (plan, r, _witness(rows))
+def _send_fwd(bucket, wire, rows, plan, r):
+    return _send_vjp(bucket, wire, rows, plan, r), (plan, r, _witness(rows))
 
 
-def _send_bwd(bucket, axis, res, ct):
+def _send_bwd(bucket, wire, res, ct):
     plan, r, rows = res
-    d_rows = _return_vjp(bucket, axis, plan.row_dest.shape[0], ct, plan, r)
+    d_rows = _return_vjp(bucket, wire, plan.row_dest.shape[0], ct, plan, r)
     return _as(d_rows, rows), None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _return_vjp(bucket, axis, num_rows, y, plan, r):
+def _return_vjp(bucket, wire, num_rows, y, plan, r):
+    axis, ragged = wire
     kw = dict(bucket=bucket, axis=axis, num_rows=num_rows)
-    return _by_target(_return_padded, _return_ragged, kw, axis, y, plan, r)
+    return _by_target(_return_padded, _return_ragged if ragged else None, kw, axis, y, plan, r)
 
 
-def _return_fwd(bucket, axis, num_rows, y, plan, r):
-    return _return_vjp(bucket, axis, num_rows, y, plan, r), (plan, r, _witness(y))
+def _return_fwd(bucket, wire, num_rows, y, plan, r):
+    return _return_vjp(bucket, wire, num_rows, y, plan, r), (plan, r, _witness(y))
 
 
-def _return_bwd(bucket, axis, num_rows, res, ct):
+def _return_bwd(bucket, wire, num_rows, res, ct):
     plan, r, y = res
-    return _as(_send_vjp(bucket, axis, ct, plan, r), y), None, None
+    return _as(_send_vjp(bucket, wire, ct, plan, r), y), None, None
 
 
 _send_vjp.defvjp(_send_fwd, _send_bwd)
@@ -293,9 +306,11 @@ def _as(ct, witness):
 
 def _by_target(padded, ragged, kw, axis, x, plan, r):
     """`ragged` when compiled for GPU or TPU, `padded` elsewhere (decided at lowering), typed
-    alike: both vary over the inputs' axes and the expert axis."""
+    alike: both vary over the inputs' axes and the expert axis. `ragged=None`: `padded`."""
     if axis is None:  # one device on the expert axis: nothing to exchange
         return padded(x, plan, r, **kw)
+    if ragged is None:
+        return col.vary_like(padded(x, plan, r, **kw), col.vma(x, plan) | {axis})
     target = col.vma(x, plan) | {axis}
 
     def run(fn):
@@ -343,41 +358,41 @@ def _take(x, idx):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _leftover(ffn, bucket, axis, rows, plan, experts):
+def _leftover(ffn, bucket, wire, rows, plan, experts):
     """`rows [A, D]` (expert-sorted) -> the expert output of each row past round 0 (zeros on
     round 0's rows and unused rows), `[A, D]`, in rounds `1 .. plan.rounds - 1`."""
-    return _leftover_fwd(ffn, bucket, axis, rows, plan, experts)[0]
+    return _leftover_fwd(ffn, bucket, wire, rows, plan, experts)[0]
 
 
-def _leftover_fwd(ffn, bucket, axis, rows, plan, experts):
-    g = _num_local(experts)
+def _leftover_fwd(ffn, bucket, wire, rows, plan, experts):
+    g, (axis, ragged) = _num_local(experts), wire
 
     def body(carry):
         r, out = carry
         with jax.named_scope("dispatch"):
-            recv = _send(rows, plan, r, bucket, axis)
+            recv = _send(rows, plan, r, bucket, axis, ragged)
         with jax.named_scope("experts"):
             y = ffn(recv, _recv_local(plan, r, bucket, g), experts)
         with jax.named_scope("combine"):
-            return r + 1, out + _return(y, plan, r, bucket, axis, rows)
+            return r + 1, out + _return(y, plan, r, bucket, axis, rows, ragged)
 
     init = col.vary_like(jnp.zeros_like(rows), col.vma(rows, experts))
     _, out = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (jnp.int32(1), init))
     return out, (rows, plan, experts)
 
 
-def _leftover_bwd(ffn, bucket, axis, res, d_out):
+def _leftover_bwd(ffn, bucket, wire, res, d_out):
     rows, plan, experts = res
-    g = _num_local(experts)
+    g, (axis, ragged) = _num_local(experts), wire
 
     def body(carry):
         r, d_rows, d_experts = carry
-        recv = _send(rows, plan, r, bucket, axis)
-        d_y = _send(d_out, plan, r, bucket, axis)
+        recv = _send(rows, plan, r, bucket, axis, ragged)
+        d_y = _send(d_out, plan, r, bucket, axis, ragged)
         local = _recv_local(plan, r, bucket, g)
         _, vjp = jax.vjp(lambda x, w: ffn(x, local, w), recv, experts)
         d_recv, d_w = vjp(d_y)
-        d_rows = d_rows + _return(d_recv, plan, r, bucket, axis, rows)
+        d_rows = d_rows + _return(d_recv, plan, r, bucket, axis, rows, ragged)
         return r + 1, d_rows, jax.tree.map(jnp.add, d_experts, d_w)
 
     init = (jnp.int32(1), jnp.zeros_like(rows), jax.tree.map(jnp.zeros_like, experts))

@@ -180,7 +180,7 @@ def _body(params, x, placement, *, config, expert_config, strategy, axes, implem
         y = staged(stages, xt, routing, strategy.chunks)
     elif stagger and strategy.mode == "expert" and strategy.dispatcher == "dropless":
         bucket = _bucket(strategy, chunk_tokens, routing.expert_index.shape[1], axes)
-        stages = DroplessStages(experts, config, implementation, axes, bucket)
+        stages = DroplessStages(experts, config, implementation, axes, bucket, strategy.exchange)
         y = staged(stages, xt, routing, strategy.chunks)
     else:
         y = pipelined(routed, xt, routing, strategy.chunks, stagger=stagger)
@@ -212,7 +212,9 @@ def _routed(xc, rc, *, experts, config, strategy, axes, implementation, sizes):
         slots = slot_bound(config, chunk_tokens, seq_len, seqs)
         return capacity_all_to_all(xc, rc, experts, config, implementation, axes, slots)
     bucket = _bucket(strategy, chunk_tokens, rc.expert_index.shape[1], axes)
-    return dropless_all_to_all(xc, rc, experts, config, implementation, axes, bucket)
+    return dropless_all_to_all(
+        xc, rc, experts, config, implementation, axes, bucket, strategy.exchange
+    )
 
 
 def _bucket(strategy, chunk_tokens, k, axes):

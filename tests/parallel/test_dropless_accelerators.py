@@ -38,9 +38,11 @@ CONFIG = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2)
 @functools.cache
 def _compiled(platform: str, chunks: int, stagger: bool, grad: bool) -> str:
     """Compiled text of the layer (forward, or forward and backward) on 8 devices of `platform`,
-    64 sequences of 256 tokens, bounded dropless."""
+    64 sequences of 256 tokens, bounded dropless with the ragged exchange."""
     mesh = aot.mesh(platform, (8,), ("expert",))
-    strategy = parallel.Strategy(dispatcher="dropless", chunks=chunks, stagger=stagger)
+    strategy = parallel.Strategy(
+        dispatcher="dropless", chunks=chunks, stagger=stagger, exchange="ragged"
+    )
 
     def forward(p, x):
         y, _ = parallel.moe_apply_sharded(

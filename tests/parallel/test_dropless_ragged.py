@@ -94,7 +94,8 @@ def _params(kind):
 def test_ragged_branch_matches_single_device(ragged_on_cpu, kind, mesh_name, strategy):
     params, x = _params(kind), jnp.abs(inputs())
     (_, (y0, aux0)), g0 = single_device(DROPLESS, "ragged_dot")(params, x)
-    fn = sharded(DROPLESS, mesh_name, strategy.replace(dispatcher="dropless"), "ragged_dot")
+    strategy = strategy.replace(dispatcher="dropless", exchange="ragged")
+    fn = sharded(DROPLESS, mesh_name, strategy, "ragged_dot")
     (_, (y, aux)), g = fn(params, x)
     assert int(aux.num_dropped) == 0
     assert_close(y, y0, err_msg="y")
