@@ -126,6 +126,8 @@ class Candidate:
             parts.append(f"chunks={s.chunks}")
         if s.stagger:
             parts.append("stagger")
+        if self.bucketed and s.exchange == "ragged":
+            parts.append("ragged")
         if self.batch_split > 1:
             parts.append(f"batch_split={self.batch_split}")
         if self.bucketed and s.bucket is not None:
@@ -139,7 +141,8 @@ class Candidate:
 def parse_candidate(text: str) -> Candidate:
     """A `Candidate` from comma-separated parts: a mode (`expert`, `data`, `tensor`), a
     dispatcher (`dropless`, `allgather`, `capacity`; implies expert mode), `chunks=N`,
-    `stagger`, `batch_split=N` (or `split=N`), `bucket=N`.
+    `stagger`, `ragged` (the dropless exchange, `Strategy.exchange`), `batch_split=N` (or
+    `split=N`), `bucket=N`.
 
     Raises:
       ValueError: naming the part that is not understood.
@@ -155,6 +158,8 @@ def parse_candidate(text: str) -> Candidate:
             dispatcher = part
         elif part == "stagger":
             fields["stagger"] = True
+        elif part == "ragged":
+            fields["exchange"] = "ragged"
         elif key in ("chunks", "bucket", "batch_split", "split") and value.isdigit():
             if key in ("batch_split", "split"):
                 split = int(value)
@@ -163,7 +168,8 @@ def parse_candidate(text: str) -> Candidate:
         else:
             raise ValueError(
                 f"strategy {text!r}: cannot read {part!r} (parts: a mode {'/'.join(MODES)}, a "
-                f"dispatcher {'/'.join(DISPATCHERS)}, chunks=N, stagger, batch_split=N, bucket=N)"
+                f"dispatcher {'/'.join(DISPATCHERS)}, chunks=N, stagger, ragged, batch_split=N, "
+                "bucket=N)"
             )
     return Candidate(Strategy(mode=mode, dispatcher=dispatcher, **fields), split)
 
@@ -380,7 +386,10 @@ def schedule_cost(model_cfg, train_cfg, target_mesh, hardware=None):
                 batch_split=candidate.batch_split,
             )
             compiled = aot.compile_program(fn, args, donate_argnums=(0,))
-            cache[candidate] = schedule_model.estimate(compiled, hardware).step_s
+            # Data-dependent loops are the dropless leftover rounds: none in the steady state
+            # (the bucket follows the load), so they are replayed zero times.
+            est = schedule_model.estimate(compiled, hardware, default_trip_count=0)
+            cache[candidate] = est.step_s
         return cache[candidate]
 
     return cost
@@ -397,9 +406,7 @@ def plan_strategy(
       candidates: to rank (default: `default_candidates` for the target's platform); those that
         do not fit are left out.
       hardware: a `moejax.schedule_model.Hardware` (default by platform).
-      bucket: the dropless bucket to compile with (None: the balanced share; on GPU and TPU the
-        dropless rows travel by `ragged_all_to_all`, exact counts, so the bucket only bounds the
-        receive buffer).
+      bucket: the dropless bucket to compile with (None: the balanced share).
 
     Returns:
       `(best, {candidate: modelled step seconds})`.
