@@ -72,6 +72,8 @@ def group_nodes(table: np.ndarray, devices_per_node: int) -> np.ndarray:
     device, expert = keys // num_experts, keys % num_experts
     holders = np.bincount(expert, minlength=num_experts)
     linked = holders[expert] >= 2  # (device, expert) pairs of experts held by several devices
+    if not linked.any():  # nothing to sync: every order is as good, keep the input's
+        return np.arange(n, dtype=np.int64)
     device, expert = device[linked], expert[linked]
     experts_of: list[list[int]] = [[] for _ in range(n)]
     holders_of: dict[int, list[int]] = {}
@@ -80,7 +82,9 @@ def group_nodes(table: np.ndarray, devices_per_node: int) -> np.ndarray:
         holders_of.setdefault(x, []).append(d)
     links = np.bincount(device, weights=holders[expert] - 1, minlength=n)  # [N]
     free_links = links.astype(np.int64).tolist()  # links to unplaced devices
-    seed_links = links.copy()  # the same, inf once placed (for picking a node's first device)
+    # The same, inf once placed (for picking a node's first device). Float explicitly: bincount
+    # of an empty array is int64 even with weights, and inf does not fit an int.
+    seed_links = links.astype(np.float64)
     placed = [False] * n
     order: list[int] = []
     while len(order) < n:

@@ -146,3 +146,11 @@ def test_planner_groups_replicas_into_nodes():
     assert replica_sync_s(grouped, H100_IB, wl) < replica_sync_s(ungrouped, H100_IB, wl)
     cost = lambda p: step_cost(p, counts, H100_IB, wl).total_s  # noqa: E731
     assert cost(planned) <= cost(grouped) * (1 + 1e-12) < cost(ungrouped)
+
+
+def test_group_nodes_keeps_the_order_when_nothing_is_replicated():
+    # No expert on two devices (issue 17, item 4: this raised OverflowError): nothing to group.
+    table = np.arange(32 * 8).reshape(32, 8)
+    assert group_nodes(table, 8).tolist() == list(range(32))
+    table[:, -1] = -1  # empty slots too
+    assert group_nodes(table, 8).tolist() == list(range(32))

@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moejax.placement import Placement, apportion, plan
+from moejax.placement.traces import zipf_probs
 
 
 @st.composite
@@ -159,3 +160,77 @@ def test_plan_with_sync_lowers_the_modeled_step_or_returns_input(case, d_model):
     if new is not start:
         before = step_cost(start, counts.astype(float), H100_IB, wl).total_s
         assert step_cost(new, counts.astype(float), H100_IB, wl).total_s < before
+
+
+@st.composite
+def large_placements_and_counts(draw):
+    """Identity or random valid placements at up to E = 256, N = 64, with random loads.
+
+    Numpy draws from a hypothesis seed: hypothesis picks the shape and the kinds, numpy fills
+    the hundreds of loads and slots (a list strategy that long would make every example slow)."""
+    n = draw(st.sampled_from([8, 12, 16, 32, 64]))
+    per_device = draw(st.integers(1, 256 // n))  # E / N
+    s = per_device + draw(st.integers(0, 3))
+    e = n * per_device
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    base = Placement.identity(e, n, s)
+    kind = draw(st.sampled_from(["identity", "shuffled", "random"]))
+    if kind == "shuffled":  # the identity's slots permuted (replicas on any device)
+        base = base.with_table(rng.permutation(base.slot_to_expert))
+    elif kind == "random":  # every expert once, the spare slots to random experts
+        extra = rng.integers(0, e, n * s - e)
+        base = base.with_table(rng.permutation(np.concatenate([np.arange(e), extra])))
+    loads = draw(st.sampled_from(["zipf", "uniform", "one_hot", "balanced", "sparse"]))
+    if loads == "zipf":
+        probs = zipf_probs(e, draw(st.floats(0.0, 2.0)))[rng.permutation(e)]
+        counts = rng.multinomial(64 * e, probs).astype(np.float64)
+    elif loads == "uniform":
+        counts = rng.uniform(0, 1e4, e)
+    elif loads == "one_hot":
+        counts = np.zeros(e)
+        counts[rng.integers(e)] = 1e5
+    elif loads == "balanced":
+        counts = np.full(e, 100.0)
+    else:  # most experts idle
+        counts = np.where(rng.random(e) < 0.1, rng.integers(1, 1000, e), 0).astype(np.float64)
+    return base, counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(large_placements_and_counts(), st.sampled_from(["rows", "H100_IB", "H100_NVLINK"]))
+@example((Placement.identity(256, 32, 8), np.arange(256.0)), "H100_IB")
+def test_plan_at_scale_returns_a_valid_placement_and_never_raises(case, hardware):
+    # Regression (issue 17, item 4): when the re-pack replicates no expert (no spare slot, or
+    # replica sync priced above the balance it buys), packing_nodes.group_nodes raised
+    # OverflowError on node-aware hardware (about 1 example in 5 with H100_IB before the fix).
+    from moejax.placement import H100_IB, H100_NVLINK, Workload, step_cost
+
+    start, counts = case
+    hw = {"rows": None, "H100_IB": H100_IB, "H100_NVLINK": H100_NVLINK}[hardware]
+    wl = None if hw is None else Workload()
+    new = plan(start, counts, hardware=hw, workload=wl)
+    assert (new.num_experts, new.num_devices, new.slots_per_device) == (
+        start.num_experts,
+        start.num_devices,
+        start.slots_per_device,
+    )
+    r = new.expert_replica_counts()
+    assert r.shape == (start.num_experts,) and r.min() >= 1 and r.sum() == start.num_slots
+    assert new.device_table().shape == (start.num_devices, start.slots_per_device)
+    if new is not start:
+        if hw is None:
+            assert new.device_load(counts).max() < start.device_load(counts).max()
+        else:
+            before = step_cost(start, counts, hw, wl).total_s
+            assert step_cost(new, counts, hw, wl).total_s < before
+
+
+def test_plan_node_aware_without_any_replica():
+    # The case of issue 17, item 4: identity at E = 256, N = 32, S = 8 (no spare slot).
+    from moejax.placement import H100_IB, Workload
+
+    p = Placement.identity(256, 32, 8)
+    counts = np.arange(256.0)
+    new = plan(p, counts, hardware=H100_IB, workload=Workload())
+    assert new.expert_replica_counts().tolist() == [1] * 256
+    assert new.device_load(counts).max() < p.device_load(counts).max()
