@@ -363,14 +363,19 @@ def _rebalance_pairs(tab: np.ndarray, w: np.ndarray, loads: np.ndarray, shift: i
 
 
 def _has_duplicates(items: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """``[half, C]`` bool: split ``c`` of pair ``i`` puts one expert twice on a device."""
-    s = mask.shape[1] // 2
-    side_a = np.nonzero(mask)[1].reshape(-1, s)  # [C, S] positions on side A
-    side_b = np.nonzero(~mask)[1].reshape(-1, s)
-    dup = np.zeros((items.shape[0], mask.shape[0]), bool)
-    for side in (side_a, side_b):
-        grouped = np.sort(items[:, side], axis=2)  # [half, C, S]
-        dup |= np.any(grouped[..., 1:] == grouped[..., :-1], axis=2)
+    """``[half, C]`` bool: split ``c`` of pair ``i`` puts one expert twice on a device.
+
+    A split does exactly when two positions ``j < k`` of the pair hold the same expert and it
+    puts them on the same side: the (few) equal position pairs are looked up in a table of
+    which splits keep them together, instead of sorting both sides of every split."""
+    half, two_s = items.shape
+    upper = np.triu(np.ones((two_s, two_s), bool), 1)  # position pairs j < k
+    row, j, k = np.nonzero((items[:, :, None] == items[:, None, :]) & upper)  # sorted by row
+    dup = np.zeros((half, mask.shape[0]), bool)
+    if row.size:
+        together = mask[:, j] == mask[:, k]  # [C, pairs]
+        starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+        dup[row[starts]] = np.logical_or.reduceat(together, starts, axis=1).T
     return dup
 
 

@@ -251,3 +251,16 @@ def test_sync_shares_match_the_cost_model():
     placement = Placement(filled.reshape(-1), num_experts=5, num_devices=3, slots_per_device=3)
     expected = H100_IB.transfer_s(shares.sum(axis=1).max() * wl.expert_grad_bytes, 3)
     assert np.isclose(replica_sync_s(placement, H100_IB, wl), expected)
+
+
+def test_has_duplicates_matches_sorting_each_side():
+    # The equal-position lookup (packing._has_duplicates) against the definition: some side of
+    # the split holds one expert twice.
+    from moejax.placement.packing import _has_duplicates, _splits
+
+    rng = np.random.default_rng(0)
+    for s in range(1, 9):
+        mask = _splits(s)
+        items = rng.integers(-2, 2 * s, (40, 2 * s))
+        want = [[len(set(row[m])) < s or len(set(row[~m])) < s for m in mask] for row in items]
+        assert _has_duplicates(items, mask).tolist() == want
