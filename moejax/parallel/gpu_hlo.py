@@ -21,15 +21,11 @@ def gpu_mesh(shape, axis_names, topology: str = "1x1x8"):
     return targets.gpu_mesh(shape, axis_names, topology=topology)
 
 
-def overlap(hlo_text: str, collective: str = "all-to-all") -> list[tuple[str, int]]:
-    """GEMMs scheduled inside each async `<collective>` window of the ENTRY computation.
-
-    Returns `(start name, GEMM instructions between the start and its done)` in schedule order.
-    GEMMs are instructions whose name contains `gemm` (XLA:GPU names its cuBLAS and Triton GEMM
-    fusions so), which is how the compiled text tells them apart from other fusions.
-    """
+def _windows(hlo_text: str, collective: str) -> list[tuple[str, list[tuple[str, str]]]]:
+    """`(start name, [(name, line) of each instruction between the start and its done])` for
+    each async `<collective>` window of the ENTRY computation, in schedule order."""
     entry = hlo_text[hlo_text.index("ENTRY") :]
-    open_: dict[str, int] = {}
+    open_: dict[str, list[tuple[str, str]]] = {}
     out = []
     for line in entry.splitlines():
         m = _INSTR.match(line)
@@ -37,16 +33,29 @@ def overlap(hlo_text: str, collective: str = "all-to-all") -> list[tuple[str, in
             continue
         name = m.group(1)
         if name.startswith(f"{collective}-start"):
-            open_[name] = 0
+            open_[name] = []
         elif name.startswith(f"{collective}-done"):
             started = re.search(rf"%({collective}-start[\w.\-]*)", line)
             if started and started.group(1) in open_:
                 key = started.group(1)
                 out.append((key, open_.pop(key)))
-        elif "gemm" in name:
-            for k in open_:
-                open_[k] += 1
+        else:
+            for inside in open_.values():
+                inside.append((name, line))
     return out
+
+
+def overlap(hlo_text: str, collective: str = "all-to-all") -> list[tuple[str, int]]:
+    """GEMMs scheduled inside each async `<collective>` window of the ENTRY computation.
+
+    Returns `(start name, GEMM instructions between the start and its done)` in schedule order.
+    GEMMs are instructions whose name contains `gemm` (XLA:GPU names its cuBLAS and Triton GEMM
+    fusions so), which is how the compiled text tells them apart from other fusions.
+    """
+    return [
+        (start, sum("gemm" in name for name, _ in inside))
+        for start, inside in _windows(hlo_text, collective)
+    ]
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -63,24 +72,13 @@ def window_kernels(
     Returns `(start name, [(op_name, result shape) of each GEMM or kernel between the start and
     its done])` in schedule order; `overlap` counts the XLA GEMMs only.
     """
-    entry = hlo_text[hlo_text.index("ENTRY") :]
-    open_: dict[str, list[tuple[str, str]]] = {}
     out = []
-    for line in entry.splitlines():
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name = m.group(1)
-        if name.startswith(f"{collective}-start"):
-            open_[name] = []
-        elif name.startswith(f"{collective}-done"):
-            started = re.search(rf"%({collective}-start[\w.\-]*)", line)
-            if started and started.group(1) in open_:
-                key = started.group(1)
-                out.append((key, open_.pop(key)))
-        elif "gemm" in name or " custom-call(" in line:
-            tag = _OP_NAME.search(line)
-            shape = line[m.end() :].split(" ", 1)[0]
-            for ops in open_.values():
-                ops.append((tag.group(1) if tag else name, shape))
+    for start, inside in _windows(hlo_text, collective):
+        kernels = []
+        for name, line in inside:
+            if "gemm" in name or " custom-call(" in line:
+                tag = _OP_NAME.search(line)
+                shape = line[_INSTR.match(line).end() :].split(" ", 1)[0]
+                kernels.append((tag.group(1) if tag else name, shape))
+        out.append((start, kernels))
     return out
