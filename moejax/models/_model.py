@@ -231,16 +231,6 @@ def _ffn_stage(layer, x, table, *, is_moe, cfg, constrain, moe):
     return constrain(x + y), aux, h
 
 
-def _block(layer, x, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl):
-    """One pre-norm block: `(x, LMAux of this layer or None, the FFN input)`."""
-    layer = _gathered(layer, compute, mesh)
-    x = _attention_stage(
-        layer, x, cfg=cfg, cos=cos, sin=sin, mesh=mesh, constrain=constrain, attn_impl=attn_impl
-    )
-    x, aux, h = _ffn_stage(layer, x, table, is_moe=is_moe, cfg=cfg, constrain=constrain, moe=moe)
-    return x, (None if aux is None else _layer_stats(aux)), h
-
-
 def split_block(
     layer, xs, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl
 ):
@@ -388,8 +378,8 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
 
     inputs = []
     for i, layer in enumerate(p["layers"]):
-        x, _, h = _block(
-            layer, x, None, is_moe=cfg.is_moe(i), compute=None, cfg=cfg, cos=cos, sin=sin,
+        (x,), _, (h,) = split_block(
+            layer, (x,), None, is_moe=cfg.is_moe(i), compute=None, cfg=cfg, cos=cos, sin=sin,
             mesh=None, constrain=lambda v: v, moe=moe, attn_impl="xla",
         )  # fmt: skip
         if cfg.is_moe(i):
