@@ -20,9 +20,18 @@ A recorded trace (``--trace``) gives the routing distribution: by default each s
 are scaled to the workload's ``N·T·K`` rows (``--trace-rows as-is`` keeps its counts), so the
 modeled times mean most when it was recorded at the ``Workload``'s batch size.
 
-Run (10-20 s on 2 CPU cores):
+Reference cases (``--case``, issue 17 item 6): the planner alone, on fixed per-layer loads and
+slot counts, beside the published EPLB example (no cost model; rows only). ``eplb-readme`` is the
+example of DeepSeek's EPLB README (github.com/deepseek-ai/EPLB): 2 layers, 12 experts, 16
+slots on 8 GPUs in 2 nodes; ``zipf-256`` is E = 256 with Zipf loads (fixed seed) on 32 GPUs
+(4 nodes, 9 slots each) and 64 GPUs (8 nodes, 5 slots each). Each prints a Markdown table of
+max / mean device load for the static layout, moejax's plan and (``eplb-readme``) the
+placement printed in EPLB's README, and a lower bound on any placement's max / mean.
+
+Run (10-20 s on 2 CPU cores; a ``--case`` well under 1 s):
   .venv/bin/python experiments/simulate_placement.py
   .venv/bin/python experiments/simulate_placement.py --trace counts.npy --devices 8
+  .venv/bin/python experiments/simulate_placement.py --case eplb-readme --case zipf-256
 """
 
 from __future__ import annotations
@@ -41,10 +50,13 @@ from moejax.placement import (
     H100_NVLINK,
     TPU_V5P_ICI,
     ControllerConfig,
+    Placement,
     Workload,
+    apportion,
     balanced,
     drifting_zipf,
     load_trace,
+    plan,
     zipf,
 )
 from moejax.placement.replay import config_overrides
@@ -52,6 +64,106 @@ from moejax.placement.simulate import compare, summarize
 from moejax.placement.traces import zipf_exponent_for
 
 HARDWARE = {hw.name: hw for hw in (H100_IB, H100_NVLINK, TPU_V5P_ICI)}
+
+# DeepSeek EPLB README example (github.com/deepseek-ai/EPLB): its input, and the physical-to-
+# logical map its README prints as the output of rebalance_experts(weight, 16, 4, 2, 8). Data
+# only: EPLB's algorithm is not reproduced here.
+EPLB_README_WEIGHT = np.array(
+    [
+        [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+    ]
+)
+EPLB_README_PHY2LOG = np.array(
+    [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
+)
+CASES = ("eplb-readme", "zipf-256")
+
+
+def _static(num_experts: int, num_devices: int, slots: int) -> Placement:
+    """Load-unaware layout: ``Placement.identity`` (spare slots repeat a device's own experts)
+    when ``N`` divides ``E``, else slot ``i`` holds expert ``i mod E`` (device by device)."""
+    if num_experts % num_devices == 0:
+        return Placement.identity(num_experts, num_devices, slots)
+    table = np.arange(num_devices * slots) % num_experts
+    return Placement(table, num_experts, num_devices, slots)
+
+
+def load_bound(counts: np.ndarray, num_devices: int, slots: int) -> float:
+    """Lower bound on any placement's busiest-device rows / mean rows for ``counts [E]``.
+
+    ``max(1, max_e (n_e / d_e) / mean)``: an expert held on ``d_e`` distinct devices gives one of
+    them at least ``n_e / d_e`` rows, ``sum d_e <= P`` and ``d_e <= N``, and the largest
+    ``n_e / d_e`` is smallest for ``d = apportion(counts, P, max_replicas=N)`` (highest averages,
+    as in the planner's re-pack). It ignores that each device has exactly ``S`` slots.
+    """
+    counts = np.asarray(counts, np.float64)
+    mean = counts.sum() / num_devices
+    d = apportion(counts, num_devices * slots, max_replicas=num_devices)
+    return max(1.0, float((counts / d).max() / mean))
+
+
+def reference_case(name: str, seed: int = 0) -> dict:
+    """One ``--case``: what it models and one row per (config, layer) with max / mean loads."""
+    if name == "eplb-readme":
+        configs = [("E=12 N=8 (2 nodes) S=2", 8, 2, EPLB_README_WEIGHT, EPLB_README_PHY2LOG)]
+        about = (
+            "DeepSeek EPLB README example: 2 layers, 12 logical experts, 16 physical slots, "
+            "8 GPUs in 2 nodes (2 slots per GPU), 4 expert groups; loads = its weight matrix"
+        )
+    elif name == "zipf-256":
+        configs = []
+        for n, nodes, s in ((32, 4, 9), (64, 8, 5)):
+            tokens = 256 * 1024  # rows per layer; only the shares matter for max / mean
+            loads = zipf(1, 256, tokens, s=1.0, num_layers=2, seed=seed)[0]
+            configs.append((f"E=256 N={n} ({nodes} nodes) S={s}", n, s, loads, None))
+        about = (
+            f"E=256 experts, Zipf(s=1.0) loads (ranks shuffled per layer, seed={seed}, 2 layers, "
+            "262144 rows per layer): 32 GPUs in 4 nodes with 9 slots each (288 = 256 + 32 "
+            "redundant) and 64 GPUs in 8 nodes with 5 slots each (320 = 256 + 64)"
+        )
+    else:
+        raise ValueError(f"unknown case {name!r}; choose from {CASES}")
+    rows = []
+    for config, n, s, loads, eplb in configs:
+        for layer, counts in enumerate(np.asarray(loads, np.float64)):
+            start = _static(counts.shape[0], n, s)
+            row = dict(
+                case=name,
+                config=config,
+                layer=layer,
+                static=start.imbalance(counts),
+                moejax=plan(start, counts).imbalance(counts),
+                bound=load_bound(counts, n, s),
+            )
+            if eplb is not None:
+                row["eplb"] = Placement(eplb[layer], counts.shape[0], n, s).imbalance(counts)
+            rows.append(row)
+    return dict(case=name, about=about, rows=rows)
+
+
+def print_reference(result: dict) -> None:
+    print(f"\ncase {result['case']}: {result['about']}.")
+    print(
+        "max / mean device load (rows split evenly over an expert's replicas); static: "
+        "Placement.identity, or slot i -> expert i mod E when N does not divide E; moejax: "
+        "moejax.placement.plan(static, loads) on rows alone (no hardware model, so nodes play "
+        "no part); bound: max(1, max_e (n_e / d_e) / mean), d = apportion(loads, P, max N per "
+        "expert), a lower bound for any placement"
+        + ("; EPLB README: the placement its README prints" if "eplb" in result["rows"][0] else "")
+        + ".\n"
+    )
+    eplb = "eplb" in result["rows"][0]
+    cols = ["config", "layer", "static", "moejax plan"] + (["EPLB README"] if eplb else [])
+    print("| " + " | ".join(cols + ["bound"]) + " |")
+    print("|" + "---|" * (len(cols) + 1))
+    for r in result["rows"]:
+        vals = [r["config"], str(r["layer"]), f"{r['static']:.3f}", f"{r['moejax']:.3f}"]
+        vals += [f"{r['eplb']:.3f}"] if eplb else []
+        print("| " + " | ".join(vals + [f"{r['bound']:.3f}"]) + " |")
 
 
 def _traces(args, num_devices: int, wl: Workload) -> dict[str, np.ndarray]:
@@ -132,7 +244,18 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/placement")
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=CASES,
+        default=[],
+        help="print a reference case's max / mean device loads instead of simulating; repeatable",
+    )
     args = parser.parse_args()
+    if args.case:
+        for name in args.case:
+            print_reference(reference_case(name, args.seed))
+        return
 
     hw, wl = HARDWARE[args.hardware], Workload()
     try:
