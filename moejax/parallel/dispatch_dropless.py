@@ -35,8 +35,9 @@ return).
 below on every platform; XLA:GPU's latency-hiding scheduler fills its windows (with another
 micro-batch's attention, the experts' weight gradients). `"ragged"` chooses by compile target
 as follows; it sends fewer bytes under skew, but with jax 0.10.2 XLA:GPU left its windows empty
-in the LM step (deviceless H100 schedule) and libtpu runs it synchronously. **By compile target** (`jax.lax.platform_dependent`, decided at lowering: a
-deviceless compile for an H100 or TPU mesh on a CPU host keeps the accelerator branch):
+in the LM step (deviceless H100 schedule) and libtpu runs it synchronously. **By compile
+target** (`jax.lax.platform_dependent`, decided at lowering: a deviceless compile for an H100 or
+TPU mesh on a CPU host keeps the accelerator branch):
 - GPU, TPU: `jax.lax.ragged_all_to_all` sends exactly `min(count - r * B, B)` rows per pair,
   straight from the sorted rows into block `source * B` of the receive buffer (the offset in the
   receiver's buffer is given by the sender: `source * B`), and returns the outputs straight into
