@@ -27,11 +27,19 @@ slots on 8 GPUs in 2 nodes; ``zipf-256`` is E = 256 with Zipf loads (fixed seed)
 (4 nodes, 9 slots each) and 64 GPUs (8 nodes, 5 slots each). Each prints a Markdown table of
 max / mean device load for the static layout, moejax's plan and (``eplb-readme``) the
 placement printed in EPLB's README, and a lower bound on any placement's max / mean.
+``deepseek-v3`` (issue 17 item 3) models a DeepSeek-V3-like layer (``DEEPSEEK_V3``: E = 256 in
+8 groups, top-4 groups, top-8 experts) on ``H100_IB`` at 32 GPUs in 4 nodes (9 slots each) and
+64 GPUs in 8 nodes (5 slots each), Zipf loads: per layout (static, moejax's plan without and
+with the groups, the groups kept whole) max / mean device rows beside nodes per group,
+cross-node token copies per token and the modeled step.
+
+The simulation first prints the hardware and workload it models (``--help`` lists them too).
 
 Run (10-20 s on 2 CPU cores; a ``--case`` well under 1 s):
   .venv/bin/python experiments/simulate_placement.py
   .venv/bin/python experiments/simulate_placement.py --trace counts.npy --devices 8
   .venv/bin/python experiments/simulate_placement.py --case eplb-readme --case zipf-256
+  .venv/bin/python experiments/simulate_placement.py --case deepseek-v3   # about 2 s
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from moejax.placement import (
     zipf,
 )
 from moejax.placement.groups import cross_node_copies, min_nodes_per_group, nodes_per_group
+from moejax.placement.packing_groups import pack_by_group
 from moejax.placement.replay import config_overrides
 from moejax.placement.simulate import compare, summarize
 from moejax.placement.traces import zipf_exponent_for
@@ -184,16 +193,18 @@ def group_bound(
     """Lower bound on max / mean device rows for placements that keep every group on its
     ``groups.min_nodes_per_group`` nodes with no replica outside them: ``load_bound``, and the
     busiest node's share. Such a node carries all the rows of its groups (``num_groups / M``
-    whole groups per node) or ``1 / (M / num_groups)`` of its group's at best (a group over
-    ``M / num_groups`` nodes), and its busiest device at least ``1 / G`` of that. Other
-    shapes: ``load_bound`` alone.
+    whole groups per node: the busiest group's node at least that group and the
+    ``num_groups / M - 1`` lightest others) or ``1 / (M / num_groups)`` of its group's at best
+    (a group over ``M / num_groups`` nodes), and its busiest device at least ``1 / G`` of that.
+    Other shapes: ``load_bound`` alone.
     """
     counts = np.asarray(counts, np.float64)
     e, total = counts.shape[0], float(counts.sum())
     group_rows = counts.reshape(num_groups, e // num_groups).sum(axis=1)
     node = total / num_nodes
-    if num_groups % num_nodes == 0:
-        node = max(node, float(group_rows.max()))
+    if num_groups % num_nodes == 0:  # the node of the busiest group, with the lightest others
+        light = np.sort(group_rows)[: num_groups // num_nodes - 1].sum()
+        node = max(node, float(group_rows.max() + light))
     elif num_nodes % num_groups == 0:
         node = max(node, float(group_rows.max()) / (num_nodes // num_groups))
     return max(load_bound(counts, num_devices, slots), node / (total / num_nodes))
@@ -215,9 +226,11 @@ def deepseek_case(seed: int = 0) -> dict:
         config = f"E=256 N={n} ({m} nodes) S={s}"
         for layer, counts in enumerate(loads.astype(np.float64)):
             start = _static(256, n, s)
+            whole = pack_by_group(counts, n, s, g, ng, spill=0.0).reshape(-1)
             layouts = dict(
                 static=start,
                 plan=plan(start, counts, hardware=hw, workload=flat),
+                whole=Placement(whole, 256, n, s),
                 plan_groups=plan(start, counts, hardware=hw, workload=wl),
             )
             for name, p in layouts.items():
@@ -250,6 +263,7 @@ def deepseek_case(seed: int = 0) -> dict:
 _LAYOUT_NAMES = dict(
     static="static",
     plan="moejax plan, no groups",
+    whole="groups kept whole",
     plan_groups="moejax plan, groups",
 )
 
@@ -262,7 +276,9 @@ def print_deepseek(result: dict) -> None:
         "brackets); cross-node token copies per token (groups.cross_node_copies); modeled "
         "step (compute + node-deduplicated all-to-all + replica sync, cost_model.step_cost); "
         "static: Placement.identity; moejax plan: plan(static, loads, hardware, workload) "
-        "with num_groups=1 (today's node-aware planner) and with the groups; bound: any "
+        "with num_groups=1 (today's node-aware planner) and with the groups; groups kept whole: "
+        "packing_groups.pack_by_group(spill=0), the planner's candidate with no replica "
+        "outside its group's nodes; bound: any "
         "placement; groups bound: every group on its least nodes, no replica outside.\n"
     )
     cols = ["config", "layer", "layout", "max/mean", "nodes/group", "x-node copies/token"]
