@@ -126,8 +126,7 @@ class Workload:
         ``j`` is experts ``j·E/num_groups ..``, ``groups.py``); 1: no groups. With groups and
         nodes, ``step_cost`` charges cross-node traffic per destination node
         (``groups.cross_node_copies``) and ``planner.plan`` keeps each group on few nodes.
-      topk_groups: groups each token keeps (``MoEConfig.topk_groups``), ``<= num_groups`` and
-        ``<= top_k``.
+      topk_groups: groups each token keeps (``MoEConfig.topk_groups``), ``<= num_groups``.
     """
 
     tokens_per_device: int = 8192
@@ -154,16 +153,16 @@ class Workload:
             raise ValueError(
                 f"replica_sync_overlap must lie in [0, 1], got {self.replica_sync_overlap!r}"
             )
-        if self.topk_groups > min(self.num_groups, self.top_k):
+        if self.topk_groups > self.num_groups:
             raise ValueError(
-                f"topk_groups must be <= num_groups={self.num_groups} and <= "
-                f"top_k={self.top_k}, got {self.topk_groups!r}"
+                f"topk_groups must be <= num_groups={self.num_groups}, got {self.topk_groups!r}"
             )
 
     @property
     def picks_per_group(self) -> float:
-        """``c = K / topk_groups``: experts a token picks in each group it keeps."""
-        return self.top_k / self.topk_groups
+        """``c = max(1, K / topk_groups)``: experts a token picks in each group it reaches (with
+        ``K < topk_groups`` a token reaches ``K`` groups at most, one expert in each)."""
+        return max(1.0, self.top_k / self.topk_groups)
 
     @property
     def expert_params(self) -> int:

@@ -8,8 +8,9 @@ in DeepSeek-V3) the experts form ``num_groups`` groups of ``E / num_groups`` con
 group ``j`` holds experts ``j·E/num_groups .. (j+1)·E/num_groups - 1`` (the router reshapes the
 ``[T, E]`` scores to ``[T, num_groups, E/num_groups]``). Each token keeps its ``topk_groups``
 best groups and picks its ``K`` experts among them, ``c = K / topk_groups`` per group on
-average (DeepSeek-V3: 8 / 4 = 2). A group that lives on one node costs a token one cross-node
-copy at most; spread over ``m`` nodes, up to ``min(m, c)``.
+average (DeepSeek-V3: 8 / 4 = 2; ``Workload.picks_per_group``, at least 1). A group that lives
+on one node costs a token one cross-node copy at most; spread over ``m`` nodes, up to
+``min(m, c)``.
 
 **Cross-node copies** (``cross_node_copies``; node-deduplicated dispatch as in DeepSeek-V3: a
 token crosses to each destination node once and is forwarded inside it). With ``R_j`` the rows

@@ -50,6 +50,15 @@ the hierarchical packing (``packing_hier.pack_by_node``: experts dealt to nodes,
 inside their node, so no replica sync leaves a node) is a further candidate, taken when its
 modeled step is lower.
 
+**Expert groups** (``Workload.num_groups > 1`` with group-limited routing, on hardware with
+nodes): the cost model charges the all-to-all per destination node (``groups.py``), so a
+group spread over many nodes costs cross-node traffic, and the node-aware candidate is the
+group-aware packing instead (``packing_groups.pack_by_group``: whole groups dealt to nodes,
+each group on as few nodes as the layout allows, replicas packed inside their group's nodes),
+tried at a few spill levels (hot nodes' replicas placed on other nodes) and taken at the level
+of the lowest modeled step; so a replica leaves its group's nodes only when the cost model
+says the balance it buys pays for its cross-node traffic and sync.
+
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
 ``S`` slots, and the returned placement's busiest-device rows (with ``hardware`` and
 ``workload``: its modeled step time) are strictly lower than the input's, or the input object

@@ -55,7 +55,7 @@ def test_without_groups_or_nodes_the_exchange_is_the_flat_one():
 
 def test_group_validation():
     with pytest.raises(ValueError, match="topk_groups must be <= num_groups=2"):
-        Workload(num_groups=2, topk_groups=3)
+        Workload(num_groups=2, topk_groups=3, top_k=8)
     with pytest.raises(ValueError, match="num_groups must be a positive divisor of num_experts=4"):
         step_cost(Placement.identity(4, 4, 1), np.ones(4), TOY_HW, Workload(num_groups=3))
     with pytest.raises(ValueError, match="spill must lie in"):
