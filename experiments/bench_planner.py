@@ -1,6 +1,7 @@
 """Host wall time of `placement.plan` at scale (node-aware, H100_IB), median of repeats.
 
     python experiments/bench_planner.py --experts 256 --devices 64 --slots 6 8
+    python experiments/bench_planner.py --groups 8 --topk-groups 4 --slots 5 6 8  # DeepSeek-V3
 
 Zipf loads (hottest expert 4x the mean, ranks shuffled; 5 seeds, 3 timed calls each after a
 warm-up), planned from the identity placement and, the controller's case, re-planned from that
@@ -47,8 +48,10 @@ def main(argv=None) -> int:
     parser.add_argument("--slots", type=int, nargs="+", default=[6, 8])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=1, help="expert groups (1: none)")
+    parser.add_argument("--topk-groups", type=int, default=1, help="groups kept per token")
     args = parser.parse_args(argv)
-    wl = Workload()
+    wl = Workload(num_groups=args.groups, topk_groups=args.topk_groups)
     cases = _loads(args.experts, args.devices, wl, args.seeds)
     for s in args.slots:
         base = Placement.identity(args.experts, args.devices, s)
@@ -67,9 +70,9 @@ def main(argv=None) -> int:
         ):
             ms = 1e3 * np.array(times)
             print(
-                f"E={args.experts} N={args.devices} S={s} {name:>13}: median {np.median(ms):5.1f} "
-                f"ms (min {ms.min():5.1f}, max {ms.max():5.1f}); step vs start "
-                f"{' '.join(f'{r:.4f}' for r in ratios)}"
+                f"E={args.experts} N={args.devices} S={s} groups={args.groups} {name:>13}: "
+                f"median {np.median(ms):5.1f} ms (min {ms.min():5.1f}, max {ms.max():5.1f}); "
+                f"step vs start {' '.join(f'{r:.4f}' for r in ratios)}"
             )
     return 0
 
