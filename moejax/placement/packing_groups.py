@@ -161,14 +161,21 @@ def _candidate_replicas(node_counts: np.ndarray, budget: np.ndarray, cap: np.nda
             r = np.ones((m, q), np.int64)
             cold = np.arange(q)[None, :] < split[:, None]
             r[rows[:, None], coldest] = np.where(cold, ways, 1)
-            left = spare - split * (ways - 1)
-            for _ in range(int(left.max())):
-                priority = np.where(r < cap[:, None], node_counts / r, -np.inf)
-                active = np.flatnonzero(left > 0)
-                r[active, np.argmax(priority[active], axis=1)] += 1
-                left[active] -= 1
-            out.append(r)
+            out.append(r + _highest_averages(node_counts, r, spare - split * (ways - 1), cap))
     return out
+
+
+def _highest_averages(node_counts, r, left, cap) -> np.ndarray:
+    """``[M, Q]`` replicas added to ``r``: each node's ``left [M]`` largest ``n_e / (r_e + k)``,
+    ``k >= 0`` (so one expert's next replicas come in order), with ``r_e + k < cap [M]``."""
+    m, q = r.shape
+    k = np.arange(int(cap.max()))
+    priority = node_counts[:, :, None] / (r[:, :, None] + k)  # [M, Q, cap]
+    priority = np.where(r[:, :, None] + k < cap[:, None, None], priority, -np.inf)
+    order = np.argsort(-priority.reshape(m, -1), axis=1, kind="stable")[:, : int(left.max())]
+    take = np.arange(order.shape[1]) < left[:, None]  # [M, max left]
+    expert = np.arange(m)[:, None] * q + order // k.size
+    return np.bincount(expert[take], minlength=m * q).reshape(m, q)
 
 
 def _fill_nodes(homes, node_counts, r, out, into):
