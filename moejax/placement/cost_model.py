@@ -8,7 +8,9 @@ One layer's step (forward + backward) is modeled as
 * compute: the busiest device's rows x ``flops_per_row`` / device FLOP/s (peak, so a lower bound);
 * all-to-all: ``passes`` exchanges (dispatch + combine, forward + backward) of ``D``-wide rows;
   each device's time is ``max(rows sent, rows received)`` x ``D`` x bytes / link bandwidth, split
-  between the in-node and the cross-node link, and the slowest device sets the time;
+  between the in-node and the cross-node link, and the slowest device sets the time; with
+  expert groups (``Workload.num_groups > 1``) on hardware with nodes, the cross-node part counts
+  one copy per token and destination node instead (``step_cost``, ``groups.py``);
 * replica gradient sync: the gradients of an expert replicated on several devices are combined
   every step (a ring all-reduce among its holders, ``replica_sync_s``; over the in-node link
   when they share a node, else over the cross-node link), the part not hidden behind the
