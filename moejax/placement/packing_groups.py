@@ -25,8 +25,9 @@ over all of them. Here, as in DeepSeek's EPLB hierarchy, whole groups go to node
 3. **Replica counts and devices per node**: as ``packing_hier`` steps 2 and 3 (the ``j``
    coldest experts split two or three ways, the rest by highest averages, ``j`` on a coarser
    grid (0-3, then quarters of the most) to bound the time; packed into the
-   node's ``G`` devices by rounds and pairwise re-splits); the candidate whose busiest device
-   is lightest over all nodes is kept (spilled replicas couple the nodes).
+   node's ``G`` devices by rounds, and pairwise re-splits for the ``_FINALISTS`` best before
+   them); the candidate whose busiest device is lightest over all nodes is kept (spilled
+   replicas couple the nodes).
 
 Plain numpy; no jax.
 """
@@ -40,6 +41,7 @@ from moejax.placement.packing import apportion, pack
 from moejax.placement.packing_hier import _pack_nodes
 
 SPILL_LEVELS = (0.0, 0.5, 1.0)  # spill fractions the planner tries (0: groups kept whole)
+_FINALISTS = 3  # replica-count candidates re-split in full (by their balance before re-splits)
 
 
 def pack_by_group(
@@ -81,10 +83,15 @@ def pack_by_group(
     node_counts = counts[homes]
     out, into = _spill_slots(counts, homes, num_devices, g * s, spill)
     budget = g * s + out - into  # [M] replicas of each node's own experts
+    filled = [
+        _fill_nodes(homes, node_counts, r, out, into)
+        for r in _candidate_replicas(node_counts, budget, g + out)
+    ]
+    # Every candidate dealt to devices (no re-splits), the best few re-split in full.
+    rough = [_pack_nodes(w, ids, g, s, passes=0)[1].sum(axis=2).max() for ids, w in filled]
     best_table, best_max = None, np.inf
-    for r in _candidate_replicas(node_counts, budget, g + out):
-        ids, weights = _fill_nodes(homes, node_counts, r, out, into)
-        table, slot_w = _pack_nodes(weights, ids, g, s)
+    for k in np.argsort(rough, kind="stable")[:_FINALISTS].tolist():
+        table, slot_w = _pack_nodes(filled[k][1], filled[k][0], g, s)
         worst = float(slot_w.sum(axis=2).max())
         if worst < best_max:
             best_table, best_max = table, worst
