@@ -69,8 +69,8 @@ def pack_by_group(
       multiple of ``M``, fewer than ``S`` or more than ``G·S`` experts per node).
 
     >>> counts = np.array([8.0, 1, 1, 1, 4, 1, 1, 1])  # 2 groups of 4, 2 nodes of 2 devices
-    >>> pack_by_group(counts, 4, 3, 2, num_groups=2).tolist()
-    [[0, 1, 2], [0, 3, 0], [4, 7, 6], [4, 5, 4]]
+    >>> pack_by_group(counts, 4, 3, 2, num_groups=2).tolist()  # node 0: 4 + 1 + 0.5 rows each
+    [[0, 3, 1], [0, 2, 1], [4, 7, 5], [4, 6, 5]]
     """
     if not 0.0 <= spill <= 1.0:
         raise ValueError(f"spill must lie in [0, 1], got {spill!r}")
