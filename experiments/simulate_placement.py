@@ -27,11 +27,19 @@ slots on 8 GPUs in 2 nodes; ``zipf-256`` is E = 256 with Zipf loads (fixed seed)
 (4 nodes, 9 slots each) and 64 GPUs (8 nodes, 5 slots each). Each prints a Markdown table of
 max / mean device load for the static layout, moejax's plan and (``eplb-readme``) the
 placement printed in EPLB's README, and a lower bound on any placement's max / mean.
+``deepseek-v3`` (issue 17 item 3) models a DeepSeek-V3-like layer (``DEEPSEEK_V3``: E = 256 in
+8 groups, top-4 groups, top-8 experts) on ``H100_IB`` at 32 GPUs in 4 nodes (9 slots each) and
+64 GPUs in 8 nodes (5 slots each), Zipf loads: per layout (static, moejax's plan without and
+with the groups, the groups kept whole) max / mean device rows beside nodes per group,
+cross-node token copies per token and the modeled step.
+
+The simulation first prints the hardware and workload it models (``--help`` lists them too).
 
 Run (10-20 s on 2 CPU cores; a ``--case`` well under 1 s):
   .venv/bin/python experiments/simulate_placement.py
   .venv/bin/python experiments/simulate_placement.py --trace counts.npy --devices 8
   .venv/bin/python experiments/simulate_placement.py --case eplb-readme --case zipf-256
+  .venv/bin/python experiments/simulate_placement.py --case deepseek-v3   # about 2 s
 """
 
 from __future__ import annotations
@@ -57,8 +65,11 @@ from moejax.placement import (
     drifting_zipf,
     load_trace,
     plan,
+    step_cost,
     zipf,
 )
+from moejax.placement.groups import cross_node_copies, min_nodes_per_group, nodes_per_group
+from moejax.placement.packing_groups import pack_by_group
 from moejax.placement.replay import config_overrides
 from moejax.placement.simulate import compare, summarize
 from moejax.placement.traces import zipf_exponent_for
@@ -80,7 +91,17 @@ EPLB_README_PHY2LOG = np.array(
         [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
     ]
 )
-CASES = ("eplb-readme", "zipf-256")
+CASES = ("eplb-readme", "zipf-256")  # rows only, no cost model
+GROUP_CASES = ("deepseek-v3",)  # expert groups, with the cost model
+
+# DeepSeek-V3-like MoE layer (arXiv 2412.19437, sections 2.1.2 and 4.2): 256 routed experts of
+# d_ff 2048 on d_model 7168, top-8 among the top-4 of 8 groups (each group's best two experts
+# score it); 8192 tokens per GPU per step, bf16 activations (V3 dispatches in FP8). Hardware:
+# H100_IB, 8 GPUs per node (V3 trained on H800s: the same 50 GB/s InfiniBand per GPU, a slower
+# NVLink).
+DEEPSEEK_V3 = Workload(
+    tokens_per_device=8192, top_k=8, d_model=7168, d_ff=2048, num_groups=8, topk_groups=4
+)
 
 
 def _static(num_experts: int, num_devices: int, slots: int) -> Placement:
@@ -166,6 +187,115 @@ def print_reference(result: dict) -> None:
         print("| " + " | ".join(vals + [f"{r['bound']:.3f}"]) + " |")
 
 
+def group_bound(
+    counts: np.ndarray, num_groups: int, num_devices: int, num_nodes: int, slots: int
+) -> float:
+    """Lower bound on max / mean device rows for placements that keep every group on its
+    ``groups.min_nodes_per_group`` nodes with no replica outside them: ``load_bound``, and the
+    busiest node's share. Such a node carries all the rows of its groups (``num_groups / M``
+    whole groups per node: the busiest group's node at least that group and the
+    ``num_groups / M - 1`` lightest others) or ``1 / (M / num_groups)`` of its group's at best
+    (a group over ``M / num_groups`` nodes), and its busiest device at least ``1 / G`` of that.
+    Other shapes: ``load_bound`` alone.
+    """
+    counts = np.asarray(counts, np.float64)
+    e, total = counts.shape[0], float(counts.sum())
+    group_rows = counts.reshape(num_groups, e // num_groups).sum(axis=1)
+    node = total / num_nodes
+    if num_groups % num_nodes == 0:  # the node of the busiest group, with the lightest others
+        light = np.sort(group_rows)[: num_groups // num_nodes - 1].sum()
+        node = max(node, float(group_rows.max() + light))
+    elif num_nodes % num_groups == 0:
+        node = max(node, float(group_rows.max()) / (num_nodes // num_groups))
+    return max(load_bound(counts, num_devices, slots), node / (total / num_nodes))
+
+
+def deepseek_case(seed: int = 0) -> dict:
+    """``--case deepseek-v3``: E = 256 in 8 groups (top-4 groups, top-8 experts), 32 GPUs in 4
+    nodes (9 slots each) and 64 GPUs in 8 nodes (5 slots), Zipf loads (hottest expert 4x the
+    mean, ranks shuffled, ``seed``, 2 layers); per layout: max / mean device rows, nodes per
+    group, cross-node token copies per token and the modeled step (``DEEPSEEK_V3`` on
+    ``H100_IB``)."""
+    wl, hw = DEEPSEEK_V3, H100_IB
+    flat = dataclasses.replace(wl, num_groups=1, topk_groups=1)  # the planner without groups
+    g, ng = hw.devices_per_node, wl.num_groups
+    rows = []
+    for n, s in ((32, 9), (64, 5)):
+        m, tokens = n // g, n * wl.rows_per_step
+        loads = zipf(1, 256, tokens, s=zipf_exponent_for(256, 4.0), num_layers=2, seed=seed)[0]
+        config = f"E=256 N={n} ({m} nodes) S={s}"
+        for layer, counts in enumerate(loads.astype(np.float64)):
+            start = _static(256, n, s)
+            whole = pack_by_group(counts, n, s, g, ng, spill=0.0).reshape(-1)
+            layouts = dict(
+                static=start,
+                plan=plan(start, counts, hardware=hw, workload=flat),
+                whole=Placement(whole, 256, n, s),
+                plan_groups=plan(start, counts, hardware=hw, workload=wl),
+            )
+            for name, p in layouts.items():
+                spans = nodes_per_group(p, ng, g)
+                copies = cross_node_copies(p, counts, ng, wl.picks_per_group, g)
+                rows.append(
+                    dict(
+                        config=config,
+                        layer=layer,
+                        layout=name,
+                        imbalance=p.imbalance(counts),
+                        nodes_mean=float(spans.mean()),
+                        nodes_max=int(spans.max()),
+                        nodes_min=int(min_nodes_per_group(256, ng, m).max()),
+                        copies_per_token=float(copies.sum() / (counts.sum() / wl.top_k)),
+                        step_ms=1e3 * step_cost(p, counts, hw, wl).total_s,
+                        bound=load_bound(counts, n, s),
+                        group_bound=group_bound(counts, ng, n, m, s),
+                    )
+                )
+    about = (
+        f"DeepSeek-V3-like layer, E=256 in {ng} groups, top-{wl.topk_groups} groups, "
+        f"top-{wl.top_k} experts; Zipf loads (hottest expert 4x the mean, ranks shuffled, "
+        f"seed={seed}, 2 layers); 32 GPUs in 4 nodes with 9 slots each and 64 GPUs in 8 nodes "
+        "with 5 slots each"
+    )
+    return dict(case="deepseek-v3", about=about, hardware=hw, workload=wl, rows=rows)
+
+
+_LAYOUT_NAMES = dict(
+    static="static",
+    plan="moejax plan, no groups",
+    whole="groups kept whole",
+    plan_groups="moejax plan, groups",
+)
+
+
+def print_deepseek(result: dict) -> None:
+    print(f"\ncase {result['case']}: {result['about']}.")
+    print(f"hardware: {result['hardware']}\nworkload: {result['workload']}")
+    print(
+        "max / mean device rows; nodes per group (mean / max; the least the layout allows in "
+        "brackets); cross-node token copies per token (groups.cross_node_copies); modeled "
+        "step (compute + node-deduplicated all-to-all + replica sync, cost_model.step_cost); "
+        "static: Placement.identity; moejax plan: plan(static, loads, hardware, workload) "
+        "with num_groups=1 (today's node-aware planner) and with the groups; groups kept whole: "
+        "packing_groups.pack_by_group(spill=0), the planner's candidate with no replica "
+        "outside its group's nodes; bound: any "
+        "placement; groups bound: every group on its least nodes, no replica outside.\n"
+    )
+    cols = ["config", "layer", "layout", "max/mean", "nodes/group", "x-node copies/token"]
+    cols += ["step ms", "bound", "groups bound"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in result["rows"]:
+        vals = [r["config"], str(r["layer"]), _LAYOUT_NAMES[r["layout"]]]
+        vals += [
+            f"{r['imbalance']:.3f}",
+            f"{r['nodes_mean']:.2f} / {r['nodes_max']} [{r['nodes_min']}]",
+        ]
+        vals += [f"{r['copies_per_token']:.2f}", f"{r['step_ms']:.2f}"]
+        vals += [f"{r['bound']:.3f}", f"{r['group_bound']:.3f}"]
+        print("| " + " | ".join(vals) + " |")
+
+
 def _traces(args, num_devices: int, wl: Workload) -> dict[str, np.ndarray]:
     if args.trace:
         trace = load_trace(args.trace).astype(np.float64)  # [steps, L, E]
@@ -220,8 +350,30 @@ def _plot(path: str, rows: list[dict], series: dict) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _models_line(hw, wl: Workload) -> str:
+    """What the simulation models: the hardware and the workload, every field."""
+    return f"modeling hardware: {hw}\nmodeling workload (one MoE layer): {wl}"
+
+
+def _help_epilog() -> str:
+    lines = ["what it models:", "  workload (one MoE layer, per device and step; E = 2N experts):"]
+    lines.append(f"    {Workload()}")
+    lines.append("  hardware (--hardware; default h100-ib):")
+    lines += [f"    {hw}" for hw in HARDWARE.values()]
+    lines.append(
+        "  --case eplb-readme / zipf-256: rows only (no hardware, no workload); "
+        f"--case deepseek-v3: {H100_IB.name} and"
+    )
+    lines.append(f"    {DEEPSEEK_V3}")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=_help_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--devices", type=int, nargs="+", default=[8, 64, 512, 2048])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--spare", type=int, default=1, help="spare expert slots per device")
@@ -247,17 +399,22 @@ def main() -> None:
     parser.add_argument(
         "--case",
         action="append",
-        choices=CASES,
+        choices=CASES + GROUP_CASES,
         default=[],
-        help="print a reference case's max / mean device loads instead of simulating; repeatable",
+        help="print a reference case's max / mean device loads instead of simulating "
+        "(deepseek-v3: its own workload and hardware, see below); repeatable",
     )
     args = parser.parse_args()
     if args.case:
         for name in args.case:
-            print_reference(reference_case(name, args.seed))
+            if name in GROUP_CASES:
+                print_deepseek(deepseek_case(args.seed))
+            else:
+                print_reference(reference_case(name, args.seed))
         return
 
     hw, wl = HARDWARE[args.hardware], Workload()
+    print(_models_line(hw, wl))
     try:
         config = dataclasses.replace(ControllerConfig(), **config_overrides(args.set))
     except (TypeError, ValueError) as err:

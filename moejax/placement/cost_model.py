@@ -8,7 +8,9 @@ One layer's step (forward + backward) is modeled as
 * compute: the busiest device's rows x ``flops_per_row`` / device FLOP/s (peak, so a lower bound);
 * all-to-all: ``passes`` exchanges (dispatch + combine, forward + backward) of ``D``-wide rows;
   each device's time is ``max(rows sent, rows received)`` x ``D`` x bytes / link bandwidth, split
-  between the in-node and the cross-node link, and the slowest device sets the time;
+  between the in-node and the cross-node link, and the slowest device sets the time; with
+  expert groups (``Workload.num_groups > 1``) on hardware with nodes, the cross-node part counts
+  one copy per token and destination node instead (``step_cost``, ``groups.py``);
 * replica gradient sync: the gradients of an expert replicated on several devices are combined
   every step (a ring all-reduce among its holders, ``replica_sync_s``; over the in-node link
   when they share a node, else over the cross-node link), the part not hidden behind the
@@ -30,6 +32,7 @@ import dataclasses
 
 import numpy as np
 
+from moejax.placement.groups import cross_node_copies
 from moejax.placement.table import Placement, check_counts
 
 
@@ -121,6 +124,11 @@ class Workload:
         behind the rest of the backward pass (0: none hidden, the honest upper bound; the
         gradients of an expert are ready only after its backward GEMMs, so the real figure
         depends on the schedule).
+      num_groups: expert groups of group-limited routing (``MoEConfig.num_groups``; group
+        ``j`` is experts ``j·E/num_groups ..``, ``groups.py``); 1: no groups. With groups and
+        nodes, ``step_cost`` charges cross-node traffic per destination node
+        (``groups.cross_node_copies``) and ``planner.plan`` keeps each group on few nodes.
+      topk_groups: groups each token keeps (``MoEConfig.topk_groups``), ``<= num_groups``.
     """
 
     tokens_per_device: int = 8192
@@ -133,6 +141,8 @@ class Workload:
     state_bytes_per_param: int = 14
     all_to_all_passes: int = 4
     replica_sync_overlap: float = 0.0
+    num_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -145,6 +155,16 @@ class Workload:
             raise ValueError(
                 f"replica_sync_overlap must lie in [0, 1], got {self.replica_sync_overlap!r}"
             )
+        if self.topk_groups > self.num_groups:
+            raise ValueError(
+                f"topk_groups must be <= num_groups={self.num_groups}, got {self.topk_groups!r}"
+            )
+
+    @property
+    def picks_per_group(self) -> float:
+        """``c = max(1, K / topk_groups)``: experts a token picks in each group it reaches (with
+        ``K < topk_groups`` a token reaches ``K`` groups at most, one expert in each)."""
+        return max(1.0, self.top_k / self.topk_groups)
 
     @property
     def expert_params(self) -> int:
@@ -193,17 +213,42 @@ class StepCost:
         return self.compute_s + self.all_to_all_s + self.replica_sync_s
 
 
-def _a2a_s(load, local, total, num_devices, hw, wl) -> float:
+def _a2a_s(load, local, total, num_devices, hw, wl, copies=None) -> float:
     sent = total / num_devices - local  # [N]
     received = load - local  # [N]
-    nbytes = np.maximum(sent, received) * wl.d_model * wl.activation_bytes
-    return float(wl.all_to_all_passes * hw.transfer_s(nbytes, num_devices).max())
+    row_bytes = wl.d_model * wl.activation_bytes
+    nbytes = np.maximum(sent, received) * row_bytes
+    if copies is None:
+        return float(wl.all_to_all_passes * hw.transfer_s(nbytes, num_devices).max())
+    # Groups: every row leaving or entering a device crosses the in-node link once; token
+    # copies cross nodes once per destination node (``groups.cross_node_copies``), each node's
+    # devices sharing its copies, sent (the mean, sources uniform) or received.
+    g = hw.devices_per_node
+    cross = np.repeat(np.maximum(copies, copies.mean()) / g, g) * row_bytes  # [N]
+    seconds = np.maximum(nbytes / hw.node_link_bytes_per_s, cross / hw.link_bytes_per_s)
+    return float(wl.all_to_all_passes * seconds.max())
+
+
+def has_group_nodes(num_devices: int, hw: HardwareModel, wl: Workload) -> bool:
+    """Whether groups shape the traffic: ``wl.num_groups > 1`` and ``N`` splits into two or
+    more nodes of ``hw.devices_per_node > 1`` devices."""
+    g = hw.devices_per_node
+    return wl.num_groups > 1 and 1 < g < num_devices and num_devices % g == 0
 
 
 def step_cost(
     placement: Placement, counts: np.ndarray, hw: HardwareModel, wl: Workload
 ) -> StepCost:
     """Modeled compute + all-to-all + exposed replica gradient sync of one layer step.
+
+    With expert groups (``wl.num_groups > 1``) on hardware with nodes (``has_group_nodes``),
+    the all-to-all is node-deduplicated, as DeepSeek-V3 dispatches: per pass, a device's time
+    is ``max(b_d / B_node, (max(X_m, mean X) / G) · D · bytes / B_link)``, where ``b_d`` is the
+    bytes of its rows that leave or enter it (each crosses the in-node link once: directly, or
+    forwarded inside the destination node) and ``X_m`` the token copies its node ``m``
+    receives from other nodes (``groups.cross_node_copies``: ``(1 - 1/M) · sum_j T_j · (1 -
+    (1 - p_jm)^c)``, which grows as group ``j``'s rows spread over more nodes). Without groups,
+    rows go uniformly to every device (``HardwareModel.transfer_s``).
 
     Args:
       placement: the layer's placement (``N`` devices, ``P`` slots).
@@ -223,7 +268,12 @@ def step_cost(
     local = np.bincount(keys // e, weights=counts[keys % e], minlength=n) / n
     compute = float(load.max()) * wl.flops_per_row / hw.flops_per_s
     sync = (1.0 - wl.replica_sync_overlap) * replica_sync_s(placement, hw, wl)
-    return StepCost(compute, _a2a_s(load, local, counts.sum(), n, hw, wl), sync)
+    copies = None
+    if has_group_nodes(n, hw, wl):
+        copies = cross_node_copies(
+            placement, counts, wl.num_groups, wl.picks_per_group, hw.devices_per_node
+        )
+    return StepCost(compute, _a2a_s(load, local, counts.sum(), n, hw, wl, copies), sync)
 
 
 def rows_per_gradient(hw: HardwareModel, wl: Workload, num_devices: int) -> float:
@@ -258,6 +308,7 @@ def perfect_cost(counts: np.ndarray, num_devices: int, hw: HardwareModel, wl: Wo
     (compute is at least ``total/N`` rows, sync at least 0). Its all-to-all is the one of a
     device holding each expert's rows in ``1/N``: a placement with many replicas keeps more
     rows local and can undercut it (negative gaps with several spare slots per device).
+    Its exchange is the one without expert groups (``Workload.num_groups`` is not used).
 
     Args:
       counts: ``[E]`` rows per expert in this step.

@@ -100,9 +100,9 @@ def _candidate_replicas(node_counts: np.ndarray, g: int, s: int) -> list[np.ndar
     return out
 
 
-def _pack_nodes(weights: np.ndarray, ids: np.ndarray, g: int, s: int):
-    """``[M, G·S]`` replicas into ``[M, G, S]`` devices per node (step 3); returns the experts
-    and the rows of every slot."""
+def _pack_nodes(weights: np.ndarray, ids: np.ndarray, g: int, s: int, passes: int = _PASSES):
+    """``[M, G·S]`` replicas into ``[M, G, S]`` devices per node (step 3, at most ``passes``
+    re-split passes); returns the experts and the rows of every slot."""
     m = weights.shape[0]
     order = np.argsort(-weights, axis=1, kind="stable")
     weights, ids = np.take_along_axis(weights, order, 1), np.take_along_axis(ids, order, 1)
@@ -113,7 +113,7 @@ def _pack_nodes(weights: np.ndarray, ids: np.ndarray, g: int, s: int):
         table[rows, busiest, k] = ids[:, (k + 1) * g - 1 : k * g - 1 if k else None : -1]
         slot_w[rows, busiest, k] = weights[:, (k + 1) * g - 1 : k * g - 1 if k else None : -1]
     best = slot_w.sum(axis=2).max()
-    for shift in range(_PASSES):
+    for shift in range(passes):
         table, slot_w = _resplit_pairs(table, slot_w, shift)
         top = slot_w.sum(axis=2).max()
         if not top < best:

@@ -50,6 +50,15 @@ the hierarchical packing (``packing_hier.pack_by_node``: experts dealt to nodes,
 inside their node, so no replica sync leaves a node) is a further candidate, taken when its
 modeled step is lower.
 
+**Expert groups** (``Workload.num_groups > 1`` with group-limited routing, on hardware with
+nodes): the cost model charges the all-to-all per destination node (``groups.py``), so a
+group spread over many nodes costs cross-node traffic, and the node-aware candidate is the
+group-aware packing instead (``packing_groups.pack_by_group``: whole groups dealt to nodes,
+each group on as few nodes as the layout allows, replicas packed inside their group's nodes),
+tried at a few spill levels (hot nodes' replicas placed on other nodes) and taken at the level
+of the lowest modeled step; so a replica leaves its group's nodes only when the cost model
+says the balance it buys pays for its cross-node traffic and sync.
+
 Guarantees (tested with hypothesis): every expert keeps >= 1 replica, each device keeps exactly
 ``S`` slots, and the returned placement's busiest-device rows (with ``hardware`` and
 ``workload``: its modeled step time) are strictly lower than the input's, or the input object
@@ -68,10 +77,12 @@ from moejax.placement.cost_model import (
     HardwareModel,
     Workload,
     copies_needed,
+    has_group_nodes,
     rows_per_gradient,
     step_cost,
 )
 from moejax.placement.packing import align, apportion, fill_spare, pack, rebalance, replica_counts
+from moejax.placement.packing_groups import SPILL_LEVELS, pack_by_group
 from moejax.placement.packing_hier import pack_by_node
 from moejax.placement.packing_nodes import align_nodes, group_nodes
 from moejax.placement.packing_sync import limit_sync, sync_shares
@@ -271,8 +282,11 @@ def plan(
     g = hardware.devices_per_node  # nodes: consecutive blocks of g devices
     g = g if 1 < g < placement.num_devices and placement.num_devices % g == 0 else 1
     nodes, by_node = None, None
-    if g > 1:  # the hierarchical packing: a candidate, and the bar a flat one must clear
-        by_node = _by_node(placement, counts, g)
+    if g > 1:  # a node-aware packing: a candidate, and the bar a flat one must clear
+        if has_group_nodes(placement.num_devices, hardware, workload):
+            by_node = _by_group(placement, counts, hardware, workload)  # groups on few nodes
+        else:
+            by_node = _by_node(placement, counts, g)
         bar = np.inf if by_node is None else step_cost(by_node, counts, hardware, workload).total_s
         nodes = _Nodes(g, hardware, workload, bar)
     candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows, nodes)
@@ -283,6 +297,29 @@ def plan(
     if candidate is placement:  # a re-pack must save _GLOBAL_MARGIN of the step
         limit *= 1.0 - _GLOBAL_MARGIN
     return by_node if nodes.bar < limit else candidate
+
+
+def _by_group(
+    placement: Placement, counts: np.ndarray, hw: HardwareModel, wl: Workload
+) -> Placement | None:
+    """The group-aware packing (``packing_groups.pack_by_group``) at the spill level the cost
+    model prices lowest (the lowest level on ties), relabelled onto ``placement`` node by
+    node; None when the shapes do not split into nodes."""
+    g = hw.devices_per_node
+    best = None
+    for spill in SPILL_LEVELS:
+        packed = pack_by_group(
+            counts, placement.num_devices, placement.slots_per_device, g, wl.num_groups, spill
+        )
+        if packed is None:
+            return None
+        new = placement.with_table(
+            align_nodes(placement.device_table(), packed, placement.num_experts, g)
+        )
+        cost = step_cost(new, counts, hw, wl).total_s
+        if best is None or cost < best[1]:
+            best = (new, cost)
+    return best[0]
 
 
 def _balance_rows(

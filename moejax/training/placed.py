@@ -222,6 +222,8 @@ def controller_factory(
         param_bytes=param_bytes,
         state_bytes_per_param=3 * param_bytes,  # the parameter and Adam's two moments
         replica_sync_overlap=1.0,  # placement-independent here (docstring)
+        num_groups=moe.num_groups,  # group-limited routing: the planner keeps groups on few nodes
+        topk_groups=moe.topk_groups,
     )
     if isinstance(hardware, str):
         if hardware != "measured":

@@ -1,4 +1,4 @@
-"""experiments/simulate_placement.py --case: the EPLB README example and E=256 Zipf loads.
+"""experiments/simulate_placement.py --case: the EPLB README example, E=256 Zipf loads, DeepSeek-V3.
 
 The numbers are recorded in BENCHMARKS.md ("Placement", reference cases); here only their
 sanity: max / mean >= 1, the bound <= moejax's plan <= the static layout.
@@ -47,3 +47,41 @@ def test_load_bound_counts_distinct_devices():
     assert sim.load_bound(counts, 4, 2) == 1.0
     # 2 devices, 1 slot each, 2 experts 90 / 10: no replica possible; bound 90 / 50.
     assert sim.load_bound(np.array([90.0, 10.0]), 2, 1) == pytest.approx(1.8)
+
+
+def test_deepseek_v3_case_keeps_groups_on_their_nodes(capsys):
+    # E=256 in 8 groups on 4 and 8 nodes: 1 node per group is the least (2 groups per node, or
+    # 1). With groups kept whole, every group is on 1 node and max / mean lies within 1% of
+    # the groups bound (the busiest node's groups, spread evenly over its 8 devices); the
+    # planner spreads a group only when the modeled step falls, and beats the group-blind plan.
+    result = sim.deepseek_case()
+    rows = {(r["config"], r["layer"], r["layout"]): r for r in result["rows"]}
+    configs = {(r["config"], r["layer"]) for r in result["rows"]}
+    assert len(configs) == 4
+    for key in configs:
+        static, blind = rows[key + ("static",)], rows[key + ("plan",)]
+        whole, planned = rows[key + ("whole",)], rows[key + ("plan_groups",)]
+        assert whole["nodes_min"] == 1
+        assert whole["nodes_max"] == 1 and static["nodes_max"] == 1, key
+        assert whole["group_bound"] <= whole["imbalance"] <= 1.01 * whole["group_bound"], key
+        assert blind["nodes_mean"] > 3, key  # the group-blind plan spreads every group
+        assert planned["step_ms"] <= whole["step_ms"] * (1 + 1e-12), key
+        if planned["nodes_max"] > 1:
+            assert planned["step_ms"] < whole["step_ms"], key
+        assert planned["step_ms"] < min(static["step_ms"], blind["step_ms"]), key
+        assert planned["copies_per_token"] < blind["copies_per_token"], key
+    sim.print_deepseek(result)
+    out = capsys.readouterr().out
+    assert "hardware: HardwareModel(name='h100-ib'" in out and "num_groups=8" in out
+    assert "| config | layer | layout | max/mean | nodes/group |" in out
+
+
+def test_help_names_the_workload_and_hardware_modeled(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["simulate_placement.py", "--help"])
+    with pytest.raises(SystemExit):
+        sim.main()
+    out = capsys.readouterr().out
+    assert repr(sim.Workload()) in out and repr(sim.DEEPSEEK_V3) in out
+    for hw in sim.HARDWARE.values():
+        assert repr(hw) in out
+    assert sim._models_line(sim.H100_IB, sim.Workload()).startswith("modeling hardware: ")
