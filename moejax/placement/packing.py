@@ -158,7 +158,8 @@ def replica_counts(
     tried = [_divisor_method(counts, num_slots, num_devices, off) for off in (0.0, 0.5, 1.0)]
     scores = [packed_max(r) for r in tried]
     for k in _cold_split_ways(counts, num_devices):
-        limit = min(num_devices // 4, (num_slots - num_experts) // (k - 1), num_experts)
+        # c < E: at least one expert is apportioned the slots the split ones leave
+        limit = min(num_devices // 4, (num_slots - num_experts) // (k - 1), num_experts - 1)
         grid = sorted({0, limit} | {2**i for i in range(limit.bit_length()) if 2**i <= limit})
         by_c = {0: (scores[0], tried[0])}  # c = 0 is plain apportion
         for c in grid[1:]:

@@ -124,6 +124,17 @@ def test_replica_counts_never_worse_than_plain_apportionment():
         assert _packed_max(counts, r, n) <= _packed_max(counts, apportion(counts, 3 * n, n), n)
 
 
+def test_replica_counts_with_fewer_experts_than_devices():
+    # The cold-split candidates once split every expert (c = E), leaving slots to apportion
+    # among no experts (argmin of an empty array).
+    for counts, n in (([1000.0, 435.3], 8), ([5.0, 1.0, 0.0], 16)):
+        counts = np.asarray(counts)
+        r = replica_counts(counts, n, 1)
+        assert r.sum() == n and r.min() >= 1 and r[0] >= r[1]
+        r = replica_counts(counts, n, 1, sync_rows=10.0)
+        assert r.sum() <= n and r.min() >= 1
+
+
 def test_align_undoes_a_relabelling():
     rng = np.random.default_rng(0)
     old = Placement.identity(96, 32, 4).device_table()
