@@ -39,6 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 
 @jax.tree_util.register_dataclass
@@ -228,8 +229,6 @@ def combine_replica_grads(grads: dict, table: SlotTable, mesh=None, specs=None) 
     Returns:
       `[P, ...]` combined gradients, sharded like `grads`.
     """
-    from jax.sharding import PartitionSpec
-
     n = 1 if mesh is None else dict(mesh.shape).get("expert", 1)
     if n == 1:
         return _combine_shard(grads, table, 1, None)
