@@ -150,10 +150,45 @@ def test_buffer_sizes_and_the_cost_models_rule_agree():
 _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) "
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
-    r".*?replica_groups=(?P<groups>\{[\d,{}]*\})"
 )
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _BITS = {"f32": 32, "bf16": 16, "f16": 16, "s32": 32, "u32": 32, "pred": 8, "f64": 64, "s64": 64}
+
+
+def _iota(spec: str) -> np.ndarray:
+    """Device ids of an iota tile `[dims]` or `[dims]T(perm)`."""
+    hit = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
+    if not hit:
+        raise ValueError(f"device ids not understood: {spec!r}")
+    dims = tuple(int(d) for d in hit[1].split(","))
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return ids.transpose(tuple(int(a) for a in hit[2].split(","))) if hit[2] else ids
+
+
+def _groups(line: str) -> str:
+    """A collective's replica groups as `{{0,1},{2,3}}` from the forms XLA prints: explicit,
+    iota (`[G,S]<=[dims]T(perm)`) or mesh axes (`mesh['a'=2,...], device_ids=(...) {'a'}`);
+    another form raises (so no collective is skipped unseen)."""
+    explicit = re.search(r"replica_groups=(\{[\d,{}]*\})", line)
+    if explicit:
+        return explicit.group(1)
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)", line)
+    mesh_form = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^ ]*)\))? \{([^}]*)\}", line
+    )
+    if iota:
+        rows = _iota(iota[3]).reshape(int(iota[1]), int(iota[2]))
+    elif mesh_form:
+        axes = [(a.split("=")[0].strip("'"), int(a.split("=")[1])) for a in mesh_form[1].split(",")]
+        names, sizes = [a for a, _ in axes], [n for _, n in axes]
+        ids = (_iota(mesh_form[2]) if mesh_form[2] else np.arange(np.prod(sizes))).reshape(sizes)
+        over = [names.index(a.strip().strip("'")) for a in mesh_form[3].split(",")]
+        rest = [i for i in range(len(names)) if i not in over]
+        rows = ids.transpose(rest + over).reshape(-1, int(np.prod([sizes[i] for i in over])))
+    else:
+        raise ValueError(f"replica groups not understood: {line.strip()[:200]}")
+    rows = sorted(sorted(r) for r in rows.tolist())
+    return "{" + ",".join("{" + ",".join(map(str, r)) + "}" for r in rows) + "}"
 
 
 def collectives(hlo_text: str) -> list[tuple[str, str, str, tuple, int]]:
@@ -170,8 +205,19 @@ def collectives(hlo_text: str) -> list[tuple[str, str, str, tuple, int]]:
                 for a in _ARRAY.finditer(hit["shape"])
             ]
             nbytes = sum(_BITS[t] // 8 * int(np.prod(dims)) for t, dims in arrays)
-            out.append((comp, hit["op"], hit["groups"], tuple(d for _, d in arrays), nbytes))
+            shapes = tuple(d for _, d in arrays)
+            out.append((comp, hit["op"], _groups(line), shapes, nbytes))
     return out
+
+
+def test_replica_groups_in_every_form_xla_prints():
+    assert _groups("x, replica_groups={{0,1},{2,3}}, y") == "{{0,1},{2,3}}"
+    assert _groups("x, replica_groups=[2,2]<=[2,2]T(1,0), y") == "{{0,2},{1,3}}"
+    line = "x, replica_groups=mesh['a'=2,'b'=1,'c'=4], device_ids=([4,2]T(1,0)) {'a'}, y"
+    assert _groups(line) == "{{0,1},{2,3},{4,5},{6,7}}"
+    assert _groups("x, replica_groups=mesh['a'=2,'b'=2] {'b'}, y") == "{{0,1},{2,3}}"
+    with pytest.raises(ValueError, match="not understood"):
+        _groups("x, replica_groups=?, y")
 
 
 def _expert_groups(m) -> str:
@@ -200,8 +246,23 @@ def lm():
     return presets.get("micro")
 
 
-def _compiled_combine(lm, slots: int, m) -> str:
-    """The training step's `combine_grads` (its stored specs), compiled for `slots` per device."""
+def _segment_sum_combine(grads, tables, lm):
+    """The former combine (a `segment_sum` over all `P` slots, split over `expert`)."""
+    from moejax.training import placed as train_placed
+
+    def layer(j, experts):
+        t = tables[j]
+        one = lambda g: jnp.take(
+            jax.ops.segment_sum(g, t.slot_to_expert, t.num_experts), t.slot_to_expert, axis=0
+        )
+        return jax.tree.map(one, experts)
+
+    return train_placed.map_experts(grads, lm, layer)
+
+
+def _compiled_combine(lm, slots: int, m, combine=None) -> str:
+    """The training step's `combine_grads` (its stored specs), compiled for `slots` per device
+    (or `combine(grads, tables, lm)` on the same sharded inputs)."""
     from moejax.models import lm_partition_specs
     from moejax.training import placed as train_placed
     from moejax.training import presets as train_presets
@@ -227,7 +288,10 @@ def _compiled_combine(lm, slots: int, m) -> str:
         tree, [physical(pl, s) for pl, s in zip(flat, spec_leaves, strict=True)]
     )
     tables = train_placed.slot_tables(placements)
-    fn = jax.jit(lambda g, t: train_placed.combine_grads(g, t, lm, m))
+    shardings = jax.tree.map(lambda g: g.sharding, grads)
+    if combine is None:
+        combine = lambda g, t, lm: train_placed.combine_grads(g, t, lm, m)
+    fn = jax.jit(lambda g, t: combine(g, t, lm), out_shardings=shardings)
     assert p == n * slots
     return fn.lower(grads, tables).compile().as_text()
 
@@ -237,7 +301,11 @@ def test_compiled_sync_bytes_follow_the_spare_slots(lm):
     # [P, 32, 32] and w_down (no biases): one expert's gradient is 3 * 32 * 32 fp32.
     m = mesh_lib.make_mesh((4, 2), ("data", "expert"))
     grad = 3 * 32 * 32 * 4
-    assert sync_bytes_per_branch(_compiled_combine(lm, 4, m), m) == []  # P == E: none at all
+    assert collectives(_compiled_combine(lm, 4, m)) == []  # P == E: no collective at all
+    # The former segment_sum all-reduced every expert's gradient of both layers, P == E or not.
+    former = collectives(_compiled_combine(lm, 4, m, _segment_sum_combine))
+    assert {c[2] for c in former} == {_expert_groups(m)}
+    assert sum(c[-1] for c in former) == 2 * 8 * grad
     two = sync_bytes_per_branch(_compiled_combine(lm, 5, m), m)  # X = 2: buffers of 1, 2
     four = sync_bytes_per_branch(_compiled_combine(lm, 6, m), m)  # X = 4: 1, 2, 4
     per_layer = lambda sizes: sorted(b * grad for b in sizes for _ in range(2))  # 2 MoE layers
