@@ -43,7 +43,9 @@ Applying a decision (done by the JAX side): the physical expert weights of a lay
 optimizer state is gathered the same way (or kept per logical expert ``[E, ...]`` and only the
 ``[P, ...]`` copies re-gathered). Tokens routed to expert ``e`` are split evenly over
 ``new.replicas_of(e)`` (``Placement.slot_rows``); replica gradients are summed back per expert
-(``segment_sum`` over ``slot_to_expert``) before the optimizer update, so the math is unchanged.
+before the optimizer update, so the math is unchanged (in ``moejax.training``: local duplicates
+on their device, experts held on several devices in one packed all-reduce over the expert axis,
+which ``Workload(replica_sync="packed")`` charges).
 In ``moejax.training`` the slot tables are arguments of the compiled step, so a new table needs
 no recompilation (``moejax.training.placement_runtime``).
 """

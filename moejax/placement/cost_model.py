@@ -12,9 +12,12 @@ One layer's step (forward + backward) is modeled as
   expert groups (``Workload.num_groups > 1``) on hardware with nodes, the cross-node part counts
   one copy per token and destination node instead (``step_cost``, ``groups.py``);
 * replica gradient sync: the gradients of an expert replicated on several devices are combined
-  every step (a ring all-reduce among its holders, ``replica_sync_s``; over the in-node link
-  when they share a node, else over the cross-node link), the part not hidden behind the
-  backward pass (``Workload.replica_sync_overlap``, default none) is charged;
+  every step (``replica_sync_s``), as ``Workload.replica_sync`` says: ``"holders"``, a ring
+  all-reduce among each expert's holders (over the in-node link when they share a node, else
+  over the cross-node link); ``"packed"``, what ``moejax.training`` runs: one ring all-reduce
+  over all ``N`` devices of a buffer sized by the number of experts held on two devices or
+  more. The part not hidden behind the backward pass (``Workload.replica_sync_overlap``,
+  default none) is charged;
 * no overlap between compute and all-to-all (the Lancet overlap is modeled elsewhere; placement
   only changes how big each part is).
 
@@ -105,6 +108,9 @@ H100_IB = HardwareModel(
 TPU_V5P_ICI = HardwareModel("tpu-v5p-ici", flops_per_s=459e12, link_bytes_per_s=600e9)
 
 
+REPLICA_SYNC = ("holders", "packed")
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """Shape of one MoE layer's expert work, per device and per step.
@@ -129,6 +135,10 @@ class Workload:
         nodes, ``step_cost`` charges cross-node traffic per destination node
         (``groups.cross_node_copies``) and ``planner.plan`` keeps each group on few nodes.
       topk_groups: groups each token keeps (``MoEConfig.topk_groups``), ``<= num_groups``.
+      replica_sync: how replica gradients are combined (``replica_sync_s``): ``"holders"``
+        (each replicated expert all-reduced among the devices holding it: the simulator's
+        model of an ideal implementation) or ``"packed"`` (``moejax.training``'s step: one
+        all-reduce over the whole expert axis of ``packed_sync_gradients`` expert gradients).
     """
 
     tokens_per_device: int = 8192
@@ -143,10 +153,11 @@ class Workload:
     replica_sync_overlap: float = 0.0
     num_groups: int = 1
     topk_groups: int = 1
+    replica_sync: str = "holders"
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if field.name == "replica_sync_overlap":
+            if field.name in ("replica_sync_overlap", "replica_sync"):
                 continue
             value = getattr(self, field.name)
             if not isinstance(value, int) or value < 1:
@@ -158,6 +169,10 @@ class Workload:
         if self.topk_groups > self.num_groups:
             raise ValueError(
                 f"topk_groups must be <= num_groups={self.num_groups}, got {self.topk_groups!r}"
+            )
+        if self.replica_sync not in REPLICA_SYNC:
+            raise ValueError(
+                f"replica_sync must be one of {REPLICA_SYNC}, got {self.replica_sync!r}"
             )
 
     @property
@@ -294,9 +309,11 @@ def rows_per_gradient(hw: HardwareModel, wl: Workload, num_devices: int) -> floa
       Rows per exposed expert gradient (0.0 when the sync is fully overlapped).
     """
     per_byte = float(hw.transfer_s(1.0, num_devices))  # transfer time is linear in bytes
+    packed = wl.replica_sync == "packed"  # the gradient goes round the ring over all N devices
+    sync_per_byte = _packed_per_byte(hw, num_devices) if packed else per_byte
     row_s = wl.flops_per_row / hw.flops_per_s
     row_s += wl.all_to_all_passes * wl.d_model * wl.activation_bytes * per_byte
-    grad_s = (1.0 - wl.replica_sync_overlap) * wl.expert_grad_bytes * per_byte
+    grad_s = (1.0 - wl.replica_sync_overlap) * wl.expert_grad_bytes * sync_per_byte
     return grad_s / row_s
 
 
@@ -363,14 +380,21 @@ def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> flo
     """Modeled seconds per step to combine the gradients of experts replicated across devices.
 
     Training sums each expert's replica gradients and hands the sum to every replica (so the
-    math is the unreplicated model's). Modeled as a ring all-reduce of the bf16 gradients among
-    the ``d_e`` devices holding expert ``e``: each of them sends ``2 (d_e - 1) / d_e`` x the
-    expert's gradient bytes. A ring runs at its slowest hop, so an expert whose holders all sit
-    in one node (``HardwareModel.devices_per_node``; device ``i`` is in node
-    ``i // devices_per_node``) syncs over the in-node link and one spanning nodes over the
-    cross-node link; a device's two links work in parallel, and the busiest device sets the
-    time, nothing overlapped. Replicas on one device cost nothing. ``step_cost`` charges it,
-    less the part ``Workload.replica_sync_overlap`` hides behind the backward pass.
+    math is the unreplicated model's). Replicas on one device cost nothing in both models; the
+    busiest device sets the time, nothing overlapped. ``step_cost`` charges it, less the part
+    ``Workload.replica_sync_overlap`` hides behind the backward pass.
+
+    ``Workload.replica_sync == "holders"``: a ring all-reduce of the gradients among the ``d_e``
+    devices holding expert ``e``: each of them sends ``2 (d_e - 1) / d_e`` x the expert's
+    gradient bytes. A ring runs at its slowest hop, so an expert whose holders all sit in one
+    node (``HardwareModel.devices_per_node``; device ``i`` is in node ``i // devices_per_node``)
+    syncs over the in-node link and one spanning nodes over the cross-node link; a device's two
+    links work in parallel.
+
+    ``"packed"`` (``moejax.parallel.placed.combine_replica_grads``): one ring all-reduce over all
+    ``N`` devices of ``B = packed_sync_gradients(placement)`` expert gradients; every device sends
+    ``2 (N - 1) / N · B`` gradients, over the in-node link when the ``N`` devices fit in one
+    node, else at the cross-node link's speed.
 
     Args:
       placement: the layer's placement.
@@ -383,7 +407,39 @@ def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> flo
     return placement.memo(("replica_sync_s", hw, wl), lambda: _replica_sync_s(placement, hw, wl))
 
 
+def packed_sync_gradients(placement: Placement) -> int:
+    """``B``: expert gradients in the buffer the training step all-reduces for ``placement``
+    (``packed_buffer`` of its experts held on two devices or more)."""
+    expert = placement.device_expert_keys() % placement.num_experts
+    m = int(np.sum(np.bincount(expert, minlength=placement.num_experts) >= 2))
+    return packed_buffer(m, placement.num_slots, placement.num_experts)
+
+
+def packed_buffer(synced: int, num_slots: int, num_experts: int) -> int:
+    """``B`` for ``synced`` experts across devices: the smallest of 0, the powers of two below
+    ``min(P - E, E)`` and that bound that is ``>= synced`` (the training step compiles one branch
+    per size: ``moejax.parallel.placed.sync_buffer_sizes``, the same rule)."""
+    if synced <= 0:
+        return 0
+    return min(1 << (synced - 1).bit_length(), min(num_slots - num_experts, num_experts))
+
+
+def _packed_per_byte(hw: HardwareModel, num_devices: int) -> float:
+    """Seconds per byte a device sends in the packed ring over all ``N`` devices: the in-node
+    link when they fit in one node, else the cross-node link (the ring's slowest hop)."""
+    one_node = 1 < num_devices <= hw.devices_per_node
+    return 1.0 / (hw.node_link_bytes_per_s if one_node else hw.link_bytes_per_s)
+
+
+def _packed_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> float:
+    n = placement.num_devices
+    nbytes = 2.0 * (n - 1) / n * packed_sync_gradients(placement) * wl.expert_grad_bytes
+    return nbytes * _packed_per_byte(hw, n)
+
+
 def _replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> float:
+    if wl.replica_sync == "packed":
+        return _packed_sync_s(placement, hw, wl)
     keys = placement.device_expert_keys()  # (device, expert) pairs present
     e, n = placement.num_experts, placement.num_devices
     device, expert = keys // e, keys % e

@@ -27,6 +27,8 @@ import math
 
 import numpy as np
 
+from moejax.placement.cost_model import packed_buffer
+
 _REFINE = 3  # cold-split counts tried between the best grid point's neighbours
 _MAX_SPLITS = 256  # above this many 2S-item splits per pair, rebalancing tries single swaps
 _MAX_PASSES = 16  # pairwise rebalancing passes at most
@@ -97,7 +99,11 @@ def _divisor_method(counts: np.ndarray, num_slots: int, cap: int, offset: float 
 
 
 def replica_counts(
-    counts: np.ndarray, num_devices: int, slots_per_device: int, sync_rows: float = 0.0
+    counts: np.ndarray,
+    num_devices: int,
+    slots_per_device: int,
+    sync_rows: float = 0.0,
+    sync: str = "holders",
 ) -> np.ndarray:
     """Replica counts ``[E]`` for ``pack``, chosen among a few apportionments by packed balance.
 
@@ -116,7 +122,9 @@ def replica_counts(
     Replicas on different devices are not free: their gradients are combined every step. With
     ``sync_rows > 0`` a candidate's score is its packed maximum plus ``sync_rows`` x the busiest
     device's share of the ring all-reduces, ``sum 2 (r_e - 1) / r_e`` over the replicated
-    experts it holds; and candidates that leave spare slots to ``fill_spare`` (a duplicate on
+    experts it holds (``sync="packed"``: every device's share is ``2 (N - 1) / N`` x the packed
+    buffer of the ``m`` experts with ``r_e > 1``, ``cost_model.packed_buffer``: the training
+    step's all-reduce); and candidates that leave spare slots to ``fill_spare`` (a duplicate on
     the same device, no sync) are tried too: the ``B`` highest apportionment priorities only,
     ``B`` on a doubling grid below ``P - E``.
 
@@ -127,6 +135,7 @@ def replica_counts(
       sync_rows: rows the busiest device computes and exchanges in the time one device sends
         a whole expert gradient in the replica all-reduce (``cost_model.rows_per_gradient``);
         0 to balance rows alone.
+      sync: ``Workload.replica_sync``, ``"holders"`` or ``"packed"``.
 
     Returns:
       ``[E]`` int64 replica counts, each in ``[1, N]`` unless every expert is capped, summing to
@@ -145,6 +154,9 @@ def replica_counts(
         table, loads = _differencing(np.concatenate([weights, spare]), num_devices)
         if sync_rows <= 0:
             return float(loads.max())
+        if sync == "packed":  # replicas of one expert land on distinct devices when balanced
+            b = packed_buffer(int(np.sum(r > 1)), num_slots, num_experts)
+            return float(loads.max() + sync_rows * 2.0 * (num_devices - 1) / num_devices * b)
         share = np.repeat(np.where(r > 1, 2.0 * (r - 1) / r, 0.0)[order], r[order])
         share = np.concatenate([share, spare])[table].sum(axis=1)  # [N]
         return float(loads.max() + sync_rows * share.max())

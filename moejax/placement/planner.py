@@ -289,7 +289,7 @@ def plan(
             by_node = _by_node(placement, counts, g)
         bar = np.inf if by_node is None else step_cost(by_node, counts, hardware, workload).total_s
         nodes = _Nodes(g, hardware, workload, bar)
-    candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows, nodes)
+    candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows, nodes, workload)
     candidate = _weigh_sync(placement, candidate, counts, hardware, workload, sync_rows, nodes)
     if by_node is None:
         return candidate
@@ -329,9 +329,11 @@ def _balance_rows(
     tolerance: float,
     sync_rows: float = 0.0,
     nodes: _Nodes | None = None,
+    wl: Workload | None = None,
 ):
     """Greedy pass, repair and re-pack (module docstring; the re-pack weighs replica sync at
-    ``sync_rows`` and groups replicas into ``nodes``): a placement of strictly
+    ``sync_rows`` as ``wl.replica_sync`` says and groups replicas into ``nodes``): a placement
+    of strictly
     fewer rows on the busiest device, or ``placement``."""
     good_enough = (1.0 + tolerance) * counts.sum() / placement.num_devices
     before = placement.device_load(counts).max()
@@ -343,7 +345,7 @@ def _balance_rows(
         candidate = _greedy(placement, counts, min(max_moves, _QUICK_MOVES), good_enough)
         after = candidate.device_load(counts).max()
     if after > good_enough:
-        repacked = _repack(placement, counts, sync_rows, nodes)
+        repacked = _repack(placement, counts, sync_rows, nodes, _sync_mode(wl))
         packed_max = repacked.device_load(counts).max()
         target = max(good_enough, packed_max / (1.0 - _GLOBAL_MARGIN))
         if after > target:  # swap replicas between busy and idle devices, counts unchanged
@@ -364,6 +366,10 @@ def _balance_rows(
     return candidate if after < before - tol else placement
 
 
+def _sync_mode(wl: Workload | None) -> str:
+    return "holders" if wl is None else wl.replica_sync
+
+
 def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float, nodes) -> Placement:
     """``candidate`` if its modeled step time (sync included) is strictly below the input's.
     When rows alone found nothing to do but the input pays replica sync, the sync-aware
@@ -373,7 +379,7 @@ def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float, nodes) -
     if candidate is placement:
         if step_cost(placement, counts, hw, wl).replica_sync_s == 0:
             return placement  # balanced within tolerance (or stuck) with nothing to sync
-        candidate = _repack(placement, counts, sync_rows, nodes)
+        candidate = _repack(placement, counts, sync_rows, nodes, wl.replica_sync)
         limit = now * (1.0 - _GLOBAL_MARGIN)
     return candidate if step_cost(candidate, counts, hw, wl).total_s < limit else placement
 
@@ -407,19 +413,22 @@ def _repack(
     counts: np.ndarray,
     sync_rows: float = 0.0,
     nodes: _Nodes | None = None,
+    sync: str = "holders",
 ) -> Placement:
     """Global re-pack (``packing.py``): apportioned replica counts (weighing replica sync at
-    ``sync_rows``; spare slots left over are duplicated in place), balanced packing, devices
-    grouped into ``nodes`` (``packing_nodes.py``; None: no nodes) and relabelled onto the
-    current placement to keep experts in place."""
+    ``sync_rows``, modeled as ``sync``, a ``Workload.replica_sync``; spare slots left over are
+    duplicated in place), balanced packing, devices grouped into ``nodes``
+    (``packing_nodes.py``; None: no nodes) and relabelled onto the current placement to keep
+    experts in place."""
     n_dev = placement.num_devices
-    r = replica_counts(counts, n_dev, placement.slots_per_device, sync_rows)
+    r = replica_counts(counts, n_dev, placement.slots_per_device, sync_rows, sync)
     experts = np.repeat(np.arange(placement.num_experts), r)
     spare = placement.num_slots - experts.size  # 0 unless sync_rows > 0
     ids = np.concatenate([experts, -1 - np.arange(spare)])  # [P]; distinct ids < 0: empty
     weights = np.concatenate([counts[experts] / r[experts], np.zeros(spare)])
     packed = pack(weights, ids, n_dev)  # [N, S]
-    if sync_rows > 0:  # the same replicas, moved so that fewer devices sync several experts
+    if sync_rows > 0 and sync == "holders":  # the same replicas, moved so that fewer
+        # devices sync several experts (a packed sync costs the same wherever they sit)
         slot_r = np.where(packed >= 0, r[np.maximum(packed, 0)], 1)
         slot_w = np.where(packed >= 0, counts[np.maximum(packed, 0)] / slot_r, 0.0)
         packed = limit_sync(packed, slot_w, sync_shares(packed, r))

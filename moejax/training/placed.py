@@ -11,7 +11,8 @@ computed"):
 
 1. the forward splits each expert's rows over its replicas (`moejax.parallel.moe_apply_sharded`);
 2. the replica gradients of an expert are summed and the sum handed to every replica
-   (`combine_grads`): each replica sees the logical gradient;
+   (`combine_grads`): each replica sees the logical gradient; only experts held on several
+   devices communicate (one packed all-reduce per layer, sized by how many there are);
 3. the clipping norm is the logical one: a slot of an expert with `r` replicas counts `1/r`
    (`logical_norm`), so clipping scales exactly as without placement;
 4. AdamW is elementwise: identical replicas with identical gradients and moments stay identical
@@ -72,10 +73,23 @@ def map_experts(tree: dict, model_cfg: LMConfig, fn) -> dict:
     return {**tree, "layers": layers}
 
 
-def combine_grads(grads: dict, tables, model_cfg: LMConfig) -> dict:
-    """Every replica receives the sum of its expert's replica gradients (module docstring, 2)."""
+def combine_grads(grads: dict, tables, model_cfg: LMConfig, mesh=None) -> dict:
+    """Every replica receives the sum of its expert's replica gradients (module docstring, 2).
+
+    On `mesh`, only the experts held on several devices exchange gradients, in one packed
+    all-reduce per layer over `expert` (`moejax.parallel.placed.combine_replica_grads`); the
+    gradients keep their stored layout (`lm_partition_specs`)."""
+    if mesh is None:
+        specs = [None] * len(model_cfg.moe_layers)
+    else:
+        from moejax.models import lm_partition_specs
+
+        tree = lm_partition_specs(model_cfg, mesh)["layers"]
+        specs = [tree[i]["moe"]["experts"] for i in model_cfg.moe_layers]
     return map_experts(
-        grads, model_cfg, lambda j, g: device_placed.combine_replica_grads(g, tables[j])
+        grads,
+        model_cfg,
+        lambda j, g: device_placed.combine_replica_grads(g, tables[j], mesh, specs[j]),
     )
 
 
@@ -200,11 +214,13 @@ def controller_factory(
     for), or `"measured"`: this mesh's own figures (`moejax.training.hardware.measure_hardware`,
     timed once, here).
 
-    Replica gradient sync is not charged (`Workload.replica_sync_overlap=1`): this training step
-    combines replica gradients with a `segment_sum` over all `P` slots whose table is an
-    argument (`moejax.parallel.placed.combine_replica_grads`), so its collectives are the same
-    whatever the placement and no layout changes them. The per-replica all-reduce the simulator
-    charges models an implementation that syncs only the replicated experts.
+    Replica gradient sync is charged as this step runs it (`Workload(replica_sync="packed")`,
+    nothing assumed hidden): a placement whose experts each sit on one device (local duplicates
+    included) costs none; one with `m` experts held on two devices or more pays a ring
+    all-reduce over the `expert` axis of `B` expert gradients (`B >= m`, the packed buffer of
+    `moejax.parallel.placed.combine_replica_grads`; `moejax.placement.cost_model.
+    packed_sync_gradients`), so the controller replicates across devices only where the
+    balance gained outweighs that all-reduce.
     """
     from moejax.parallel import mesh as mesh_lib
     from moejax.placement import H100_NVLINK, ControllerConfig, PlacementController, Workload
@@ -221,9 +237,9 @@ def controller_factory(
         activation_bytes=jnp.dtype(model_cfg.dtype).itemsize,
         param_bytes=param_bytes,
         state_bytes_per_param=3 * param_bytes,  # the parameter and Adam's two moments
-        replica_sync_overlap=1.0,  # placement-independent here (docstring)
         num_groups=moe.num_groups,  # group-limited routing: the planner keeps groups on few nodes
         topk_groups=moe.topk_groups,
+        replica_sync="packed",  # combine_replica_grads' all-reduce (docstring)
     )
     if isinstance(hardware, str):
         if hardware != "measured":

@@ -155,7 +155,7 @@ def train_step(
         (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
     aux: LMAux
     if tables:
-        grads = placed.combine_grads(grads, tables, model_cfg)
+        grads = placed.combine_grads(grads, tables, model_cfg, mesh)
         grad_norm = placed.logical_norm(grads, tables, model_cfg)
         grads = placed.clip_by_norm(grads, grad_norm, train_cfg.clip_norm)
     else:

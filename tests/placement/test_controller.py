@@ -1,5 +1,6 @@
 """Controller: hysteresis (no flapping), reaction to drift, per-layer state, bookkeeping."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -224,6 +225,44 @@ def test_stale_replicas_that_mostly_cost_sync_are_replanned():
     after = step_cost(d.new, warm, H100_IB, WL)
     assert after.total_s < before.total_s and after.replica_sync_s < before.replica_sync_s
     assert d.new.expert_replica_counts()[0] < 9
+
+
+@pytest.mark.parametrize("tokens", [256, 4096])
+def test_packed_replica_sync_is_charged_and_a_gain_below_it_rejected(tokens):
+    # The training step's sync (Workload(replica_sync="packed")): replicas across devices cost
+    # one all-reduce over the expert axis of their packed gradients. Expert 0 is 2x as hot as
+    # the others; the identity (spare slots as local duplicates) syncs nothing.
+    n, e, s = 4, 8, 3
+    base = Placement.identity(e, n, s)
+    cfg = ControllerConfig(decide_every=1, patience=1, min_interval=0)
+
+    def decide(overlap):
+        wl = Workload(
+            tokens_per_device=tokens,
+            top_k=2,
+            d_model=1024,
+            d_ff=1024,
+            replica_sync="packed",
+            replica_sync_overlap=overlap,
+        )
+        counts = np.full(e, n * wl.rows_per_step / (e + 1))
+        counts[0] *= 2
+        return wl, counts, PlacementController([base], H100_NVLINK, wl, cfg).observe(0, counts)
+
+    free_wl, counts, (free,) = decide(1.0)  # sync not charged: replication always pays
+    wl, _, accepted = decide(0.0)
+    charged = dataclasses.replace(free_wl, replica_sync_overlap=0.0)
+    now = step_cost(base, counts, H100_NVLINK, wl)
+    assert now.replica_sync_s == 0.0
+    if tokens == 256:  # small batch: the balance gained is below the all-reduce it adds
+        assert accepted == []
+        assert step_cost(free.new, counts, H100_NVLINK, charged).total_s > now.total_s
+    else:  # large batch: accepted, its predicted gain net of the sync its placement now pays
+        (d,) = accepted
+        after = step_cost(d.new, counts, H100_NVLINK, wl)
+        assert after.replica_sync_s > 0
+        assert d.gain_s == pytest.approx(now.total_s - after.total_s, rel=1e-12)
+        assert 0 < d.gain_s < free.gain_s
 
 
 def _skewed_counts(perm_seed=None):

@@ -143,6 +143,49 @@ def test_step_cost_charges_replica_sync_by_hand():
     assert perfect_cost(counts, 2, hw, WL).replica_sync_s == 0.0
 
 
+def test_packed_replica_sync_is_the_training_steps_all_reduce_by_hand():
+    # `Workload(replica_sync="packed")`: one ring all-reduce over all N devices of B expert
+    # gradients, B the smallest of 0, 1, 2, 4, ..., min(P - E, E) holding the m experts that
+    # sit on two devices or more (moejax.parallel.placed.combine_replica_grads).
+    from moejax.placement.cost_model import packed_sync_gradients, replica_sync_s
+
+    wl = Workload(tokens_per_device=512, top_k=2, d_model=1024, d_ff=1024, replica_sync="packed")
+    flat = HardwareModel("flat", flops_per_s=1e15, link_bytes_per_s=1e11)
+    grad = wl.expert_params * wl.param_bytes
+    ring = lambda n, b: 2 * (n - 1) / n * b * grad
+    # No spare slot, or spare slots as local duplicates: no expert across devices, nothing sent.
+    for p in (Placement.identity(8, 4, 2), Placement.identity(8, 4, 3)):
+        assert packed_sync_gradients(p) == 0 and replica_sync_s(p, flat, wl) == 0.0
+    # Expert 0 on all 4 devices, expert 1 on two: m = 2, B = 2, whatever the holders.
+    p = Placement(np.array([0, 1, 2, 0, 3, 4, 0, 5, 6, 0, 7, 1]), 8, 4, 3)
+    assert packed_sync_gradients(p) == 2
+    assert replica_sync_s(p, flat, wl) == pytest.approx(ring(4, 2) / 1e11, rel=1e-12)
+    # Three experts across devices (7 is a local duplicate): B = 4; the bound caps B at X.
+    p3 = Placement(np.array([0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7, 7]), 8, 4, 3)
+    assert packed_sync_gradients(p3) == 4
+    assert packed_sync_gradients(Placement(np.arange(10) % 8, 8, 2, 5)) == 2  # X = 2
+    # In one node: the node link; over two nodes: the ring runs at the cross-node link.
+    two_nodes = HardwareModel(
+        "nodes", 1e15, link_bytes_per_s=1e10, devices_per_node=4, node_link_bytes_per_s=9e10
+    )
+    assert replica_sync_s(p, two_nodes, wl) == pytest.approx(ring(4, 2) / 9e10, rel=1e-12)
+    wide = Placement(np.concatenate([np.arange(16), [0, 1]] + [np.arange(2, 16)]), 16, 8, 4)
+    assert packed_sync_gradients(wide) == 16  # all 16 experts on two devices (X = 16)
+    assert replica_sync_s(wide, two_nodes, wl) == pytest.approx(ring(8, 16) / 1e10, rel=1e-12)
+    # step_cost charges it (less the overlap), and "holders" differs (per-expert rings).
+    counts = np.full(8, 100.0)
+    assert step_cost(p, counts, flat, wl).replica_sync_s == pytest.approx(ring(4, 2) / 1e11)
+    hidden = dataclasses.replace(wl, replica_sync_overlap=0.5)
+    assert step_cost(p, counts, flat, hidden).replica_sync_s == pytest.approx(ring(4, 2) / 2e11)
+    holders = dataclasses.replace(wl, replica_sync="holders")
+    assert replica_sync_s(p, flat, holders) != replica_sync_s(p, flat, wl)
+
+
+def test_replica_sync_validation():
+    with pytest.raises(ValueError, match="replica_sync must be one of \\('holders', 'packed'\\)"):
+        Workload(replica_sync="psum")
+
+
 def test_replica_sync_overlap_validation():
     with pytest.raises(ValueError, match="replica_sync_overlap must lie in \\[0, 1\\], got 1.5"):
         Workload(replica_sync_overlap=1.5)

@@ -275,3 +275,19 @@ def test_has_duplicates_matches_sorting_each_side():
         items = rng.integers(-2, 2 * s, (40, 2 * s))
         want = [[len(set(row[m])) < s or len(set(row[~m])) < s for m in mask] for row in items]
         assert _has_duplicates(items, mask).tolist() == want
+
+
+def test_replica_counts_weigh_the_packed_sync_by_experts_replicated():
+    # Packed sync (the training step's): every device sends 2 (N - 1) / N x B gradients, B the
+    # packed buffer of the experts replicated at all, however many replicas each has. So at a
+    # sync price where the per-holder model still splits the three hottest experts, the packed
+    # one splits the hottest alone (m = 1, B = 1 instead of m = 3, B = 4).
+    counts = np.full(16, 100.0)
+    counts[:2] = 1600.0, 300.0
+    holders = replica_counts(counts, 8, 3, 50.0, "holders")
+    packed = replica_counts(counts, 8, 3, 50.0, "packed")
+    assert np.sum(holders > 1) == 3 and np.sum(packed > 1) == 1 and packed[0] > 1
+    np.testing.assert_array_equal(  # without a price both balance rows alone
+        replica_counts(counts, 8, 3, 0.0, "packed"), replica_counts(counts, 8, 3)
+    )
+    assert np.all(replica_counts(counts, 8, 3, 1e5, "packed") == 1)  # too dear: none

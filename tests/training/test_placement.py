@@ -278,6 +278,13 @@ def test_measured_hardware_figures():
         placed.controller_factory(MODEL, PLACED, mesh(), 16, hardware="h200")
 
 
+def test_controller_factory_charges_the_steps_replica_sync():
+    # No `replica_sync_overlap=1` shortcut: the controller charges the packed all-reduce that
+    # `combine_replica_grads` runs, all of it.
+    wl = placed.controller_factory(MODEL, PLACED, mesh(), 16).keywords["workload"]
+    assert wl.replica_sync == "packed" and wl.replica_sync_overlap == 0.0
+
+
 def test_placement_setup_errors(tmp_path):
     with pytest.raises(SetupError, match="expert_slots_per_device=1"):
         _run(tmp_path / "few", PLACED.replace(expert_slots_per_device=1))
