@@ -253,6 +253,12 @@ def default_config(kernel: str, backend: str, dtype, m: int, k: int, n: int, g: 
         if kernel == "tgmm":
             return Config(tm=64, tk=_divisor_tile(k, 128, 16), tn=_divisor_tile(n, 128, 16),
                           num_warps=8, num_stages=3)  # fmt: skip
+        if not wide and kernel in ("gmm", "gmm_t"):
+            # bf16, measured on one H100 (experiments/tune_kernels.py, BENCHMARKS.md): 64 x 256
+            # output tiles run 1.4x faster than 128 x 128 at the Mixtral shape (416-445 vs
+            # 300-309 TFLOP/s) and 1.1-1.4x at the fine-grained one. 128 x 256 is 5-9% faster
+            # still at Mixtral's, but its two fp32 accumulators spill registers.
+            return Config(tm=64, tk=64, tn=_divisor_tile(n, 256, 16), num_warps=8, num_stages=4)
         return Config(tm=tm, tk=32 if wide else 64, tn=_divisor_tile(n, 128, 16),
                       num_warps=8, num_stages=3 if wide else 4)  # fmt: skip
     if backend == "pallas_tpu":
