@@ -1,0 +1,197 @@
+"""Whole Hugging Face MoE decoders: load, forward against a numpy transcription of transformers'
+decoders (`_hf_decoder_reference.py`), save back bit-identically, and reject bad input with an
+error that names the file and the tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import _hf_decoder_reference as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import models
+from moejax.interop.hf._files import CheckpointFormatError, SafetensorsDir, write_safetensors
+from moejax.interop.hf._model import load_hf_model, save_hf_model, tensor_names
+from moejax.interop.hf._model_config import lm_config_from_hf
+
+FAMILIES = sorted(ref.CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny random checkpoint directory per family (3 shards + index; OLMoE in one file)."""
+    out = {}
+    for family, config in ref.CONFIGS.items():
+        path = str(tmp_path_factory.mktemp(family))
+        sd = ref.random_state_dict(config, seed=len(out))
+        ref.write_checkpoint(path, config, sd, shards=1 if family == "olmoe" else 3)
+        out[family] = (path, sd)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_transcription(checkpoints, family):
+    path, sd = checkpoints[family]
+    cfg, params, hf_config = load_hf_model(path)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
+    logits, aux = jax.jit(lambda p, t: models.lm_forward(p, t, cfg))(params, jnp.asarray(tokens))
+    inv_freq, scaling = models.rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_scaling is not None:  # the reference's own formula for linear scaling
+        assert cfg.rope_scaling.kind == "linear"
+        dh = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dh, 2) / dh)) / cfg.rope_scaling.factor
+    else:
+        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
+    want, routing = ref.decoder_logits(sd, hf_config, tokens, inv_freq, scaling)
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    counts = np.asarray(aux.expert_counts)
+    for j, index in enumerate(routing):  # top-k choices exactly those of the reference
+        want_counts = np.bincount(index.ravel(), minlength=counts.shape[1])
+        np.testing.assert_array_equal(counts[j], want_counts)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_export_round_trip_is_bit_identical(checkpoints, family, tmp_path):
+    path, sd = checkpoints[family]
+    cfg, params, hf_config = load_hf_model(path)
+    out = str(tmp_path / "out")
+    save_hf_model(out, params, cfg, hf_config, max_shard_bytes=20_000)
+    saved = SafetensorsDir(out)
+    assert sorted(saved.tensors) == sorted(sd)
+    for name, want in sd.items():
+        got = saved.read(name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.tobytes() == want.tobytes(), name
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f) == hf_config
+    assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no temporary left
+
+
+def test_fused_layout_round_trip(checkpoints, tmp_path):
+    path, _ = checkpoints["qwen3_moe"]
+    cfg, params, hf_config = load_hf_model(path)
+    save_hf_model(str(tmp_path / "fused"), params, cfg, hf_config, layout="fused")
+    names = set(SafetensorsDir(str(tmp_path / "fused")).tensors)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert names == set(tensor_names(cfg, "qwen3_moe", "fused"))
+    _, again, _ = load_hf_model(str(tmp_path / "fused"))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_config_options_come_from_the_config():
+    cfgs = {f: lm_config_from_hf(c)[0] for f, c in ref.CONFIGS.items()}
+    assert cfgs["qwen3_moe"].qk_norm == "head" and cfgs["olmoe"].qk_norm == "full"
+    assert cfgs["mixtral"].qk_norm is None and cfgs["qwen2_moe"].attention_bias
+    assert not cfgs["qwen2_moe"].attention_out_bias and cfgs["olmoe"].tie_embeddings
+    assert cfgs["qwen2_moe"].moe_layers == (1, 3) and cfgs["qwen2_moe"].mlp_d_ff == 40
+    assert cfgs["qwen3_moe"].head_dim == 16 and cfgs["mixtral"].rope_scaling.factor == 2.0
+    assert cfgs["qwen2_moe"].moe.shared_gate and cfgs["qwen2_moe"].moe.shared_width == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE scaling formulas (transformers' modeling_rope_utils), by their defining properties
+
+
+def test_rope_llama3_keeps_high_and_divides_low_frequencies():
+    sc = models.RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
+    base, _ = models.rope_frequencies(128, 500000.0, None)
+    got, factor = models.rope_frequencies(128, 500000.0, sc)
+    wavelen = 2 * np.pi / base
+    high, low = wavelen < 8192 / 4, wavelen > 8192 / 1
+    assert factor == 1.0 and high.any() and low.any()
+    np.testing.assert_array_equal(got[high], base[high])
+    np.testing.assert_allclose(got[low], base[low] / 8, rtol=1e-6)
+    mid = ~high & ~low
+    assert np.all((got[mid] < base[mid]) & (got[mid] > base[mid] / 8))
+
+
+def test_rope_yarn_ramps_from_extrapolation_to_interpolation():
+    sc = models.RopeScaling("yarn", 4.0, 4096)
+    base, _ = models.rope_frequencies(64, 10000.0, None)
+    got, factor = models.rope_frequencies(64, 10000.0, sc)
+    assert factor == pytest.approx(0.1 * np.log(4.0) + 1.0)
+    np.testing.assert_allclose(got[0], base[0], rtol=1e-6)  # fastest: extrapolated
+    np.testing.assert_allclose(got[-1], base[-1] / 4, rtol=1e-6)  # slowest: interpolated
+    assert np.all(np.diff(got / base) <= 1e-7)  # the share moves one way
+
+
+def test_rope_linear_divides_every_frequency():
+    base, _ = models.rope_frequencies(16, 10000.0, None)
+    got, _ = models.rope_frequencies(16, 10000.0, models.RopeScaling("linear", 2.0))
+    np.testing.assert_allclose(got, base / 2, rtol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def _copy(src: str, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_missing_shard_names_the_file(checkpoints, tmp_path):
+    path = _copy(checkpoints["mixtral"][0], tmp_path / "ck")
+    os.remove(os.path.join(path, "model-00002-of-00003.safetensors"))
+    with pytest.raises(CheckpointFormatError, match="model-00002-of-00003.safetensors.*missing"):
+        load_hf_model(path)
+
+
+def test_wrong_shape_names_file_and_tensor(checkpoints, tmp_path):
+    path = _copy(checkpoints["olmoe"][0], tmp_path / "ck")
+    sd = SafetensorsDir(path)
+    tensors = [(n, sd.read(n)) for n in sd.tensors]
+    bad = "model.layers.1.self_attn.k_norm.weight"
+    tensors = [(n, t[:-1] if n == bad else t) for n, t in tensors]
+    write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+    match = rf"model\.safetensors: tensor '{bad}' has shape"
+    with pytest.raises(CheckpointFormatError, match=match):
+        load_hf_model(path)
+
+
+def test_integer_dtype_names_file_and_tensor(checkpoints, tmp_path):
+    path = _copy(checkpoints["olmoe"][0], tmp_path / "ck")
+    sd = SafetensorsDir(path)
+    bad = "model.norm.weight"
+    tensors = [(n, sd.read(n).astype(np.int32) if n == bad else sd.read(n)) for n in sd.tensors]
+    write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+    with pytest.raises(CheckpointFormatError, match=rf"tensor '{bad}' has dtype I32"):
+        load_hf_model(path)
+
+
+def test_unknown_architecture_is_one_clear_error(checkpoints, tmp_path):
+    path = _copy(checkpoints["mixtral"][0], tmp_path / "ck")
+    config = dict(ref.CONFIGS["mixtral"], model_type="jamba", architectures=["JambaForCausalLM"])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(CheckpointFormatError, match="model_type='jamba'.*not supported"):
+        load_hf_model(path)
+
+
+def test_missing_tensor_names_it(checkpoints, tmp_path):
+    path = _copy(checkpoints["olmoe"][0], tmp_path / "ck")
+    sd = SafetensorsDir(path)
+    bad = "model.layers.0.mlp.experts.3.up_proj.weight"
+    write_safetensors(
+        os.path.join(path, "model.safetensors"), [(n, sd.read(n)) for n in sd.tensors if n != bad]
+    )
+    with pytest.raises(CheckpointFormatError, match=rf"tensor '{bad}' not found"):
+        load_hf_model(path)
+
+
+def test_failed_export_leaves_nothing(checkpoints, tmp_path):
+    path, _ = checkpoints["mixtral"]
+    cfg, params, hf_config = load_hf_model(path)
+    experts = params["layers"][1]["moe"]["experts"]
+    experts["w_up"] = experts["w_up"][:2]  # 2 experts of 4: the export fails half-way
+    with pytest.raises(ValueError):
+        save_hf_model(str(tmp_path / "out"), params, cfg, hf_config)
+    assert os.listdir(tmp_path) == []
