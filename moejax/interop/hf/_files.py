@@ -154,10 +154,12 @@ class SafetensorsDir:
         count = int(np.prod(info.shape, dtype=np.int64))
         if info.end - info.begin != count * dtype.itemsize:
             raise CheckpointFormatError(f"{where}: byte range does not match {info.shape}")
+        out = np.empty(info.shape, dtype)
         with open(info.file, "rb") as f:
             f.seek(info.begin)
-            data = f.read(info.end - info.begin)
-        return np.frombuffer(data, dtype).reshape(info.shape).copy()
+            if f.readinto(out.reshape(-1).view(np.uint8)) != info.end - info.begin:
+                raise CheckpointFormatError(f"{where}: file ends inside the tensor")
+        return out
 
 
 def _header_bytes(tensors: list[tuple[str, np.ndarray]], metadata: dict | None) -> bytes:
