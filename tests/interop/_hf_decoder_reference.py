@@ -186,6 +186,8 @@ CONFIGS = {
         "clip_qkv": None,
         "tie_word_embeddings": True,
         "rms_norm_eps": 1e-5,
+        "pad_token_id": 1,  # OlmoeConfig's default (and OLMoE-1B-7B's)
+        "eos_token_id": 50,  # within this vocabulary
     },
     "qwen2_moe": _BASE
     | {

@@ -33,6 +33,7 @@ def checkpoints(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # test_hf_fidelity checks the same against transformers itself
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers_transcription(checkpoints, family):
     path, sd = checkpoints[family]
