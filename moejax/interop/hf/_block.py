@@ -150,11 +150,14 @@ def _fetch(tensors: Mapping, name: str, shape: tuple[int, ...], family: str, cfg
             f"the {family} block{_missing_hint(tensors, name)}",
             tensor=name,
         )
-    array = np.asarray(tensors[name])
     file = _file_of(tensors, name)
-    if array.dtype.name not in FLOAT_DTYPES:
+    dtype_of = getattr(tensors, "dtype_of", None)  # a checkpoint tells it before reading
+    dtype = dtype_of(name) if dtype_of is not None else None
+    array = np.asarray(tensors[name]) if dtype in (None, *FLOAT_DTYPES) else None
+    dtype = dtype or array.dtype.name
+    if dtype not in FLOAT_DTYPES:
         raise CheckpointError(
-            f"dtype {array.dtype.name} cannot be a moejax parameter; it takes {FLOAT_DTYPES}",
+            f"dtype {dtype} cannot be a moejax parameter; it takes {FLOAT_DTYPES}",
             tensor=name,
             file=file,
         )
