@@ -187,6 +187,7 @@ def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
         ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts"),
         ("switch", {"router_dtype": "bfloat16"}, "router_dtype"),
         ("switch", {"dense_act_fn": "gelu"}, "dense_act_fn"),
+        ("qwen3_moe", {"num_local_experts": 16}, "num_experts / num_local_experts"),
     ],
 )
 def test_config_field_moejax_cannot_honour_names_it(family, change, field):

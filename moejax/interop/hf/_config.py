@@ -34,12 +34,21 @@ class _Fields:
         self.config, self.family, self.ignore = config, family, frozenset(ignore)
         self.source: dict[str, str] = {}  # MoEConfig field -> config.json field it came from
 
-    def get(self, key: str, default: Any = None, *, to: str | None = None) -> Any:
-        """`config[key]`, or `default` when absent or null; records `to` <- `key`."""
+    def get(self, key: str | tuple[str, ...], default: Any = None, *, to: str | None = None):
+        """`config[key]`, or `default` when absent or null; records `to` <- `key`.
+
+        A tuple is one field under several names (transformers' `attribute_map` aliases, e.g.
+        Qwen3-MoE's `num_experts` is saved as `num_local_experts`): the first present wins, and
+        two present with different values are an error.
+        """
+        keys = (key,) if isinstance(key, str) else key
+        present = {k: self.config[k] for k in keys if self.config.get(k) is not None}
+        if len(set(map(repr, present.values()))) > 1:
+            self.bad(" / ".join(present), tuple(present.values()), "aliases of one field differ")
+        found = next(iter(present), keys[0])
         if to is not None:
-            self.source[to] = key
-        value = self.config.get(key)
-        return default if value is None else value
+            self.source[to] = found
+        return present.get(found, default)
 
     def bad(self, key: str, value: Any, why: str):
         raise ValueError(f"config.json {key}={value!r}: {why} ({self.family})")
@@ -96,7 +105,8 @@ def _softmax_topk(f: _Fields, d_ff: tuple, experts: tuple, k: int, norm, d_model
 
 def _mixtral(f: _Fields) -> dict:
     _no_jitter(f, 0.0)
-    return _softmax_topk(f, ("intermediate_size", 14336), ("num_local_experts", 8), 2, True, 4096)
+    experts = ("num_local_experts", "num_experts")
+    return _softmax_topk(f, ("intermediate_size", 14336), (experts, 8), 2, True, 4096)
 
 
 def _qwen2_moe(f: _Fields) -> dict:
@@ -106,13 +116,13 @@ def _qwen2_moe(f: _Fields) -> dict:
 
 
 def _qwen3_moe(f: _Fields) -> dict:
-    return _softmax_topk(
-        f, ("moe_intermediate_size", 768), ("num_experts", 128), 8, "norm_topk_prob"
-    )
+    experts = ("num_experts", "num_local_experts")
+    return _softmax_topk(f, ("moe_intermediate_size", 768), (experts, 128), 8, "norm_topk_prob")
 
 
 def _olmoe(f: _Fields) -> dict:
-    return _softmax_topk(f, ("intermediate_size", 2048), ("num_experts", 64), 8, "norm_topk_prob")
+    experts = ("num_experts", "num_local_experts")
+    return _softmax_topk(f, ("intermediate_size", 2048), (experts, 64), 8, "norm_topk_prob")
 
 
 def _deepseek_v3(f: _Fields) -> dict:
@@ -124,7 +134,7 @@ def _deepseek_v3(f: _Fields) -> dict:
     return {
         "d_model": f.get("hidden_size", 7168, to="d_model"),
         "d_ff": f.get("moe_intermediate_size", 2048, to="d_ff"),
-        "num_experts": f.get("n_routed_experts", 256, to="num_experts"),
+        "num_experts": f.get(("n_routed_experts", "num_local_experts"), 256, to="num_experts"),
         "top_k": f.get("num_experts_per_tok", 8, to="top_k"),
         "router": "sigmoid",
         "score_correction_bias": True,
@@ -144,8 +154,8 @@ def _gpt_oss(f: _Fields) -> dict:
     return {
         "d_model": f.get("hidden_size", 2880, to="d_model"),
         "d_ff": f.get("intermediate_size", 2880, to="d_ff"),
-        "num_experts": f.get("num_local_experts", 128, to="num_experts"),
-        "top_k": f.get("num_experts_per_tok", 4, to="top_k"),
+        "num_experts": f.get(("num_local_experts", "num_experts"), 128, to="num_experts"),
+        "top_k": f.get(("num_experts_per_tok", "experts_per_token"), 4, to="top_k"),
         "router": "topk_softmax",
         "router_bias": True,
         "activation": "clamped_swiglu",
@@ -160,7 +170,7 @@ def _switch(f: _Fields) -> dict:
     f.require("router_dtype", ("float32",), "float32", "the router's compute dtype")
     act = f.require("dense_act_fn", _UNGATED_ACT, "relu", "the experts' activation")
     return {
-        "d_model": f.get("d_model", 768, to="d_model"),
+        "d_model": f.get(("d_model", "hidden_size"), 768, to="d_model"),
         "d_ff": f.get("d_ff", 2048, to="d_ff"),
         "num_experts": f.get("num_experts", 8, to="num_experts"),
         "top_k": 1,
