@@ -196,3 +196,38 @@ def test_failed_export_leaves_nothing(checkpoints, tmp_path):
     with pytest.raises(ValueError):
         save_hf_model(str(tmp_path / "out"), params, cfg, hf_config)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_layers_named_as_the_block_mapping_names_them(family, layout):
+    """The whole-model table's MoE tensors are `moejax.interop.hf.block_to_hf`'s, same arrays."""
+    from moejax.interop import hf
+    from moejax.interop.hf._model import _empty_tree, _set, model_recipes
+
+    cfg, _ = lm_config_from_hf(ref.CONFIGS[family])
+    sd = ref.random_state_dict(ref.CONFIGS[family], dtype=np.float32)
+    params = _empty_tree(cfg)  # numpy leaves, read through the per-expert table
+    for recipe in model_recipes(cfg, family, "per_expert"):
+        arrays = recipe.to_leaves([sd[n] for n in recipe.tensors])
+        for path, array in zip(recipe.leaves, arrays, strict=True):
+            _set(params, path, array)
+    ours = {}
+    for recipe in model_recipes(cfg, family, layout):
+        if "moe" in recipe.leaves[0]:
+            leaves = [np.asarray(_leaf(params, p)) for p in recipe.leaves]
+            ours.update(zip(recipe.tensors, recipe.to_tensors(leaves), strict=True))
+    theirs = {}
+    for i in cfg.moe_layers:
+        block = params["layers"][i]["moe"]
+        prefix = hf.block_prefix(family, i, layout)
+        theirs.update(hf.block_to_hf(block, cfg.moe, family, prefix, layout=layout))
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        np.testing.assert_array_equal(ours[name], np.asarray(t), err_msg=name)
+
+
+def _leaf(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree

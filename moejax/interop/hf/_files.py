@@ -23,6 +23,8 @@ import tempfile
 import ml_dtypes
 import numpy as np
 
+from moejax.interop.hf._errors import CheckpointError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -45,10 +47,10 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # what a model parameter can be read from
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(CheckpointError):
     """A Hugging Face checkpoint directory that cannot be read: a missing shard, a bad header, a
     missing tensor, a shape or dtype the model cannot take. The message names the file and the
-    tensor."""
+    tensor (a `moejax.interop.hf.CheckpointError`, so a `ValueError`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,30 +114,17 @@ def _rope(config: dict) -> tuple[float, RopeScaling | None]:
         raise CheckpointFormatError(f"{CONFIG_NAME}: rope_scaling {scaling}: {err}") from None
 
 
-def moe_config_of(config: dict, family: str) -> MoEConfig:
-    """The MoE layer of `config`."""
-    d = _get(config, "hidden_size", required=True)
-    if family == "mixtral":
-        e, f = _get(config, "num_local_experts", required=True), config["intermediate_size"]
-        norm = True
-    else:
-        e = _get(config, "num_experts", required=True)
-        f = _get(config, "moe_intermediate_size", config.get("intermediate_size"), required=True)
-        norm = bool(config.get("norm_topk_prob", False))
-    shared = {}
-    if FAMILIES[family].shared_expert:
-        width = _get(config, "shared_expert_intermediate_size", required=True)
-        shared = dict(num_shared_experts=1, shared_d_ff=width, shared_gate=True)
-    return MoEConfig(
-        d_model=d,
-        d_ff=f,
-        num_experts=e,
-        top_k=_get(config, "num_experts_per_tok", required=True),
-        router="softmax",
-        norm_topk_prob=norm,
-        activation="swiglu",
-        **shared,
-    )
+def moe_config_of(config: dict) -> MoEConfig:
+    """The MoE layer of `config` (`moejax.interop.hf.moe_config_from_hf`, errors as
+    `CheckpointFormatError`)."""
+    from moejax.interop.hf._config import moe_config_from_hf
+
+    try:
+        return moe_config_from_hf(config)[0]
+    except CheckpointFormatError:
+        raise
+    except ValueError as err:
+        raise CheckpointFormatError(str(err)) from None
 
 
 def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LMConfig, str]:
@@ -171,7 +158,7 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
     theta, scaling = _rope(config)
     layers = _get(config, "num_hidden_layers", required=True)
     step = _get(config, "decoder_sparse_step", 1)
-    moe = moe_config_of(config, family)
+    moe = moe_config_of(config)
     cfg = LMConfig(
         vocab_size=_get(config, "vocab_size", required=True),
         d_model=d,
