@@ -34,6 +34,23 @@ OUT = os.path.join(HERE, "hf_model_fixtures.npz")
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 SEED = {"mixtral": 11, "qwen3_moe": 12, "olmoe": 13, "qwen2_moe": 14}
 BATCH, SEQ = 2, 10
+# rope_scaling cases (head_dim 64, rope_theta 5e5, max_position_embeddings 16384): transformers'
+# inverse frequencies and attention factor of each (`ROPE_INIT_FUNCTIONS`)
+ROPE = {"head_dim": 64, "rope_theta": 500000.0, "max_position_embeddings": 16384}
+ROPE_CASES = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    "yarn_no_original": {"rope_type": "yarn", "factor": 4.0},
+    "yarn_ratio": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+    "yarn_mscale": {
+        "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+    },
+}  # fmt: skip
 
 
 def weights_sha256(sd: dict) -> str:
@@ -94,6 +111,20 @@ def _torch_half(root: str, out: str) -> None:
             arrays[f"{family}/topk/{j}"] = torch.topk(probs, k, dim=-1).indices.numpy()
         for name, p in model.named_parameters():
             arrays[f"{family}/grad/{name}"] = p.grad.numpy()
+    from transformers import Qwen3MoeConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for case, scaling in ROPE_CASES.items():
+        config = Qwen3MoeConfig(
+            hidden_size=256,
+            num_attention_heads=4,
+            head_dim=ROPE["head_dim"],
+            max_position_embeddings=ROPE["max_position_embeddings"],
+            rope_scaling=dict(scaling, rope_theta=ROPE["rope_theta"]),
+        )
+        inv_freq, attention = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+        arrays[f"rope/{case}/inv_freq"] = inv_freq.numpy()
+        arrays[f"rope/{case}/attention_factor"] = np.array(attention)
     versions = f"transformers {transformers.__version__}, torch {torch.__version__}"
     arrays["versions"] = np.array(versions)
     np.savez_compressed(out, **arrays)

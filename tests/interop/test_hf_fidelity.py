@@ -83,5 +83,18 @@ def test_logits_grads_and_topk_match_transformers(expected, family, tmp_path):
     assert family_of(config) == family
 
 
+@pytest.mark.parametrize("case", sorted(fixtures.ROPE_CASES))
+def test_rope_scaling_matches_transformers(expected, case):
+    """`rope_scaling` of a config.json -> `RopeScaling` -> frequencies, as transformers'."""
+    from moejax.interop.hf._model_config import _rope
+
+    config = {k: v for k, v in fixtures.ROPE.items() if k != "head_dim"}
+    theta, scaling = _rope(config | {"rope_scaling": fixtures.ROPE_CASES[case]})
+    inv_freq, factor = models.rope_frequencies(fixtures.ROPE["head_dim"], theta, scaling)
+    want = expected[f"rope/{case}/inv_freq"]
+    np.testing.assert_allclose(inv_freq, want, rtol=2e-7, atol=0)
+    assert factor == pytest.approx(float(expected[f"rope/{case}/attention_factor"]), rel=1e-12)
+
+
 def test_fixtures_are_small():
     assert os.path.getsize(fixtures.OUT) < 1_000_000
