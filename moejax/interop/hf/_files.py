@@ -1,5 +1,5 @@
-"""Hugging Face checkpoint directories, file by file: a lazy safetensors reader over a directory of
-shards, and an atomic sharded writer.
+"""Hugging Face checkpoint directories read tensor by tensor into plain host memory, and a
+one-file safetensors writer (tests, fixtures).
 
 The safetensors format: 8 bytes little-endian header length `n`, `n` bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the raw
@@ -8,7 +8,10 @@ little-endian data (offsets relative to the end of the header). A directory hold
 (`{"metadata": {"total_size"}, "weight_map": {name: file}}`).
 
 Reading is tensor by tensor: the headers are read once, each tensor's bytes only when asked
-(one `seek` + `read`), so host memory holds one tensor at a time, never a whole shard.
+(one `seek` + `readinto` the returned array), so host memory holds one tensor at a time, never a
+whole shard. Unlike a memory map (`moejax.interop.hf.SafetensorsCheckpoint`, whose touched pages
+stay resident while the file is open), nothing read stays mapped: streaming a model onto devices
+keeps the host's memory at one tensor beyond what the devices hold.
 """
 
 from __future__ import annotations
@@ -16,9 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import struct
-import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -189,77 +190,3 @@ def write_safetensors(path: str, tensors: list[tuple[str, np.ndarray]], metadata
         f.write(header)
         for _, arr in tensors:
             f.write(np.ascontiguousarray(arr).tobytes())
-
-
-class ShardedWriter:
-    """Writes a checkpoint directory shard by shard into a temporary sibling directory, renamed
-    onto `path` only by `commit()`: nothing half-written is ever at `path`.
-
-    Tensors are buffered up to `max_shard_bytes` (one shard), then written; `commit` writes the
-    last shard, the index, the extra JSON files (`config.json`, ...) and renames. Shards are
-    named `model-00001-of-0000N.safetensors` (renamed once `N` is known), or
-    `model.safetensors` when there is one.
-    """
-
-    def __init__(self, path: str, max_shard_bytes: int = 5 * 2**30):
-        self.path = os.path.abspath(path)
-        parent = os.path.dirname(self.path)
-        os.makedirs(parent, exist_ok=True)
-        self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.tmp-", dir=parent)
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: list[tuple[str, np.ndarray]] = []
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_size = 0
-
-    def add(self, name: str, array: np.ndarray) -> None:
-        """Queue one tensor (written once its shard is full)."""
-        if self._pending and self._pending_bytes + array.nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending.append((name, array))
-        self._pending_bytes += array.nbytes
-        self.total_size += array.nbytes
-
-    def _flush(self) -> None:
-        k = len(self._shards)
-        write_safetensors(
-            os.path.join(self.tmp, f"shard-{k}.safetensors"), self._pending, {"format": "pt"}
-        )
-        self._shards.append([n for n, _ in self._pending])
-        self._pending, self._pending_bytes = [], 0
-
-    def commit(self, extra_json: dict[str, dict]) -> None:
-        """Finish: last shard, index, `extra_json` files ({filename: object}), rename onto
-        `path` (an existing directory there is replaced)."""
-        if self._pending or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        weight_map = {}
-        for k, names in enumerate(self._shards):
-            final = SINGLE_NAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            os.rename(
-                os.path.join(self.tmp, f"shard-{k}.safetensors"), os.path.join(self.tmp, final)
-            )
-            weight_map.update({name: final for name in names})
-        if n > 1:
-            index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-            _write_json(os.path.join(self.tmp, INDEX_NAME), index)
-        for name, obj in extra_json.items():
-            _write_json(os.path.join(self.tmp, name), obj)
-        old = None
-        if os.path.exists(self.path):  # moved aside, removed once the new one is in place
-            old = f"{self.tmp}.old"
-            os.rename(self.path, old)
-        os.rename(self.tmp, self.path)
-        if old is not None:
-            shutil.rmtree(old)
-
-    def abort(self) -> None:
-        """Remove the temporary directory (nothing was written at `path`)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")

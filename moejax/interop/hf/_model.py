@@ -46,12 +46,7 @@ from typing import Literal
 import jax
 import numpy as np
 
-from moejax.interop.hf._files import (
-    DTYPES,
-    CheckpointFormatError,
-    SafetensorsDir,
-    ShardedWriter,
-)
+from moejax.interop.hf._files import DTYPES, CheckpointFormatError, SafetensorsDir
 from moejax.interop.hf._model_config import (
     CONFIG_NAME,
     FAMILIES,
@@ -59,6 +54,7 @@ from moejax.interop.hf._model_config import (
     read_hf_config,
     stored_dtype,
 )
+from moejax.interop.hf._safetensors import CheckpointWriter
 from moejax.models import LMConfig
 
 Layout = Literal["per_expert", "fused"]
@@ -383,13 +379,10 @@ def save_hf_model(
         raise ValueError(f"dtype={name!r}: must be one of {tuple(out_dtypes)}")
     out_dtype = DTYPES[out_dtypes[name]]
     moe_index = _moe_index(cfg)
-    writer = ShardedWriter(path, max_shard_bytes)
-    try:
+    writer = CheckpointWriter(path, max_shard_bytes=max_shard_bytes, overwrite=True)
+    with writer:  # removes the temporary directory on an error: nothing half-written
         for recipe in _progress(model_recipes(cfg, family, layout), progress, "save"):
             leaves = [_host_leaf(params, p, moe_index, placements) for p in recipe.leaves]
             for tensor_name, t in zip(recipe.tensors, recipe.to_tensors(leaves), strict=True):
                 writer.add(tensor_name, np.ascontiguousarray(t.astype(out_dtype)))
-        writer.commit({CONFIG_NAME: hf_config})
-    except BaseException:
-        writer.abort()
-        raise
+        writer.add_file(CONFIG_NAME, hf_config)
