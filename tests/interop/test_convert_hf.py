@@ -81,3 +81,11 @@ def test_bad_input_is_one_line(converted, capsys, tmp_path):
     assert not (tmp_path / "x").exists() and os.listdir(tmp_path) == []
     assert convert_hf.main(["to-hf", str(tmp_path), str(tmp_path / "y"), "--no-progress"]) == 2
     assert "not a converted model directory" in capsys.readouterr().err
+
+
+def test_init_from_a_directory_that_is_not_converted(capsys, tmp_path):
+    args = ["--preset", "micro", "--init-from", str(tmp_path), "--out", str(tmp_path / "run")]
+    code = train_lm.main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "not a converted model directory" in err
+    assert not (tmp_path / "run").exists()

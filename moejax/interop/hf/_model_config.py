@@ -134,6 +134,13 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
       CheckpointFormatError: an unknown `model_type`, an activation other than SiLU, a layer
         pattern moejax cannot express (`mlp_only_layers`), `clip_qkv`, a rope type not in
         `ROPE_TYPES`, or a missing field; each names the field.
+
+    >>> cfg, family = lm_config_from_hf({"model_type": "olmoe", "vocab_size": 64,
+    ...     "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...     "intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2,
+    ...     "tie_word_embeddings": True})
+    >>> family, cfg.qk_norm, cfg.tie_embeddings, cfg.moe.num_experts, cfg.head_dim
+    ('olmoe', 'full', True, 8, 8)
     """
     family = family_of(config)
     fam = FAMILIES[family]
