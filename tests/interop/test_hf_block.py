@@ -6,32 +6,18 @@ transformers), without torch: names, layouts, round trips bit for bit, and the c
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _hf_cases import CONFIGS
+from _hf_cases import CONFIGS, load_reference
 
 from moejax import presets
 from moejax.interop import hf
 from moejax.testing import random_params
 
-
-def _load_reference():
-    if "_hf_reference" not in sys.modules:
-        path = Path(__file__).parents[1] / "core" / "_hf_reference.py"
-        spec = importlib.util.spec_from_file_location("_hf_reference", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["_hf_reference"] = module
-    return sys.modules["_hf_reference"]
-
-
-ref = _load_reference()
+ref = load_reference()
 FAMILIES = sorted(CONFIGS)
 PREFIX = "model.layers.1.mlp."
 
