@@ -162,6 +162,10 @@ def test_round_trip_keeps_half_precision_bits(dtype, tmp_path):
     again = hf.block_to_hf(params, cfg, "deepseek_v3", PREFIX, "per_expert")
     for name in tensors:
         np.testing.assert_array_equal(_bits(again[name]), _bits(tensors[name]), err_msg=name)
+    with hf.SafetensorsCheckpoint(path) as ckpt:  # dtype= casts (here exactly: fp32 holds both)
+        wide = hf.block_from_hf(ckpt, cfg, "deepseek_v3", PREFIX, dtype="float32")
+    assert wide["experts"]["w_up"].dtype == np.float32
+    np.testing.assert_array_equal(wide["experts"]["w_up"], params["experts"]["w_up"])
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if len(layouts(f)) == 2])

@@ -277,7 +277,9 @@ def _check_params(params: Mapping, cfg: MoEConfig) -> None:
             try:
                 leaf = params[group][name]
             except KeyError:
-                raise KeyError(f"params[{group!r}][{name!r}] missing, but {cfg} has it") from None
+                raise KeyError(
+                    f"params[{group!r}][{name!r}] missing; this MoEConfig has it"
+                ) from None
             if tuple(np.shape(leaf)) != spec.shape:
                 raise ValueError(
                     f"params[{group!r}][{name!r}] has shape {tuple(np.shape(leaf))}, expected "
