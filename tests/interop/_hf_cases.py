@@ -7,7 +7,23 @@ that drops tokens).
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 D, F, E = 16, 8, 8
+
+
+def load_reference():
+    """tests/core/_hf_reference.py (numpy transcriptions of the published blocks) as a module."""
+    if "_hf_reference" not in sys.modules:
+        path = Path(__file__).parents[1] / "core" / "_hf_reference.py"
+        spec = importlib.util.spec_from_file_location("_hf_reference", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["_hf_reference"] = module
+    return sys.modules["_hf_reference"]
+
 
 CONFIGS: dict[str, dict] = {
     "mixtral": {

@@ -6,32 +6,18 @@ transformers), without torch: names, layouts, round trips bit for bit, and the c
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _hf_cases import CONFIGS
+from _hf_cases import CONFIGS, load_reference
 
 from moejax import presets
 from moejax.interop import hf
 from moejax.testing import random_params
 
-
-def _load_reference():
-    if "_hf_reference" not in sys.modules:
-        path = Path(__file__).parents[1] / "core" / "_hf_reference.py"
-        spec = importlib.util.spec_from_file_location("_hf_reference", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["_hf_reference"] = module
-    return sys.modules["_hf_reference"]
-
-
-ref = _load_reference()
+ref = load_reference()
 FAMILIES = sorted(CONFIGS)
 PREFIX = "model.layers.1.mlp."
 
@@ -176,6 +162,10 @@ def test_round_trip_keeps_half_precision_bits(dtype, tmp_path):
     again = hf.block_to_hf(params, cfg, "deepseek_v3", PREFIX, "per_expert")
     for name in tensors:
         np.testing.assert_array_equal(_bits(again[name]), _bits(tensors[name]), err_msg=name)
+    with hf.SafetensorsCheckpoint(path) as ckpt:  # dtype= casts (here exactly: fp32 holds both)
+        wide = hf.block_from_hf(ckpt, cfg, "deepseek_v3", PREFIX, dtype="float32")
+    assert wide["experts"]["w_up"].dtype == np.float32
+    np.testing.assert_array_equal(wide["experts"]["w_up"], params["experts"]["w_up"])
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if len(layouts(f)) == 2])

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hf_cases import CONFIGS, load_reference
 
 import moejax
 from moejax.interop import hf
@@ -148,3 +149,36 @@ def test_matches_transformers_forward_gradients_and_choice(family, implementatio
     assert set(expected) <= set(grads)
     for name, value in expected.items():
         assert_rel(grads[name], value, GRAD_RTOL, f"d {name}")
+
+
+def test_fixture_data_exercise_every_family_feature():
+    """Guards against hollow comparisons: on the fixtures' own tensors and inputs, DeepSeek-V3's
+    correction bias and group limit each change some token's experts, GPT-OSS's two clamps are
+    active, and Switch drops some tokens and keeps others."""
+    ref = load_reference()
+    io = read(FIXTURES / "deepseek_v3" / "io.safetensors")
+    state = read(FIXTURES / "deepseek_v3" / "fused.safetensors")
+    sd = {k.removeprefix(FUSED_PREFIX): v.astype(np.float64) for k, v in state.items()}
+    x = io["x"].reshape(-1, io["x"].shape[-1]).astype(np.float64)
+    cfg = CONFIGS["deepseek_v3"]
+    kw = dict(top_k=cfg["num_experts_per_tok"], n_group=cfg["n_group"], norm_topk_prob=True)
+    kw.update(topk_group=cfg["topk_group"], scaling=cfg["routed_scaling_factor"])
+
+    def experts(sd, **changes):
+        return np.sort(ref.deepseek_v3_router(sd, x, **{**kw, **changes})[2], -1)
+
+    np.testing.assert_array_equal(experts(sd), np.sort(io["topk_index"], -1))
+    unbiased = {**sd, "gate.e_score_correction_bias": 0 * sd["gate.e_score_correction_bias"]}
+    assert (experts(unbiased) != experts(sd)).any()
+    assert (experts(sd, topk_group=cfg["n_group"]) != experts(sd)).any()
+
+    io = read(FIXTURES / "gpt_oss" / "io.safetensors")
+    state = read(FIXTURES / "gpt_oss" / "fused.safetensors")
+    x = io["x"].reshape(-1, io["x"].shape[-1])
+    gate_up = np.einsum("td,edf->etf", x, state[FUSED_PREFIX + "experts.gate_up_proj"])
+    gate_up += state[FUSED_PREFIX + "experts.gate_up_proj_bias"][:, None]
+    limit = CONFIGS["gpt_oss"]["swiglu_limit"]
+    assert (gate_up[..., ::2] > limit).any() and (np.abs(gate_up[..., 1::2]) > limit).any()
+
+    dropped = read(FIXTURES / "switch" / "io.safetensors")["dropped"]
+    assert dropped.any() and not dropped.all()

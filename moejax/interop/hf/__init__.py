@@ -17,11 +17,12 @@ says which a family has. `FLOAT_DTYPES` are the tensor dtypes a block's paramete
 - Errors: `CheckpointError` (a `ValueError`) and `MissingTensorError` (also a `KeyError`) name
   the tensor and the file.
 
->>> import jax, numpy as np, moejax
+>>> import numpy as np
+>>> from moejax.testing import random_params
 >>> from moejax.interop import hf
 >>> cfg, family = hf.moe_config_from_hf({"model_type": "qwen3_moe", "hidden_size": 8,
 ...     "moe_intermediate_size": 4, "num_experts": 4, "num_experts_per_tok": 2})
->>> params = moejax.init_moe_params(cfg, jax.random.key(0))
+>>> params = random_params(cfg)  # or moejax.init_moe_params(cfg, key)
 >>> tensors = hf.block_to_hf(params, cfg, family, "model.layers.0.mlp.", layout="per_expert")
 >>> tensors["model.layers.0.mlp.experts.3.up_proj.weight"].shape
 (4, 8)

@@ -10,7 +10,7 @@ Shape letters: `E` experts, `D` d_model, `F` d_ff of one expert, `Fs` shared-exp
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 
 import numpy as np
 
@@ -107,8 +107,14 @@ def block_tensor_names(
     return list(block_tensor_shapes(cfg, family, prefix, layout))
 
 
-def detect_layout(names: Iterable[str], family: str, prefix: str = "") -> str:
+def detect_layout(names: Iterable[str] | Container[str], family: str, prefix: str = "") -> str:
     """Which layout a checkpoint stores `family`'s block at `prefix` in, from its tensor names.
+
+    Args:
+      names: the checkpoint's tensor names; a Mapping or set (e.g. a `SafetensorsCheckpoint`) is
+        asked by membership, so a whole-model checkpoint is not scanned once per layer.
+      family: a name in `moejax.interop.hf.FAMILIES`.
+      prefix: the block's module path with a trailing dot.
 
     Raises:
       CheckpointError: when neither layout's experts are there (naming what was looked for).
@@ -118,7 +124,9 @@ def detect_layout(names: Iterable[str], family: str, prefix: str = "") -> str:
         return fam.layouts[0]  # a missing tensor is reported by name when it is read
     fused = prefix + "experts.gate_up_proj"
     per_expert = prefix + _expert_names(fam, 0)[1]
-    found = {name for name in names if name in (fused, per_expert)}
+    if not isinstance(names, Container):
+        names = set(names)
+    found = {name for name in (fused, per_expert) if name in names}
     if found == {fused}:
         return "fused"
     if found == {per_expert}:
@@ -208,7 +216,7 @@ def block_from_hf(
         (names it, and the file when `tensors` knows it).
     """
     fam = get_family(family)
-    layout = detect_layout(tensors.keys(), family, prefix)
+    layout = detect_layout(tensors, family, prefix)
     shapes = block_tensor_shapes(cfg, family, prefix, layout)
     if strict and prefix:
         extra = sorted(n for n in tensors if n.startswith(prefix) and n not in shapes)
@@ -277,7 +285,9 @@ def _check_params(params: Mapping, cfg: MoEConfig) -> None:
             try:
                 leaf = params[group][name]
             except KeyError:
-                raise KeyError(f"params[{group!r}][{name!r}] missing, but {cfg} has it") from None
+                raise KeyError(
+                    f"params[{group!r}][{name!r}] missing; this MoEConfig has it"
+                ) from None
             if tuple(np.shape(leaf)) != spec.shape:
                 raise ValueError(
                     f"params[{group!r}][{name!r}] has shape {tuple(np.shape(leaf))}, expected "
