@@ -62,3 +62,20 @@ def test_options_on_a_mesh_equal_one_device():
     plain, _ = jax.jit(lambda p: lm_forward(p, tokens, BASE))({**params, "layers": layers})
     assert not np.allclose(np.asarray(plain), np.asarray(one), atol=1e-3)  # the options act
     assert jnp.isfinite(one).all()
+
+
+def test_checkpoints_from_before_the_options_still_resume(tmp_path):
+    """A checkpoint's model metadata written before these fields existed matches a model that
+    leaves them off, and not one that turns one on."""
+    from moejax.training import CheckpointError
+    from moejax.training import presets as train_presets
+    from moejax.training.checkpoint import Checkpointer, _flat_config
+
+    new = ("qk_norm", "attention_bias", "attention_out_bias", "rope_scaling")
+    old_meta = {k: v for k, v in _flat_config(BASE).items() if k not in new}
+    train = train_presets.get("micro")
+    Checkpointer(str(tmp_path / "a"), BASE, train)._check_model(old_meta, "ckpt")
+    with pytest.raises(CheckpointError, match="qk_norm='<missing>' there, 'head' here"):
+        Checkpointer(str(tmp_path / "b"), BASE.replace(qk_norm="head"), train)._check_model(
+            old_meta, "ckpt"
+        )
