@@ -60,6 +60,12 @@ def test_dynamic_placement_fills_slots_from_logical_experts(qwen3, tmp_path):
             assert leaf.shape[0] == 12 and leaf.sharding.spec[0] == "expert"
             want = np.asarray(local["layers"][i]["moe"]["experts"][name])[table]
             np.testing.assert_array_equal(np.asarray(leaf), want)
+    save_hf_model(str(tmp_path / "fused"), params, cfg, hf_config, placements=placements,
+                  layout="fused")  # fmt: skip
+    _, fused, _ = load_hf_model(str(tmp_path / "fused"), mesh=mesh, placements=placements)
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(params), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # experts read row by row
     save_hf_model(str(tmp_path / "back"), params, cfg, hf_config, placements=placements)
     back = SafetensorsDir(str(tmp_path / "back"))
     for name, want in sd.items():

@@ -137,13 +137,18 @@ class SafetensorsDir:
             raise CheckpointFormatError(f"{self.path}: tensor {name!r} not found in the checkpoint")
         return self.tensors[name]
 
-    def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """Tensor `name` as a numpy array in its stored dtype (bf16 as `ml_dtypes.bfloat16`).
+    def read(
+        self, name: str, shape: tuple[int, ...] | None = None, row: int | None = None
+    ) -> np.ndarray:
+        """Tensor `name` (or its row `row` along the first axis) as a numpy array in its stored
+        dtype (bf16 as `ml_dtypes.bfloat16`); only those bytes are read.
 
         Args:
           name: the tensor name.
           shape: the shape the model needs; a different stored shape, or a dtype that is not a
             float, raises CheckpointFormatError naming the file and the tensor.
+          row: None for the whole tensor, else one index of its first axis (e.g. one expert of
+            a fused `[E, ...]` tensor).
         """
         info = self.info(name)
         where = f"{info.file}: tensor {name!r}"
@@ -157,10 +162,16 @@ class SafetensorsDir:
         count = int(np.prod(info.shape, dtype=np.int64))
         if info.end - info.begin != count * dtype.itemsize:
             raise CheckpointFormatError(f"{where}: byte range does not match {info.shape}")
-        out = np.empty(info.shape, dtype)
+        out_shape, begin = info.shape, info.begin
+        if row is not None:
+            if not 0 <= row < info.shape[0]:
+                raise CheckpointFormatError(f"{where}: row {row} outside its {info.shape[0]}")
+            out_shape = info.shape[1:]
+            begin += row * int(np.prod(out_shape, dtype=np.int64)) * dtype.itemsize
+        out = np.empty(out_shape, dtype)
         with open(info.file, "rb") as f:
-            f.seek(info.begin)
-            if f.readinto(out.reshape(-1).view(np.uint8)) != info.end - info.begin:
+            f.seek(begin)
+            if f.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
                 raise CheckpointFormatError(f"{where}: file ends inside the tensor")
         return out
 

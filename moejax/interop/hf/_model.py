@@ -56,6 +56,7 @@ from moejax.interop.hf._model_config import (
 )
 from moejax.interop.hf._safetensors import CheckpointWriter
 from moejax.models import LMConfig
+from moejax.models._params import abstract_params
 
 Layout = Literal["per_expert", "fused"]
 LAYOUTS: tuple[str, ...] = Layout.__args__
@@ -67,7 +68,10 @@ class Recipe:
     """Some leaves of the parameter tree <-> some Hugging Face tensors.
 
     `to_leaves(tensors) -> leaves` and `to_tensors(leaves) -> tensors` are inverse
-    reshapes/transposes/stacks (numpy, exact).
+    reshapes/transposes/stacks (numpy, exact). Expert recipes (leaves `[E, ...]`) also have
+    `expert_row(read, e) -> [row e of each leaf]`, reading only expert `e`'s bytes through
+    `read(name, shape, row=None)` (`SafetensorsDir.read`), so a process reads only the experts
+    its devices hold.
     """
 
     leaves: tuple[Path, ...]
@@ -75,6 +79,7 @@ class Recipe:
     shapes: tuple[tuple[int, ...], ...]  # of the tensors, as stored
     to_leaves: Callable
     to_tensors: Callable
+    expert_row: Callable | None = None
 
 
 def _one(leaf: Path, name: str, shape, to_leaf=lambda t: t, to_tensor=lambda x: x) -> Recipe:
@@ -142,6 +147,7 @@ def _stacked(leaf: Path, names: list[str], out_in: tuple[int, int]) -> Recipe:
         (tuple(out_in),) * e,
         lambda ts: [np.stack([t.T for t in ts])],
         lambda xs: [x.T for x in xs[0]],
+        lambda read, j: [read(names[j], out_in).T],
     )
 
 
@@ -162,19 +168,27 @@ def _moe_recipes(cfg: LMConfig, family: str, i: int, layout: Layout) -> list[Rec
             _stacked((*experts, "w_down"), names(down), (d, f)),
         ]
     else:
+        gate_up, down = f"{pre}experts.gate_up_proj", f"{pre}experts.down_proj"
         out.append(
             Recipe(
                 ((*experts, "w_gate"), (*experts, "w_up")),
-                (f"{pre}experts.gate_up_proj",),
+                (gate_up,),
                 ((e, 2 * f, d),),
                 lambda ts: [t.swapaxes(1, 2) for t in np.split(ts[0], 2, axis=1)],
                 lambda xs: [np.concatenate([x.swapaxes(1, 2) for x in xs], axis=1)],
+                lambda read, j: [t.T for t in np.split(read(gate_up, (e, 2 * f, d), j), 2)],
             )
         )
         out.append(
-            _one((*experts, "w_down"), f"{pre}experts.down_proj", (e, d, f),
-                 lambda t: t.swapaxes(1, 2), lambda x: x.swapaxes(1, 2))
-        )  # fmt: skip
+            Recipe(
+                ((*experts, "w_down"),),
+                (down,),
+                ((e, d, f),),
+                lambda ts: [ts[0].swapaxes(1, 2)],
+                lambda xs: [xs[0].swapaxes(1, 2)],
+                lambda read, j: [read(down, (e, d, f), j).T],
+            )
+        )
     if fam.shared_expert:
         fs = cfg.moe.shared_width
         out += _mlp_recipes((*leaf, "shared"), f"{pre}shared_expert.", d, fs)
@@ -242,24 +256,62 @@ def _moe_index(cfg: LMConfig) -> dict[int, int]:
     return {layer: j for j, layer in enumerate(cfg.moe_layers)}
 
 
-def _placer(cfg: LMConfig, mesh, placements):
-    """`(path, array) -> jax.Array`: the array (logical experts) laid out and placed."""
-    specs = None
-    if mesh is not None:
-        from moejax.models import lm_partition_specs
+class _Placer:
+    """Puts leaves (logical experts) onto their target sharding, experts as physical slots."""
 
-        specs = lm_partition_specs(cfg, mesh)
-    moe_index = _moe_index(cfg)
+    def __init__(self, cfg: LMConfig, mesh, placements, dtype):
+        self.mesh, self.placements, self.dtype = mesh, placements, dtype
+        self.specs = None
+        if mesh is not None:
+            from moejax.models import lm_partition_specs
 
-    def place(path: Path, array: np.ndarray) -> jax.Array:
-        if placements is not None and len(path) > 3 and path[3] == "experts":
-            table = np.asarray(placements[moe_index[path[1]]].slot_to_expert)
+            self.specs = lm_partition_specs(cfg, mesh)
+        self.moe_index = _moe_index(cfg)
+
+    def _table(self, path: Path):
+        if self.placements is None or len(path) < 4 or path[3] != "experts":
+            return None
+        return np.asarray(self.placements[self.moe_index[path[1]]].slot_to_expert)
+
+    def _sharding(self, path: Path):
+        return jax.sharding.NamedSharding(self.mesh, _get(self.specs, path))
+
+    def place(self, path: Path, array: np.ndarray) -> jax.Array:
+        """A whole leaf read on the host; each device takes its slice of it."""
+        array = np.ascontiguousarray(array.astype(self.dtype))
+        table = self._table(path)
+        if table is not None:
             array = np.take(array, table, axis=0)  # [P, ...] physical slots
-        if specs is None:
+        if self.mesh is None:
             return jax.device_put(array)
-        return jax.device_put(array, jax.sharding.NamedSharding(mesh, _get(specs, path)))
+        return jax.make_array_from_callback(
+            array.shape, self._sharding(path), lambda index: array[index]
+        )
 
-    return place
+    def place_experts(self, recipe: Recipe, read, shapes: list[tuple[int, ...]]) -> list:
+        """An expert recipe's leaves (logical shapes `shapes`, `[E, ...]`) built shard by shard:
+        each device's slots are assembled from the rows of the experts they hold, and each
+        expert is read once, only if one of this process's devices holds it."""
+        rows: dict[int, list[np.ndarray]] = {}
+
+        def expert(e: int) -> list[np.ndarray]:
+            if e not in rows:  # as stored (bf16: half of fp32); cast per device block
+                rows[e] = recipe.expert_row(read, e)
+            return rows[e]
+
+        out = []
+        for j, (path, shape) in enumerate(zip(recipe.leaves, shapes, strict=True)):
+            table = self._table(path)
+            slots = np.arange(shape[0]) if table is None else table  # slot -> logical expert
+            full = (len(slots), *shape[1:])
+
+            def block(index, j=j, slots=slots):
+                rest = tuple(index[1:])
+                picked = [expert(int(e))[j][rest] for e in slots[index[0]]]
+                return np.stack(picked).astype(self.dtype)
+
+            out.append(jax.make_array_from_callback(full, self._sharding(path), block))
+        return out
 
 
 def load_hf_model(
@@ -312,12 +364,19 @@ def load_hf_model(
             f"a {family} model with this {CONFIG_NAME}"
         )
     dtype = np.dtype(param_dtype if param_dtype != "bfloat16" else DTYPES["BF16"])
-    place = _placer(cfg, mesh, placements)
+    placer = _Placer(cfg, mesh, placements, dtype)
+    abstract = abstract_params(cfg) if mesh is not None else None
     tree = _empty_tree(cfg)
     for recipe in _progress(recipes, progress, "load"):
+        if mesh is not None and recipe.expert_row is not None:
+            shapes = [_get(abstract, p).shape for p in recipe.leaves]
+            arrays = placer.place_experts(recipe, source.read, shapes)
+            for leaf, array in zip(recipe.leaves, arrays, strict=True):
+                _set(tree, leaf, array)
+            continue
         tensors = [source.read(n, s) for n, s in zip(recipe.tensors, recipe.shapes, strict=True)]
         for leaf, array in zip(recipe.leaves, recipe.to_leaves(tensors), strict=True):
-            _set(tree, leaf, place(leaf, np.ascontiguousarray(array.astype(dtype))))
+            _set(tree, leaf, placer.place(leaf, array))
         del tensors
     return cfg, tree, hf_config
 
