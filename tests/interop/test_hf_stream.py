@@ -111,3 +111,36 @@ def test_peak_host_memory_while_streaming_stays_far_below_the_model(tmp_path):
     transient = m["peak"] - m["after"]
     assert transient < stored / 4, (m, stored)
     assert m["peak"] - m["before"] < m["placed"] + stored / 2, (m, stored)
+
+
+def test_each_process_reads_only_the_experts_it_holds(tmp_path):
+    """2 processes x 4 CPU devices, one 8-device `expert` mesh: each process reads the
+    per-expert tensors of its own 4 experts only, and its shards hold what they should."""
+    import socket
+
+    config = ref.CONFIGS["mixtral"] | {"num_local_experts": 8}
+    ref.write_checkpoint(str(tmp_path / "ck"), config, ref.random_state_dict(config), shards=3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(HERE, "_stream_two_processes.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(tmp_path / "ck"), f"127.0.0.1:{port}", str(i)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    reports = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    for r in reports:
+        assert r["read"] == r["held"] and len(r["held"]) == 4
+    assert sorted(reports[0]["held"] + reports[1]["held"]) == list(range(8))
