@@ -89,8 +89,8 @@ def test_peak_host_memory_while_streaming_stays_far_below_the_model(tmp_path):
     On CPU devices the placed arrays are host memory too, so what is bounded is the memory
     *beyond* them: a loader that read the checkpoint before placing it would peak at least
     `placed + stored` above where it started; streaming peaks at `placed` plus about one recipe
-    (the largest, one layer's gate experts: 2 MB read, 4 MB as fp32). Measured (2026-11-24):
-    peak - before = 128.5 MB, placed 109.3 MB, peak - after 11 MB. glibc's mmap threshold is
+    (expert leaves are built per device block from the rows of the experts it holds). Measured
+    (2026-11-24): peak - before = 123.3 MB, placed 109.3 MB, peak - after 4-5 MB. glibc's mmap threshold is
     pinned (`MALLOC_MMAP_THRESHOLD_`) so that freed temporaries leave the process instead of
     staying in the heap, where they would count as if live."""
     sd = ref.random_state_dict(_BIG, seed=0)
