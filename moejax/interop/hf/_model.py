@@ -7,8 +7,11 @@ per-expert `gate_proj` matrices of a layer to `experts/w_gate [E, D, F]`) with t
 transpose both ways, so one table serves loading and saving. Each recipe's leaves go straight
 onto their target `NamedSharding` (`moejax.models.lm_partition_specs`: experts over `expert`,
 `D` over `fsdp`, ...), and under dynamic placement experts are laid out as physical slots
-(`w[slot_to_expert]`). The host holds the tensors of one recipe at a time (at most one layer's
-experts of one projection), never the whole model.
+(`w[slot_to_expert]`). On a mesh, expert leaves are built device block by device block
+(`jax.make_array_from_callback`) from the rows of the experts each block holds: a process reads
+only the experts its devices hold (under `jax.distributed`, its share), each once. The host
+holds the tensors of one recipe at a time (at most one layer's experts of one projection),
+never the whole model. Saving gathers one leaf at a time to the host (one process).
 
 Hugging Face tensor names (torch `Linear` weights are `[out, in]`), layer prefix
 `model.layers.{i}.`:
