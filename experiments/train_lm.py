@@ -14,6 +14,7 @@ Rerunning with the same `--out` resumes from the latest checkpoint.
   python experiments/train_lm.py --mesh fsdp=2,expert=2,model=2 --remat full --scan
   python experiments/train_lm.py --tune-budget inf             # time every candidate strategy
   python experiments/train_lm.py --strategy dropless,chunks=2,stagger,batch_split=2   # pinned
+  python experiments/train_lm.py --init-from converted/olmoe --data my_text_dir  # HF weights
   # two processes x 4 simulated devices = one 8-device mesh:
   python experiments/train_lm.py --num-processes 2 --process-id 0 --coordinator 127.0.0.1:1234 &
   python experiments/train_lm.py --num-processes 2 --process-id 1 --coordinator 127.0.0.1:1234
@@ -118,6 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="persistent XLA compilation cache dir, or 'none'; default $JAX_COMPILATION_CACHE_DIR "
         "if set, else <out>/jax_cache for single-process runs",
     )
+    p.add_argument(
+        "--init-from",
+        help="start from a converted Hugging Face model (experiments/convert_hf.py to-orbax): "
+        "its architecture replaces the preset's model, the preset gives the training settings",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     return p.parse_args(argv)
 
@@ -169,6 +175,10 @@ def _configs(args):
     from moejax.training import presets as train_presets
 
     model_cfg = presets.get(args.preset)
+    if args.init_from:
+        from moejax.interop.hf._converted import read_converted
+
+        model_cfg = read_converted(args.init_from)[0]
     if args.bf16:
         model_cfg = model_cfg.replace(dtype="bfloat16")
     overrides = {
@@ -295,6 +305,7 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
         progress=not args.no_progress,
         outputs=not args.no_outputs,
         controller=_controller(args, model_cfg, train_cfg, mesh),
+        init_params=_init_params(args, model_cfg),
     )
     if primary and not args.no_outputs:
         print(report.summary_table(result))
@@ -310,6 +321,15 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
     if args.num_processes > 1:
         jax.distributed.shutdown()
     return 0
+
+
+def _init_params(args, model_cfg):
+    """`mesh -> params` of `--init-from` (None without it)."""
+    if not args.init_from:
+        return None
+    from moejax.interop.hf._converted import restore_params
+
+    return lambda mesh: restore_params(args.init_from, model_cfg, mesh)
 
 
 def main(argv=None) -> int:

@@ -16,9 +16,11 @@ to shard, checkpoint and re-place.
 from moejax.models import presets as presets
 from moejax.models._attention import causal_attention as causal_attention
 from moejax.models._config import LMConfig as LMConfig
+from moejax.models._config import RopeScaling as RopeScaling
 from moejax.models._layers import apply_rope as apply_rope
 from moejax.models._layers import attention as attention
 from moejax.models._layers import rms_norm as rms_norm
+from moejax.models._layers import rope_frequencies as rope_frequencies
 from moejax.models._layers import rope_tables as rope_tables
 from moejax.models._layers import swiglu_mlp as swiglu_mlp
 from moejax.models._model import REMAT_POLICIES as REMAT_POLICIES
@@ -43,6 +45,7 @@ __all__ = [
     "REMAT_POLICIES",
     "LMAux",
     "LMConfig",
+    "RopeScaling",
     "ParamCounts",
     "apply_rope",
     "attention",
@@ -62,6 +65,7 @@ __all__ = [
     "presets",
     "remat_policy",
     "rms_norm",
+    "rope_frequencies",
     "rope_tables",
     "split_rows",
     "swiglu_mlp",

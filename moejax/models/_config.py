@@ -15,6 +15,60 @@ from moejax._config import MoEConfig
 
 ComputeDtype = Literal["float32", "bfloat16"]
 COMPUTE_DTYPES: tuple[str, ...] = ComputeDtype.__args__
+QKNorm = Literal["head", "full"]
+QK_NORMS: tuple[str, ...] = QKNorm.__args__
+RopeKind = Literal["linear", "llama3", "yarn"]
+ROPE_KINDS: tuple[str, ...] = RopeKind.__args__
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched for contexts past the pretraining length (the
+    `rope_scaling` types of Hugging Face's `modeling_rope_utils`; formulas in
+    `moejax.models._layers.rope_frequencies`).
+
+    Args:
+      kind: `"linear"` (positions divided by `factor`), `"llama3"` (low frequencies divided by
+        `factor`, high ones kept, a smooth ramp between) or `"yarn"` (NTK-by-parts ramp between
+        interpolated and extrapolated frequencies, and cos/sin scaled by an attention factor).
+      factor: the stretch factor (> 0).
+      original_max_position_embeddings: the pretraining context (llama3, yarn; needed there).
+      low_freq_factor, high_freq_factor: llama3's wavelength bounds of the ramp.
+      beta_fast, beta_slow: yarn's ramp bounds in rotations.
+      attention_factor: yarn's cos/sin scale (None: `0.1 * ln(factor) + 1`, or the ratio of
+        `mscale` and `mscale_all_dim` forms when both are given).
+      mscale, mscale_all_dim: yarn's DeepSeek-style attention-factor terms.
+      truncate: yarn rounds the ramp bounds to integers.
+    """
+
+    kind: RopeKind
+    factor: float
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"RopeScaling.kind={self.kind!r}: must be one of {ROPE_KINDS}")
+        if not (isinstance(self.factor, int | float) and math.isfinite(self.factor)):
+            raise ValueError(f"RopeScaling.factor={self.factor!r}: must be a finite number")
+        if self.factor <= 0:
+            raise ValueError(f"RopeScaling.factor={self.factor!r}: must be > 0")
+        if self.kind in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise ValueError(
+                f"RopeScaling.original_max_position_embeddings=None: kind={self.kind!r} needs it"
+            )
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling.high_freq_factor={self.high_freq_factor!r}: must be > "
+                f"low_freq_factor={self.low_freq_factor!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +98,13 @@ class LMConfig:
       rope_theta: RoPE base frequency.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: use the embedding matrix (transposed) as the unembedding.
+      qk_norm: RMSNorm on queries and keys after their projections, before RoPE (None: off):
+        `"head"` normalises each head over `Dh` with one `[Dh]` gain shared by the heads
+        (Qwen3-MoE), `"full"` normalises all heads together over `H * Dh` (resp. `Hkv * Dh`)
+        with a gain per feature (OLMoE).
+      attention_bias: the query, key and value projections have biases (Qwen2-MoE).
+      attention_out_bias: the output projection has a bias (Qwen3-MoE with `attention_bias`).
+      rope_scaling: None, or a `RopeScaling` that stretches the RoPE frequencies.
       dtype: compute dtype of activations and matmuls (`"bfloat16"`: mixed precision; the
         parameters stay in `param_dtype`, the router, softmaxes, norms' statistics and the loss
         stay fp32).
@@ -64,6 +125,10 @@ class LMConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qk_norm: QKNorm | None = None
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    rope_scaling: RopeScaling | None = None
     dtype: ComputeDtype = "float32"
     param_dtype: str = "float32"
     embed_init_std: float = 1.0
@@ -96,6 +161,10 @@ class LMConfig:
             _bad("rope_theta", self.rope_theta, "must be a finite number > 1")
         if not (math.isfinite(self.norm_eps) and self.norm_eps > 0):
             _bad("norm_eps", self.norm_eps, "must be a finite number > 0")
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            _bad("qk_norm", self.qk_norm, f"must be None or one of {QK_NORMS}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            _bad("rope_scaling", self.rope_scaling, "must be None or a RopeScaling")
         if self.dtype not in COMPUTE_DTYPES:
             _bad("dtype", self.dtype, f"must be one of {COMPUTE_DTYPES}")
         if self.param_dtype not in ("float32", "bfloat16"):

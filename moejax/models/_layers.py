@@ -5,8 +5,11 @@ Pure functions over parameter dicts; shapes use the letters of `moejax.models._c
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.models._attention import causal_attention
 
@@ -27,14 +30,88 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (x32 * inv).astype(x.dtype) * scale.astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """`cos`, `sin` tables `[S, Dh/2]` (fp32) for positions `0..S-1`.
+def rope_frequencies(head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, float]:
+    """RoPE inverse frequencies `[Dh/2]` (float32) and the factor cos/sin are scaled by.
 
-    Frequency `i` is `theta^(-2i/Dh)` (RoFormer; Llama, Mixtral).
+    Without `scaling` frequency `i` is `theta^(-2i/Dh)` (RoFormer; Llama, Mixtral). With a
+    `moejax.models.RopeScaling`, transcribed from transformers' `modeling_rope_utils`
+    (`_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters`,
+    `_compute_yarn_parameters`, transformers 4.5x/5.x):
+
+    - linear: every frequency divided by `factor`;
+    - llama3: wavelengths above `original / low_freq_factor` divided by `factor`, below
+      `original / high_freq_factor` kept, a linear ramp in `original / wavelength` between;
+    - yarn: a ramp over the rotation counts `[beta_slow, beta_fast]` (at the original length)
+      between extrapolated (`theta^(-2i/Dh)`) and interpolated (divided by `factor`)
+      frequencies; cos and sin scaled by the attention factor.
     """
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    base = (1.0 / theta**exponents).astype(np.float32)
+    if scaling is None:
+        return base, 1.0
+    if scaling.kind == "linear":
+        return (base / np.float32(scaling.factor)).astype(np.float32), 1.0
+    if scaling.kind == "llama3":
+        return _llama3_frequencies(base, scaling), 1.0
+    return _yarn_frequencies(head_dim, theta, scaling)
+
+
+def _llama3_frequencies(inv_freq: np.ndarray, sc) -> np.ndarray:
+    old = sc.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / sc.low_freq_factor, old / sc.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
+    smooth = (old / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_frequencies(dim: int, base: float, sc) -> tuple[np.ndarray, float]:
+    factor, old = sc.factor, sc.original_max_position_embeddings
+    attention = sc.attention_factor
+    if attention is None:
+        if sc.mscale and sc.mscale_all_dim:
+            attention = _yarn_mscale(factor, sc.mscale) / _yarn_mscale(factor, sc.mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+
+    def correction_dim(rotations):
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(sc.beta_fast), correction_dim(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoids a division by zero (as transformers)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the extrapolation share
+    inv_freq = interpolation * (1 - keep) + extrapolation * keep
+    return inv_freq.astype(np.float32), float(attention)
+
+
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, scaling=None
+) -> tuple[jax.Array, jax.Array]:
+    """`cos`, `sin` tables `[S, Dh/2]` (fp32) for positions `0..S-1` (`rope_frequencies`; with
+    yarn scaling both are multiplied by its attention factor)."""
+    if scaling is None:  # computed on device as it always was: identical numerics
+        inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+        factor = 1.0
+    else:
+        inv_freq, factor = rope_frequencies(head_dim, theta, scaling)
+        inv_freq = jnp.asarray(inv_freq)
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    if factor == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -63,6 +140,8 @@ def attention(
     *,
     mesh=None,
     implementation: str = "auto",
+    qk_norm: str | None = None,
+    norm_eps: float = 1e-5,
 ) -> jax.Array:
     """Causal self-attention with grouped query heads and RoPE.
 
@@ -71,22 +150,51 @@ def attention(
     The core is `moejax.models._attention.causal_attention`: flash-attention kernels on GPU and
     TPU (`implementation="auto"`, by compile target), the XLA reference on CPU.
 
+    Optional pieces, present in `p` as the model config asks (`LMConfig.attention_bias`,
+    `attention_out_bias`, `qk_norm`): biases of the projections, and RMSNorm of queries and keys
+    after their projections (and biases), before RoPE.
+
     Args:
-      p: `{"wq": [D, H, Dh], "wk": [D, Hkv, Dh], "wv": [D, Hkv, Dh], "wo": [H, Dh, D]}`.
+      p: `{"wq": [D, H, Dh], "wk": [D, Hkv, Dh], "wv": [D, Hkv, Dh], "wo": [H, Dh, D]}`, and
+        `"bq" [H, Dh]`, `"bk", "bv" [Hkv, Dh]` (attention bias), `"bo" [D]` (output bias),
+        `"q_norm", "k_norm": {"scale"}` (`[Dh]` for `qk_norm="head"`, `[H, Dh]` resp.
+        `[Hkv, Dh]` for `"full"`).
       x: `[B, S, D]` (already normalised).
       cos, sin: `[S, Dh/2]` RoPE tables.
       mesh: with a mesh the core runs under `shard_map` (batch over the token axes, heads over
         `model`); the projections are left to the surrounding `jit`.
       implementation: the core's, `"auto"`, `"xla"` or `"pallas"`.
+      qk_norm: None, `"head"` (over `Dh`) or `"full"` (over all heads' features together).
+      norm_eps: the query/key RMSNorm epsilon.
 
     Returns:
       `[B, S, D]`.
     """
-    q = apply_rope(jnp.einsum("bsd,dhk->bshk", x, p["wq"]), cos, sin)
-    k = apply_rope(jnp.einsum("bsd,dhk->bshk", x, p["wk"]), cos, sin)
-    v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+    q = _project(x, p, "q")
+    k = _project(x, p, "k")
+    v = _project(x, p, "v")
+    if qk_norm is not None:
+        q = _qk_norm(q, p["q_norm"]["scale"], qk_norm, norm_eps)
+        k = _qk_norm(k, p["k_norm"]["scale"], qk_norm, norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = causal_attention(q, k, v, mesh=mesh, implementation=implementation)
-    return jnp.einsum("bshk,hkd->bsd", out, p["wo"])
+    out = jnp.einsum("bshk,hkd->bsd", out, p["wo"])
+    return out + p["bo"] if "bo" in p else out
+
+
+def _project(x: jax.Array, p: dict, name: str) -> jax.Array:
+    """`x [B, S, D]` through `w{name} [D, heads, Dh]` (+ `b{name} [heads, Dh]`)."""
+    y = jnp.einsum("bsd,dhk->bshk", x, p[f"w{name}"])
+    return y + p[f"b{name}"] if f"b{name}" in p else y
+
+
+def _qk_norm(x: jax.Array, scale: jax.Array, mode: str, eps: float) -> jax.Array:
+    """RMSNorm of `x [B, S, heads, Dh]` per head (`"head"`, `scale [Dh]`) or over all heads
+    together (`"full"`, `scale [heads, Dh]`)."""
+    if mode == "head":
+        return rms_norm(x, scale, eps)
+    b, s, h, dh = x.shape
+    return rms_norm(x.reshape(b, s, h * dh), scale.reshape(h * dh), eps).reshape(b, s, h, dh)
 
 
 def swiglu_mlp(p: dict, x: jax.Array) -> jax.Array:

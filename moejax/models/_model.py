@@ -155,7 +155,7 @@ def lm_forward(
     p = cast_floating(params, cfg.dtype)
     compute = None if mesh is None else lm_compute_specs(cfg, mesh)
     constrain = _batch_constraint(mesh)
-    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     embed = _gathered(p["embed"], compute and compute["embed"], mesh)
     x = constrain(jnp.take(embed["embedding"], tokens, axis=0))  # [B, S, D]
     xs = tuple(constrain(m) for m in split_rows(x, batch_split))  # k x [B / k, S, D]
@@ -215,7 +215,10 @@ def _attention_stage(layer, x, *, cfg, cos, sin, mesh, constrain, attn_impl):
     """The first half of a pre-norm block: `x + attention(norm(x))`."""
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
-        a = attention(layer["attn"], h, cos, sin, mesh=mesh, implementation=attn_impl)
+        a = attention(
+            layer["attn"], h, cos, sin, mesh=mesh, implementation=attn_impl,
+            qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+        )  # fmt: skip
         return constrain(x + a)
 
 
@@ -370,7 +373,7 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
       `Lm` arrays `[B, S, D]` in `cfg.dtype`, in the order of `cfg.moe_layers`.
     """
     p = cast_floating(params, cfg.dtype)
-    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
 
     def moe(layer_params, h, placement):

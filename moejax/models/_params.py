@@ -6,6 +6,9 @@ layers[i]/attn_norm/scale      [D]
 layers[i]/attn/wq              [D, H, Dh]
 layers[i]/attn/wk, wv          [D, Hkv, Dh]
 layers[i]/attn/wo              [H, Dh, D]
+layers[i]/attn/bq              [H, Dh]     (attention_bias; bk, bv [Hkv, Dh])
+layers[i]/attn/bo              [D]         (attention_out_bias)
+layers[i]/attn/q_norm/scale    [Dh] or [H, Dh]     (qk_norm "head" or "full"; k_norm: Hkv)
 layers[i]/ffn_norm/scale       [D]
 layers[i]/moe/...              the moejax MoE layer tree (router, experts, shared)  MoE layers
 layers[i]/mlp/w_gate, w_up     [D, F]                                               dense layers
@@ -42,12 +45,22 @@ def _attention_params(cfg: LMConfig, key, out_std_scale: float) -> dict:
     d, h, hkv, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = jnp.dtype(cfg.param_dtype)
     kq, kk, kv, ko = jax.random.split(key, 4)
-    return {
+    p = {
         "wq": _normal(kq, (d, h, dh), d**-0.5, dtype),
         "wk": _normal(kk, (d, hkv, dh), d**-0.5, dtype),
         "wv": _normal(kv, (d, hkv, dh), d**-0.5, dtype),
         "wo": _normal(ko, (h, dh, d), (h * dh) ** -0.5 * out_std_scale, dtype),
     }
+    if cfg.attention_bias:
+        p |= {"bq": jnp.zeros((h, dh), dtype), "bk": jnp.zeros((hkv, dh), dtype)}
+        p["bv"] = jnp.zeros((hkv, dh), dtype)
+    if cfg.attention_out_bias:
+        p["bo"] = jnp.zeros((d,), dtype)
+    if cfg.qk_norm is not None:
+        q_shape, k_shape = ((dh,), (dh,)) if cfg.qk_norm == "head" else ((h, dh), (hkv, dh))
+        p["q_norm"] = {"scale": jnp.ones(q_shape, dtype)}
+        p["k_norm"] = {"scale": jnp.ones(k_shape, dtype)}
+    return p
 
 
 def _mlp_params(cfg: LMConfig, key, out_std_scale: float) -> dict:

@@ -69,6 +69,14 @@ def lm_logical_axes(cfg: LMConfig) -> dict:
         "wv": ("D", "Hkv", "Dh"),
         "wo": ("H", "Dh", "D"),
     }
+    if cfg.attention_bias:
+        attn = attn | {"bq": ("H", "Dh"), "bk": ("Hkv", "Dh"), "bv": ("Hkv", "Dh")}
+    if cfg.attention_out_bias:
+        attn = attn | {"bo": (None,)}
+    if cfg.qk_norm == "head":
+        attn = attn | {"q_norm": {"scale": ("Dh",)}, "k_norm": {"scale": ("Dh",)}}
+    elif cfg.qk_norm == "full":
+        attn = attn | {"q_norm": {"scale": ("H", "Dh")}, "k_norm": {"scale": ("Hkv", "Dh")}}
     mlp = {"w_gate": ("D", "F"), "w_up": ("D", "F"), "w_down": ("F", "D")}
     norm = {"scale": (None,)}
     layers = []

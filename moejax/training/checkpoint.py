@@ -185,6 +185,8 @@ class Checkpointer:
         for key in sorted(set(here) | set(saved)):
             if key in _RESUMABLE_FIELDS:
                 continue
+            if key not in saved and here.get(key) in (None, False):
+                continue  # a model option added after the checkpoint was written, left off
             a, b = saved.get(key, "<missing>"), here.get(key, "<missing>")
             if a != b and not (isinstance(a, list) and tuple(a) == b):
                 raise CheckpointError(

@@ -170,6 +170,7 @@ def train(
     tensorboard: bool = True,
     async_checkpoints: bool = True,
     controller=None,
+    init_params=None,
 ) -> RunResult:
     """Train (or resume training) `model_cfg` on `corpus`; write everything under `run_dir`.
 
@@ -203,6 +204,9 @@ def train(
         gather of the expert parameters and moments, compiled in the background at start).
         Events go to `placement_events.jsonl` and are marked in `loss.png`. None: the placement
         stays as initialised (or as resumed).
+      init_params: None, or `mesh -> params` (logical expert order, on `mesh`'s parameter
+        shardings): a fresh run starts from these parameters instead of the initialiser's,
+        e.g. a converted Hugging Face model (`moejax.interop.hf`); a resumed run ignores it.
 
     Returns:
       A `RunResult`.
@@ -253,6 +257,8 @@ def train(
             placements, resumed = saved, meta.get("controller")
     else:
         state = init_train_state(model_cfg, train_cfg, mesh)
+        if init_params is not None:
+            state = dataclasses.replace(state, params=init_params(mesh))
     placing, state = PlacementRuntime.start(
         state,
         placements,

@@ -6,7 +6,15 @@ import sys
 
 import pytest
 
-PACKAGES = ["moejax", "moejax.parallel", "moejax.placement", "pallas_kernels", "moejax.linen"]
+PACKAGES = [
+    "moejax",
+    "moejax.parallel",
+    "moejax.placement",
+    "pallas_kernels",
+    "moejax.linen",
+    "moejax.interop",
+    "moejax.interop.hf",
+]
 
 
 def _public(package):

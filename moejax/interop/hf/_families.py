@@ -1,0 +1,219 @@
+"""The Hugging Face MoE families moejax reads: how each names its block's tensors.
+
+Names are local to the block module (the caller adds the block's prefix, e.g.
+`model.layers.3.mlp.`). Two layouts exist:
+
+- `"per_expert"`: one Linear per expert and projection, as published checkpoints store them
+  (`experts.{i}.w1.weight [F, D]`, ...) and as transformers 5 `save_pretrained` writes them.
+- `"fused"`: the stacked 3-D parameters of transformers 5 modules: `experts.gate_up_proj
+  [E, 2F, D]` (gate rows then up rows) and `experts.down_proj [E, D, F]`; GPT-OSS's
+  `experts.gate_up_proj [E, D, 2F]` with gate at even and up at odd columns, plus biases.
+
+Shape letters: `E` experts, `D` d_model, `F` d_ff of one expert, `Fs` shared-expert width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Layout = Literal["fused", "per_expert"]
+LAYOUTS: tuple[str, ...] = Layout.__args__
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFamily:
+    """How one family names its MoE block's tensors, and which moejax features it can carry.
+
+    Attributes:
+      name: moejax's name of the family (the `family` argument everywhere).
+      model_type: `config.json` `model_type`.
+      architecture_prefix: `config.json` `architectures[0]` starts with it.
+      router: the router Linear (`{router}.weight [E, D]`, `{router}.bias [E]`).
+      correction_bias: DeepSeek-V3's `e_score_correction_bias [E]` buffer, or None.
+      expert_pattern: per-expert Linear name, formatted with `i` and `proj`; None when the family
+        has no per-expert layout.
+      projections: per-expert `(gate, up, down)` Linear names (gate None when ungated).
+      fused: `"chunked"` (`gate_up_proj [E, 2F, D]`), `"interleaved"` (GPT-OSS, `[E, D, 2F]` with
+        biases) or None when the family has no fused layout.
+      shared: the shared-expert MLP module (`gate_proj`, `up_proj`, `down_proj`), or None.
+      shared_gate: Qwen2-MoE's `shared_expert_gate` Linear `[1, D]`, or None.
+      features: for each tree-shaping `MoEConfig` property, the values the layout can carry.
+      prefix: the block's prefix in a whole decoder-only model, per layout, with `{layer}`.
+    """
+
+    name: str
+    model_type: str
+    architecture_prefix: str
+    router: str
+    correction_bias: str | None
+    expert_pattern: str | None
+    projections: tuple[str | None, str, str] | None
+    fused: Literal["chunked", "interleaved"] | None
+    shared: str | None
+    shared_gate: str | None
+    features: dict[str, frozenset]
+    prefix: dict[str, str]
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """The layouts this family's checkpoints come in."""
+        have = {"per_expert": self.expert_pattern is not None, "fused": self.fused is not None}
+        return tuple(layout for layout in LAYOUTS if have[layout])
+
+
+_NO, _YES, _ANY = frozenset({False}), frozenset({True}), frozenset({False, True})
+
+
+def _features(**overrides) -> dict[str, frozenset]:
+    base = {
+        "router_bias": _NO,
+        "score_correction_bias": _NO,
+        "expert_bias": _NO,
+        "gated": _YES,
+        "shared": _NO,
+        "shared_gate": _NO,
+    }
+    return {**base, **overrides}
+
+
+_SWIGLU_PROJ = ("gate_proj", "up_proj", "down_proj")
+_DECODER = "model.layers.{layer}.mlp."
+
+FAMILIES: dict[str, HFFamily] = {
+    f.name: f
+    for f in (
+        HFFamily(
+            name="mixtral",
+            model_type="mixtral",
+            architecture_prefix="Mixtral",
+            router="gate",
+            correction_bias=None,
+            expert_pattern="experts.{i}.{proj}.weight",
+            projections=("w1", "w3", "w2"),
+            fused="chunked",
+            shared=None,
+            shared_gate=None,
+            features=_features(),
+            # transformers 5 renames block_sparse_moe to mlp when it fuses the experts.
+            prefix={"per_expert": "model.layers.{layer}.block_sparse_moe.", "fused": _DECODER},
+        ),
+        HFFamily(
+            name="qwen2_moe",
+            model_type="qwen2_moe",
+            architecture_prefix="Qwen2Moe",
+            router="gate",
+            correction_bias=None,
+            expert_pattern="experts.{i}.{proj}.weight",
+            projections=_SWIGLU_PROJ,
+            fused="chunked",
+            shared="shared_expert",
+            shared_gate="shared_expert_gate",
+            features=_features(shared=_YES, shared_gate=_YES),
+            prefix={"per_expert": _DECODER, "fused": _DECODER},
+        ),
+        HFFamily(
+            name="qwen3_moe",
+            model_type="qwen3_moe",
+            architecture_prefix="Qwen3Moe",
+            router="gate",
+            correction_bias=None,
+            expert_pattern="experts.{i}.{proj}.weight",
+            projections=_SWIGLU_PROJ,
+            fused="chunked",
+            shared=None,
+            shared_gate=None,
+            features=_features(),
+            prefix={"per_expert": _DECODER, "fused": _DECODER},
+        ),
+        HFFamily(
+            name="olmoe",
+            model_type="olmoe",
+            architecture_prefix="Olmoe",
+            router="gate",
+            correction_bias=None,
+            expert_pattern="experts.{i}.{proj}.weight",
+            projections=_SWIGLU_PROJ,
+            fused="chunked",
+            shared=None,
+            shared_gate=None,
+            features=_features(),
+            prefix={"per_expert": _DECODER, "fused": _DECODER},
+        ),
+        HFFamily(
+            name="deepseek_v3",
+            model_type="deepseek_v3",
+            architecture_prefix="DeepseekV3",
+            router="gate",
+            correction_bias="gate.e_score_correction_bias",
+            expert_pattern="experts.{i}.{proj}.weight",
+            projections=_SWIGLU_PROJ,
+            fused="chunked",
+            shared="shared_experts",
+            shared_gate=None,
+            features=_features(score_correction_bias=_YES, shared=_YES),
+            prefix={"per_expert": _DECODER, "fused": _DECODER},
+        ),
+        HFFamily(
+            name="gpt_oss",
+            model_type="gpt_oss",
+            architecture_prefix="GptOss",
+            router="router",
+            correction_bias=None,
+            expert_pattern=None,  # GPT-OSS checkpoints store only the fused tensors
+            projections=None,
+            fused="interleaved",
+            shared=None,
+            shared_gate=None,
+            features=_features(router_bias=_YES, expert_bias=_YES),
+            prefix={"fused": _DECODER},
+        ),
+        HFFamily(
+            name="switch",
+            model_type="switch_transformers",
+            architecture_prefix="SwitchTransformers",
+            router="router.classifier",
+            correction_bias=None,
+            expert_pattern="experts.expert_{i}.{proj}.weight",
+            projections=(None, "wi", "wo"),
+            fused=None,
+            shared=None,
+            shared_gate=None,
+            features=_features(router_bias=_ANY, gated=_NO),
+            prefix={},  # encoder-decoder: `encoder.block.{i}.layer.1.mlp.`, decoder `layer.2`
+        ),
+    )
+}
+
+
+def get_family(family: str) -> HFFamily:
+    """The `HFFamily` record named `family`; a `ValueError` naming the known ones otherwise."""
+    try:
+        return FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"family={family!r}: not one of {tuple(FAMILIES)}") from None
+
+
+def check_layout(fam: HFFamily, layout: str) -> None:
+    """Raise a `ValueError` unless `fam` has checkpoints in `layout`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: must be one of {LAYOUTS}")
+    if layout not in fam.layouts:
+        raise ValueError(
+            f"layout={layout!r}: {fam.name} checkpoints come only in the {fam.layouts} layout"
+        )
+
+
+def block_prefix(family: str, layer: int, layout: str = "fused") -> str:
+    """The prefix of layer `layer`'s MoE block in a whole decoder-only checkpoint.
+
+    >>> block_prefix("mixtral", 3, "per_expert")
+    'model.layers.3.block_sparse_moe.'
+    """
+    fam = get_family(family)
+    check_layout(fam, layout)
+    if layout not in fam.prefix:
+        raise ValueError(
+            f"family={family!r}: its MoE blocks sit in an encoder and a decoder; give the prefix"
+        )
+    return fam.prefix[layout].format(layer=layer)

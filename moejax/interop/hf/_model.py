@@ -1,0 +1,450 @@
+"""Whole MoE decoders from and to Hugging Face checkpoint directories, streamed tensor by tensor.
+
+A directory holds `config.json` and `model.safetensors` or shards with
+`model.safetensors.index.json`. `load_hf_model` reads it one *recipe* at a time: a recipe ties
+a few Hugging Face tensors to a few leaves of the `moejax.models` parameter tree (e.g. the `E`
+per-expert `gate_proj` matrices of a layer to `experts/w_gate [E, D, F]`) with the reshape and
+transpose both ways, so one table serves loading and saving. Each recipe's leaves go straight
+onto their target `NamedSharding` (`moejax.models.lm_partition_specs`: experts over `expert`,
+`D` over `fsdp`, ...), and under dynamic placement experts are laid out as physical slots
+(`w[slot_to_expert]`). On a mesh, expert leaves are built device block by device block
+(`jax.make_array_from_callback`) from the rows of the experts each block holds: a process reads
+only the experts its devices hold (under `jax.distributed`, its share), each once. The host
+holds the tensors of one recipe at a time (at most one layer's experts of one projection),
+never the whole model. Saving gathers one leaf at a time to the host (one process).
+
+Hugging Face tensor names (torch `Linear` weights are `[out, in]`), layer prefix
+`model.layers.{i}.`:
+
+```
+embed/embedding [V, D]                model.embed_tokens.weight [V, D]
+layers[i]/attn_norm/scale             input_layernorm.weight
+layers[i]/attn/wq [D, H, Dh]          self_attn.q_proj.weight [H*Dh, D]   (wk, wv: k_proj, v_proj)
+layers[i]/attn/wo [H, Dh, D]          self_attn.o_proj.weight [D, H*Dh]
+layers[i]/attn/bq [H, Dh]             self_attn.q_proj.bias [H*Dh]        (bk, bv; bo: o_proj.bias)
+layers[i]/attn/q_norm/scale           self_attn.q_norm.weight             (k_norm)
+layers[i]/ffn_norm/scale              post_attention_layernorm.weight
+layers[i]/mlp/w_gate [D, F]           mlp.gate_proj.weight [F, D]         (w_up, w_down)
+layers[i]/moe/router/kernel [D, E]    {moe}.gate.weight [E, D]
+layers[i]/moe/experts/w_gate [E,D,F]  {moe}.experts.{e}.{gate}.weight [F, D], e < E  (w_up: up)
+                                      fused: mlp.experts.gate_up_proj [E, 2F, D] (gate, then up)
+layers[i]/moe/experts/w_down [E,F,D]  {moe}.experts.{e}.{down}.weight [D, F]
+                                      fused: mlp.experts.down_proj [E, D, F]
+layers[i]/moe/shared/w_gate [D, Fs]   mlp.shared_expert.gate_proj.weight  (Qwen2-MoE; up, down)
+layers[i]/moe/shared/gate [D, 1]      mlp.shared_expert_gate.weight [1, D]
+final_norm/scale                      model.norm.weight
+unembed/kernel [D, V]                 lm_head.weight [V, D]               (absent when tied)
+```
+
+`{moe}` and the expert projection names are the family's (`FAMILIES`). The per-expert layout
+is the one of the published checkpoints; the fused one is transformers 5's in-memory layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import numpy as np
+
+from moejax.interop.hf._files import DTYPES, CheckpointFormatError, SafetensorsDir
+from moejax.interop.hf._model_config import (
+    CONFIG_NAME,
+    FAMILIES,
+    lm_config_from_hf,
+    read_hf_config,
+    stored_dtype,
+)
+from moejax.interop.hf._safetensors import CheckpointWriter
+from moejax.models import LMConfig
+from moejax.models._params import abstract_params
+
+Layout = Literal["per_expert", "fused"]
+LAYOUTS: tuple[str, ...] = Layout.__args__
+Path = tuple  # a leaf's keys in the parameter tree, e.g. ("layers", 3, "attn", "wq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Some leaves of the parameter tree <-> some Hugging Face tensors.
+
+    `to_leaves(tensors) -> leaves` and `to_tensors(leaves) -> tensors` are inverse
+    reshapes/transposes/stacks (numpy, exact). Expert recipes (leaves `[E, ...]`) also have
+    `expert_row(read, e) -> [row e of each leaf]`, reading only expert `e`'s bytes through
+    `read(name, shape, row=None)` (`SafetensorsDir.read`), so a process reads only the experts
+    its devices hold.
+    """
+
+    leaves: tuple[Path, ...]
+    tensors: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]  # of the tensors, as stored
+    to_leaves: Callable
+    to_tensors: Callable
+    expert_row: Callable | None = None
+
+
+def _one(leaf: Path, name: str, shape, to_leaf=lambda t: t, to_tensor=lambda x: x) -> Recipe:
+    return Recipe(
+        (leaf,), (name,), (tuple(shape),),
+        lambda ts: [to_leaf(ts[0])], lambda xs: [to_tensor(xs[0])],
+    )  # fmt: skip
+
+
+def _linear(leaf: Path, name: str, out_in: tuple[int, int], leaf_shape) -> Recipe:
+    """A torch Linear weight `[out, in]` <-> a leaf whose flattened form is `[in, out]`."""
+    return _one(
+        leaf,
+        name,
+        out_in,
+        lambda t: t.T.reshape(leaf_shape),
+        lambda x: x.reshape(out_in[1], out_in[0]).T,
+    )
+
+
+def _reshaped(leaf: Path, name: str, shape, leaf_shape) -> Recipe:
+    return _one(leaf, name, shape, lambda t: t.reshape(leaf_shape), lambda x: x.reshape(shape))
+
+
+def _attention_recipes(cfg: LMConfig, i: int) -> list[Recipe]:
+    d, h, hkv, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pre, leaf = f"model.layers.{i}.self_attn.", ("layers", i, "attn")
+    heads = {"q": h, "k": hkv, "v": hkv}
+    out = [
+        _linear((*leaf, f"w{n}"), f"{pre}{n}_proj.weight", (heads[n] * dh, d), (d, heads[n], dh))
+        for n in "qkv"
+    ]
+    out.append(_linear((*leaf, "wo"), f"{pre}o_proj.weight", (d, h * dh), (h, dh, d)))
+    if cfg.attention_bias:
+        out += [
+            _reshaped((*leaf, f"b{n}"), f"{pre}{n}_proj.bias", (heads[n] * dh,), (heads[n], dh))
+            for n in "qkv"
+        ]
+    if cfg.attention_out_bias:
+        out.append(_one((*leaf, "bo"), f"{pre}o_proj.bias", (d,)))
+    if cfg.qk_norm is not None:
+        for n in "qk":
+            shape = (dh,) if cfg.qk_norm == "head" else (heads[n] * dh,)
+            leaf_shape = (dh,) if cfg.qk_norm == "head" else (heads[n], dh)
+            out.append(_reshaped((*leaf, f"{n}_norm", "scale"), f"{pre}{n}_norm.weight", shape,
+                                 leaf_shape))  # fmt: skip
+    return out
+
+
+def _mlp_recipes(leaf: Path, pre: str, d: int, f: int, names=("gate_proj", "up_proj", "down_proj")):
+    gate, up, down = names
+    return [
+        _linear((*leaf, "w_gate"), f"{pre}{gate}.weight", (f, d), (d, f)),
+        _linear((*leaf, "w_up"), f"{pre}{up}.weight", (f, d), (d, f)),
+        _linear((*leaf, "w_down"), f"{pre}{down}.weight", (d, f), (f, d)),
+    ]
+
+
+def _stacked(leaf: Path, names: list[str], out_in: tuple[int, int]) -> Recipe:
+    """`E` per-expert Linear weights `[out, in]` <-> `[E, in, out]`."""
+    e = len(names)
+    return Recipe(
+        (leaf,),
+        tuple(names),
+        (tuple(out_in),) * e,
+        lambda ts: [np.stack([t.T for t in ts])],
+        lambda xs: [x.T for x in xs[0]],
+        lambda read, j: [read(names[j], out_in).T],
+    )
+
+
+def _moe_recipes(cfg: LMConfig, family: str, i: int, layout: Layout) -> list[Recipe]:
+    fam = FAMILIES[family]
+    d, f, e = cfg.d_model, cfg.moe.d_ff, cfg.moe.num_experts
+    leaf = ("layers", i, "moe")
+    module = fam.moe_module if layout == "per_expert" else "mlp"
+    pre = f"model.layers.{i}.{module}."
+    out = [_linear((*leaf, "router", "kernel"), f"{pre}gate.weight", (e, d), (d, e))]
+    experts = (*leaf, "experts")
+    if layout == "per_expert":
+        gate, up, down = fam.expert_names
+        names = lambda p: [f"{pre}experts.{j}.{p}.weight" for j in range(e)]  # noqa: E731
+        out += [
+            _stacked((*experts, "w_gate"), names(gate), (f, d)),
+            _stacked((*experts, "w_up"), names(up), (f, d)),
+            _stacked((*experts, "w_down"), names(down), (d, f)),
+        ]
+    else:
+        gate_up, down = f"{pre}experts.gate_up_proj", f"{pre}experts.down_proj"
+        out.append(
+            Recipe(
+                ((*experts, "w_gate"), (*experts, "w_up")),
+                (gate_up,),
+                ((e, 2 * f, d),),
+                lambda ts: [t.swapaxes(1, 2) for t in np.split(ts[0], 2, axis=1)],
+                lambda xs: [np.concatenate([x.swapaxes(1, 2) for x in xs], axis=1)],
+                lambda read, j: [t.T for t in np.split(read(gate_up, (e, 2 * f, d), j), 2)],
+            )
+        )
+        out.append(
+            Recipe(
+                ((*experts, "w_down"),),
+                (down,),
+                ((e, d, f),),
+                lambda ts: [ts[0].swapaxes(1, 2)],
+                lambda xs: [xs[0].swapaxes(1, 2)],
+                lambda read, j: [read(down, (e, d, f), j).T],
+            )
+        )
+    if fam.shared_expert:
+        fs = cfg.moe.shared_width
+        out += _mlp_recipes((*leaf, "shared"), f"{pre}shared_expert.", d, fs)
+        out.append(_linear((*leaf, "shared", "gate"), f"{pre}shared_expert_gate.weight", (1, d),
+                           (d, 1)))  # fmt: skip
+    return out
+
+
+def model_recipes(cfg: LMConfig, family: str, layout: Layout = "per_expert") -> list[Recipe]:
+    """Every recipe of the model, in checkpoint order (embedding, layer by layer, head)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: must be one of {LAYOUTS}")
+    v, d = cfg.vocab_size, cfg.d_model
+    out = [_one(("embed", "embedding"), "model.embed_tokens.weight", (v, d))]
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        out.append(_one(("layers", i, "attn_norm", "scale"), f"{pre}input_layernorm.weight", (d,)))
+        out += _attention_recipes(cfg, i)
+        out.append(
+            _one(("layers", i, "ffn_norm", "scale"), f"{pre}post_attention_layernorm.weight", (d,))
+        )
+        if cfg.is_moe(i):
+            out += _moe_recipes(cfg, family, i, layout)
+        else:
+            out += _mlp_recipes(("layers", i, "mlp"), f"{pre}mlp.", d, cfg.mlp_d_ff)
+    out.append(_one(("final_norm", "scale"), "model.norm.weight", (d,)))
+    if not cfg.tie_embeddings:
+        out.append(_linear(("unembed", "kernel"), "lm_head.weight", (v, d), (d, v)))
+    return out
+
+
+def tensor_names(cfg: LMConfig, family: str, layout: Layout = "per_expert") -> list[str]:
+    """The Hugging Face tensor names of the model, in checkpoint order."""
+    return [n for r in model_recipes(cfg, family, layout) for n in r.tensors]
+
+
+def _detect_layout(source: SafetensorsDir, cfg: LMConfig) -> Layout:
+    if not cfg.moe_layers:
+        return "per_expert"
+    i = cfg.moe_layers[0]
+    return "fused" if f"model.layers.{i}.mlp.experts.gate_up_proj" in source else "per_expert"
+
+
+def _empty_tree(cfg: LMConfig) -> dict:
+    tree = {"embed": {}, "layers": [{} for _ in range(cfg.num_layers)], "final_norm": {}}
+    if not cfg.tie_embeddings:
+        tree["unembed"] = {}
+    return tree
+
+
+def _set(tree, path: Path, value) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node[key] if isinstance(node, list) else node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def _get(tree, path: Path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _moe_index(cfg: LMConfig) -> dict[int, int]:
+    return {layer: j for j, layer in enumerate(cfg.moe_layers)}
+
+
+class _Placer:
+    """Puts leaves (logical experts) onto their target sharding, experts as physical slots."""
+
+    def __init__(self, cfg: LMConfig, mesh, placements, dtype):
+        self.mesh, self.placements, self.dtype = mesh, placements, dtype
+        self.specs = None
+        if mesh is not None:
+            from moejax.models import lm_partition_specs
+
+            self.specs = lm_partition_specs(cfg, mesh)
+        self.moe_index = _moe_index(cfg)
+
+    def _table(self, path: Path):
+        if self.placements is None or len(path) < 4 or path[3] != "experts":
+            return None
+        return np.asarray(self.placements[self.moe_index[path[1]]].slot_to_expert)
+
+    def _sharding(self, path: Path):
+        return jax.sharding.NamedSharding(self.mesh, _get(self.specs, path))
+
+    def place(self, path: Path, array: np.ndarray) -> jax.Array:
+        """A whole leaf read on the host; each device takes its slice of it."""
+        array = np.ascontiguousarray(array.astype(self.dtype))
+        table = self._table(path)
+        if table is not None:
+            array = np.take(array, table, axis=0)  # [P, ...] physical slots
+        if self.mesh is None:
+            return jax.device_put(array)
+        return jax.make_array_from_callback(
+            array.shape, self._sharding(path), lambda index: array[index]
+        )
+
+    def place_experts(self, recipe: Recipe, read, shapes: list[tuple[int, ...]]) -> list:
+        """An expert recipe's leaves (logical shapes `shapes`, `[E, ...]`) built shard by shard:
+        each device's slots are assembled from the rows of the experts they hold, and each
+        expert is read once, only if one of this process's devices holds it."""
+        rows: dict[int, list[np.ndarray]] = {}
+
+        def expert(e: int) -> list[np.ndarray]:
+            if e not in rows:  # as stored (bf16: half of fp32); cast per device block
+                rows[e] = recipe.expert_row(read, e)
+            return rows[e]
+
+        out = []
+        for j, (path, shape) in enumerate(zip(recipe.leaves, shapes, strict=True)):
+            table = self._table(path)
+            slots = np.arange(shape[0]) if table is None else table  # slot -> logical expert
+            full = (len(slots), *shape[1:])
+
+            def block(index, j=j, slots=slots):
+                rest = tuple(index[1:])
+                picked = [expert(int(e))[j][rest] for e in slots[index[0]]]
+                return np.stack(picked).astype(self.dtype)
+
+            out.append(jax.make_array_from_callback(full, self._sharding(path), block))
+        return out
+
+
+def load_hf_model(
+    path: str,
+    *,
+    mesh=None,
+    placements=None,
+    param_dtype: str = "float32",
+    progress: bool = False,
+) -> tuple[LMConfig, dict, dict]:
+    """Read a Hugging Face MoE decoder directory into a `moejax.models` parameter tree.
+
+    Tensors are read one recipe at a time and each leaf is put straight onto its target
+    sharding (module docstring); the host never holds more than one recipe's tensors.
+
+    Args:
+      path: a directory with `config.json` and safetensors weights (one file or shards).
+      mesh: None (the default device), or a `moejax.parallel` mesh: every leaf lands on its
+        `moejax.models.lm_partition_specs` sharding.
+      placements: None (experts in logical order), or one `moejax.placement.Placement` per MoE
+        layer: that layer's `experts/*` are stored as physical slots `w[slot_to_expert]`.
+      param_dtype: dtype of the returned parameters ("float32" or "bfloat16").
+      progress: show a tqdm progress bar over the tensors.
+
+    Returns:
+      `(LMConfig, params, hf_config)`; `hf_config` is the `config.json` dict, which
+      `save_hf_model` writes back.
+
+    Raises:
+      CheckpointFormatError (a ValueError): missing files, a missing or extra tensor, a wrong
+        shape, a dtype that is not a float, an unsupported config; the message names the file
+        and the tensor.
+    """
+    hf_config = read_hf_config(path)
+    cfg, family = lm_config_from_hf(hf_config, param_dtype=param_dtype)
+    if placements is not None and len(placements) != cfg.num_moe_layers:
+        raise ValueError(
+            f"len(placements)={len(placements)}: need one per MoE layer ({cfg.num_moe_layers})"
+        )
+    source = SafetensorsDir(path)
+    recipes = model_recipes(cfg, family, _detect_layout(source, cfg))
+    expected = {n for r in recipes for n in r.tensors}
+    unexpected = sorted(n for n in source.tensors if n not in expected)
+    if cfg.tie_embeddings and "lm_head.weight" in unexpected:
+        unexpected.remove("lm_head.weight")  # some tied checkpoints store the copy too
+    if unexpected:
+        where = source.tensors[unexpected[0]].file
+        raise CheckpointFormatError(
+            f"{where}: tensor {unexpected[0]!r} (and {len(unexpected) - 1} more) is not part of "
+            f"a {family} model with this {CONFIG_NAME}"
+        )
+    dtype = np.dtype(param_dtype if param_dtype != "bfloat16" else DTYPES["BF16"])
+    placer = _Placer(cfg, mesh, placements, dtype)
+    abstract = abstract_params(cfg) if mesh is not None else None
+    tree = _empty_tree(cfg)
+    for recipe in _progress(recipes, progress, "load"):
+        if mesh is not None and recipe.expert_row is not None:
+            shapes = [_get(abstract, p).shape for p in recipe.leaves]
+            arrays = placer.place_experts(recipe, source.read, shapes)
+            for leaf, array in zip(recipe.leaves, arrays, strict=True):
+                _set(tree, leaf, array)
+            continue
+        tensors = [source.read(n, s) for n, s in zip(recipe.tensors, recipe.shapes, strict=True)]
+        for leaf, array in zip(recipe.leaves, recipe.to_leaves(tensors), strict=True):
+            _set(tree, leaf, placer.place(leaf, array))
+        del tensors
+    return cfg, tree, hf_config
+
+
+def _progress(items, enabled: bool, what: str):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=f"{what} tensors", unit="recipe")
+
+
+def _host_leaf(params, path: Path, moe_index, placements) -> np.ndarray:
+    """One leaf on the host, experts back in logical order (first replica of each expert)."""
+    array = _get(params, path)
+    if placements is not None and len(path) > 3 and path[3] == "experts":
+        table = np.asarray(placements[moe_index[path[1]]].slot_to_expert)
+        first = np.array([np.flatnonzero(table == e)[0] for e in range(int(table.max()) + 1)])
+        array = array[first]  # gathers only this leaf (a device gather when sharded)
+    return np.asarray(jax.device_get(array))
+
+
+def save_hf_model(
+    path: str,
+    params: dict,
+    cfg: LMConfig,
+    hf_config: dict,
+    *,
+    layout: Layout = "per_expert",
+    dtype: str | None = None,
+    placements=None,
+    max_shard_bytes: int = 5 * 2**30,
+    progress: bool = False,
+) -> None:
+    """Write `params` as a Hugging Face checkpoint directory `path` (atomically).
+
+    Everything is written into a temporary sibling directory that is renamed onto `path` at
+    the end: an error (or a kill) leaves nothing half-written there. Leaves are fetched from
+    the devices one recipe at a time.
+
+    Args:
+      path: the directory to write (replaced if present).
+      params: the `moejax.models` tree of `cfg`.
+      cfg: the model config; must be the one of `hf_config` (`lm_config_from_hf`).
+      hf_config: the `config.json` to write (e.g. from `load_hf_model`).
+      layout: experts as published (`"per_expert"`) or transformers 5's `"fused"` tensors.
+      dtype: stored dtype, "float32", "bfloat16" or "float16" (default: the config's
+        `torch_dtype`, else float32).
+      placements: as `load_hf_model`, when `params` holds physical expert slots.
+      max_shard_bytes: the largest shard (a tensor larger than it gets a shard of its own).
+      progress: a tqdm progress bar.
+    """
+    expect, family = lm_config_from_hf(hf_config, param_dtype=cfg.param_dtype)
+    if expect.replace(dtype=cfg.dtype) != cfg:
+        raise ValueError(f"cfg does not match hf_config: {cfg} vs {expect}")
+    name = dtype or stored_dtype(hf_config) or "float32"
+    out_dtypes = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+    if name not in out_dtypes:
+        raise ValueError(f"dtype={name!r}: must be one of {tuple(out_dtypes)}")
+    out_dtype = DTYPES[out_dtypes[name]]
+    moe_index = _moe_index(cfg)
+    writer = CheckpointWriter(path, max_shard_bytes=max_shard_bytes, overwrite=True)
+    with writer:  # removes the temporary directory on an error: nothing half-written
+        for recipe in _progress(model_recipes(cfg, family, layout), progress, "save"):
+            leaves = [_host_leaf(params, p, moe_index, placements) for p in recipe.leaves]
+            for tensor_name, t in zip(recipe.tensors, recipe.to_tensors(leaves), strict=True):
+                writer.add(tensor_name, np.ascontiguousarray(t.astype(out_dtype)))
+        writer.add_file(CONFIG_NAME, hf_config)
