@@ -55,7 +55,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags; `--help` shows every default."""
     p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
     preset = "the preset's"
     p.add_argument(
@@ -186,7 +187,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "if set, else <out>/jax_cache for single-process runs",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def check_flags(args) -> None:
@@ -232,6 +237,8 @@ def check_out(path: str) -> None:
 def _writable(directory: str) -> bool:
     """Whether a file can be created in `directory`: an unnamed O_TMPFILE file where Linux
     offers one (true even for root, and nothing ever appears), else `os.access`."""
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:  # a read-only mount: even root cannot
+        return False
     flag = getattr(os, "O_TMPFILE", None)
     if flag is None:
         return os.access(directory, os.W_OK | os.X_OK)
