@@ -177,10 +177,11 @@ class _StopSignals:
             raise KeyboardInterrupt
         if self.received is None:
             self.received = name
-            _say(
-                f"{name}: finishing the step in flight, then saving a checkpoint"
-                + (" (Ctrl-C again to abort without saving)" if name == "SIGINT" else "")
-            )
+            # os.write, not print: a handler that prints while the progress bar is printing
+            # would re-enter the same buffered stream (RuntimeError: reentrant call).
+            again = " (Ctrl-C again to abort without saving)" if name == "SIGINT" else ""
+            line = f"\nmoejax: {name}: finishing the step in flight, then saving a checkpoint"
+            os.write(2, f"{line}{again}\n".encode())
 
     def __exit__(self, *exc):
         for sig, previous in self._previous.items():
