@@ -48,7 +48,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
             return text
         if action.nargs == 0:  # store_true flags
             return f"{text} (default: off)"
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: chosen by timing train steps (moejax.training.tuning: at the start and when "
         "the routing load moves the dropless bucket, within --tune-budget); default: the "
         "layer's default for the whole run; or pinned, e.g. data, allgather, "
-        "dropless,chunks=2,stagger,batch_split=2",
+        "dropless,chunks=2,stagger,batch_split=2 (default: auto)",
     )
     p.add_argument(
         "--tune-budget",
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-bytes",
         type=int,
-        help="cap on corpus tokens, >= 1 (default: all of --data; 4 MB of the default corpus)",
+        help="cap on corpus tokens, >= 1 (default: all of --data; 2 MiB of the default corpus)",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -183,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--process-id", type=int, default=0, help="this process, 0..--num-processes-1")
     p.add_argument(
         "--jax-cache",
-        help="persistent XLA compilation cache dir, or 'none'; default $JAX_COMPILATION_CACHE_DIR "
-        "if set, else <out>/jax_cache for single-process runs",
+        help="persistent XLA compilation cache dir, or 'none' (default: $JAX_COMPILATION_CACHE_DIR "
+        "if set, else <out>/jax_cache for single-process runs)",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     return p
@@ -348,7 +348,7 @@ _FLAG_OF = {  # TrainConfig field -> the flag that sets it
 }
 # Estimated seconds per train step on CPU per GFLOP of the step: the tiny preset's README job on
 # the 2-core development VM (see _cpu_warning).
-_CPU_S_PER_GFLOP = 0.025
+_CPU_S_PER_GFLOP = 0.028
 
 
 def _cpu_warning(model_cfg, train_cfg, args) -> str | None:
@@ -363,8 +363,8 @@ def _cpu_warning(model_cfg, train_cfg, args) -> str | None:
         return None
     return (
         f"warning: --preset {args.preset} on CPU: {steps} steps of {train_cfg.batch_size} x "
-        f"{seq_len} tokens, about {gflop * _CPU_S_PER_GFLOP:.0f} s a step on a 2-core machine: "
-        f"{hours:.0f} h or more; try fewer --steps, or a GPU/TPU"
+        f"{seq_len} tokens, about {gflop * _CPU_S_PER_GFLOP:.0f} s a step on a 2-core machine, "
+        f"{hours:.0f} h in all (estimated from its FLOPs); try fewer --steps, or a GPU/TPU"
     )
 
 
@@ -401,7 +401,11 @@ def _setup(args):
             f"{jax.device_count()} are available"
         )
     _, axes = _mesh_spec(args.mesh, args.mesh_axes)
-    mesh = parallel.make_mesh(shape, axes)
+    try:
+        mesh = parallel.make_mesh(shape, axes)
+    except ValueError as err:
+        flag = f"--mesh-axes={args.mesh_axes}" if args.mesh_axes else f"--mesh={args.mesh}"
+        raise InputError(f"{flag}: {err}") from None
     strategy = _strategy(args, model_cfg, train_cfg, mesh)
     if args.data:
         corpus = data.load_corpus(
@@ -431,9 +435,14 @@ def _strategy(args, model_cfg, train_cfg, mesh):
         return "auto"
     if args.strategy == "auto":
         candidates = args.tune_candidates and tuning.parse_candidates(args.tune_candidates)
-        return tuning.TuningConfig(
-            candidates=candidates or None, budget=args.tune_budget, repeats=args.tune_steps
-        )
+        try:
+            return tuning.TuningConfig(
+                candidates=candidates or None, budget=args.tune_budget, repeats=args.tune_steps
+            )
+        except ValueError as err:  # "TuningConfig.<field>=...": name the flag that set it
+            field = str(err).split("TuningConfig.", 1)[-1].split("=", 1)[0]
+            flag = {"budget": "--tune-budget", "repeats": "--tune-steps"}.get(field)
+            raise InputError(f"{flag}: {err}" if flag else str(err)) from None
     candidate = tuning.parse_candidate(args.strategy)
     problems = tuning.candidate_problems(candidate, model_cfg, train_cfg, mesh)
     if problems:
