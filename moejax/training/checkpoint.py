@@ -12,7 +12,8 @@ A checkpoint of step `t` is the orbax step directory `<dir>/<t>/` with three ite
   (`params.layers[1].moe.experts.w_up`), with its shape and dtype, and the CRC-32 of `meta`
   (canonical JSON). Computed on the host copy of the state when it is saved; verified after
   every restore. Arrays that span processes (multi-process runs) have no host copy on any one
-  process: their entry is null (not checked).
+  process: their entry is null, and such arrays are not checked on restore either (the
+  metadata still is).
 
 Atomicity: orbax writes `<t>.orbax-checkpoint-tmp*` and renames it to `<t>` only when every
 process has finished writing all three items, so a save cut short (crash, kill -9, full disk)
@@ -29,9 +30,10 @@ with a warning.
 
 Rotation (keep the newest `keep`) runs before each save and on `close`, once the previous save
 has finished; it deletes older checkpoints only after the newest one has been verified (read
-back and checked against its checksums, or restored and checked at the start of the run), so a
-newer checkpoint that turns out bad never costs the older intact ones. Between two saves `keep +
-1` checkpoints may exist.
+back and checked against its checksums, into host memory, or restored and checked at the start
+of the run), so a newer checkpoint that turns out bad never costs the older intact ones. Between
+two saves `keep + 1` checkpoints may exist. Multi-process runs skip the read-back (nothing to
+check: see `checksums`).
 
 Restoring reads the arrays straight into the shardings of the current mesh, whatever mesh wrote
 them. Placements: parameters are stored in logical order, so a placement only describes where
@@ -406,7 +408,9 @@ class Checkpointer:
         if len(steps) <= keep:
             return
         newest = steps[-1]
-        if newest not in self._verified:
+        if newest not in self._verified and jax.process_count() == 1:
+            # (Several processes: their arrays span processes and carry no checksums, so a read
+            # back would check nothing; the newest finished step counts as verified.)
             if self._readback is None:  # nothing saved by this run: no read-back target
                 return
             try:
