@@ -6,7 +6,8 @@ table and the paths of everything written under `--out` (default `runs/<preset>`
 `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `routing_trace.npy`, `loss.png`,
 `expert_load.png`, `tuning_events.jsonl`. The parallel strategy is chosen by timing train steps
 within a budget (`--strategy auto`, `moejax.training.tuning`); the summary says which and why.
-Rerunning with the same `--out` resumes from the latest checkpoint.
+Rerunning with the same `--out` resumes from the newest intact checkpoint and says from which
+step (checkpoints are checksummed; a corrupt one is reported in one line and skipped).
 
   python experiments/train_lm.py                                   # tiny, 2x4 mesh
   python experiments/train_lm.py --preset small --steps 500 --mesh 2,4
@@ -19,29 +20,63 @@ Rerunning with the same `--out` resumes from the latest checkpoint.
   python experiments/train_lm.py --num-processes 2 --process-id 0 --coordinator 127.0.0.1:1234 &
   python experiments/train_lm.py --num-processes 2 --process-id 1 --coordinator 127.0.0.1:1234
 
-Errors in the inputs (missing/empty corpus, unknown preset, a mesh that does not divide the
-batch, the experts, the heads or the widths, a foreign or corrupt checkpoint directory) print
-one line per mistake and exit 2.
+Exit codes: 0 done (or stopped by SIGTERM / Ctrl-C after saving a checkpoint); 2 an input error,
+one line per mistake, before anything is written (a bad flag value, missing/empty corpus,
+unknown preset, a mesh that does not divide the batch, the experts, the heads or the widths, an
+--out that is a file or not writable, a foreign checkpoint directory or one with symlinked
+steps, no intact checkpoint); 3 the run failed (more than --max-skipped-fraction of its steps
+skipped as non-finite); 130 a Ctrl-C outside a training step (a second one aborts the save).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import sys
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny", help="model preset: micro, tiny, small, ...")
-    p.add_argument("--out", help="run directory (default runs/<preset>)")
-    p.add_argument("--steps", type=int, help="training steps (default: the preset's)")
-    p.add_argument("--stop-at", type=int, help="stop after this step (schedule spans --steps)")
-    p.add_argument("--batch-size", type=int, help="global batch in sequences")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
-    p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--seed", type=int, help="init and shuffling seed")
+class _Parser(argparse.ArgumentParser):
+    """argparse whose own errors (a non-int `--steps`, an unknown `--remat`) are one line."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows every default: `(default: X)` where the help does not say it already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0:  # store_true flags
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags; `--help` shows every default."""
+    p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
+    preset = "the preset's"
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help="model preset: micro, tiny, small, ... (small and larger take hours on a CPU)",
+    )
+    p.add_argument("--out", help="run directory (default: runs/<preset>)")
+    p.add_argument("--steps", type=int, help=f"training steps (default: {preset})")
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        help="stop after this step, a step in 1..--steps; the schedule spans --steps (default: "
+        "--steps)",
+    )
+    p.add_argument("--batch-size", type=int, help=f"global batch in sequences (default: {preset})")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default: {preset})")
+    p.add_argument("--seed", type=int, help=f"init and shuffling seed (default: {preset})")
     p.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 parameters)")
     p.add_argument(
         "--mesh",
@@ -49,21 +84,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="mesh: sizes (2,4 = data,expert by rank; see --mesh-axes) or named axes, e.g. "
         "fsdp=2,expert=4 or data=2,fsdp=2,expert=2 (axes: data, fsdp, expert, model)",
     )
-    p.add_argument("--mesh-axes", help="axis names for a sizes-only --mesh, e.g. fsdp,expert")
+    p.add_argument(
+        "--mesh-axes",
+        help="axis names for a sizes-only --mesh, e.g. fsdp,expert (default: by rank)",
+    )
     p.add_argument(
         "--remat",
         choices=("none", "dots_saveable", "full"),
-        help="rematerialise each block in the backward (default: the preset's)",
+        help=f"rematerialise each block in the backward (default: {preset})",
     )
     p.add_argument("--scan", action="store_true", help="scan the layers (compile once per unit)")
-    p.add_argument("--microbatches", type=int, help="gradient-accumulation micro-batches")
+    p.add_argument(
+        "--microbatches", type=int, help=f"gradient-accumulation micro-batches (default: {preset})"
+    )
     p.add_argument(
         "--strategy",
         default="auto",
         help="auto: chosen by timing train steps (moejax.training.tuning: at the start and when "
         "the routing load moves the dropless bucket, within --tune-budget); default: the "
         "layer's default for the whole run; or pinned, e.g. data, allgather, "
-        "dropless,chunks=2,stagger,batch_split=2",
+        "dropless,chunks=2,stagger,batch_split=2 (default: auto)",
     )
     p.add_argument(
         "--tune-budget",
@@ -84,12 +124,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="pin the dispatcher (dropless, allgather, capacity): --strategy <dispatcher>",
     )
-    p.add_argument("--implementation", default="auto", help="grouped matmul: auto, blocked, ...")
-    p.add_argument("--data", nargs="+", help="text files/dirs or .npy token files")
-    p.add_argument("--max-bytes", type=int, help="cap on corpus tokens")
-    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
-    p.add_argument("--keep", type=int, help="checkpoints to keep")
-    p.add_argument("--eval-batches", type=int, help="held-out batches evaluated at the end")
+    p.add_argument(
+        "--implementation",
+        default="auto",
+        help="grouped matmul: one of moejax.IMPLEMENTATIONS (auto, blocked, ...)",
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        help="text files/dirs or .npy token files (default: Python's standard-library sources)",
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        help="cap on corpus tokens, >= 1 (default: all of --data; 2 MiB of the default corpus)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help=f"steps between checkpoints, 0: only at the end and on a signal (default: {preset})",
+    )
+    p.add_argument("--keep", type=int, help=f"checkpoints to keep, >= 1 (default: {preset})")
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        help=f"held-out batches evaluated at the end (default: {preset})",
+    )
+    p.add_argument(
+        "--max-skipped-fraction",
+        type=float,
+        help="fail (exit 3) when more than this fraction of the steps are skipped as non-finite, "
+        "in [0, 1] (default: 0.1)",
+    )
     p.add_argument(
         "--placement",
         action="store_true",
@@ -111,13 +177,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-outputs", action="store_true", help="skip plots and summary")
-    p.add_argument("--coordinator", help="jax.distributed coordinator address host:port")
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument(
+        "--coordinator", help="jax.distributed coordinator address host:port (default: none)"
+    )
+    p.add_argument("--num-processes", type=int, default=1, help="processes in the run")
+    p.add_argument("--process-id", type=int, default=0, help="this process, 0..--num-processes-1")
     p.add_argument(
         "--jax-cache",
-        help="persistent XLA compilation cache dir, or 'none'; default $JAX_COMPILATION_CACHE_DIR "
-        "if set, else <out>/jax_cache for single-process runs",
+        help="persistent XLA compilation cache dir, or 'none' (default: $JAX_COMPILATION_CACHE_DIR "
+        "if set, else <out>/jax_cache for single-process runs)",
     )
     p.add_argument(
         "--init-from",
@@ -125,7 +193,68 @@ def parse_args(argv=None) -> argparse.Namespace:
         "its architecture replaces the preset's model, the preset gives the training settings",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def check_flags(args) -> None:
+    """The checks of single flags that need no jax: raises InputError naming the flag."""
+    if args.stop_at is not None and args.stop_at < 1:
+        raise InputError(
+            f"--stop-at={args.stop_at}: must be a step >= 1 (omit it to train all of --steps)"
+        )
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise InputError(
+            f"--max-bytes={args.max_bytes}: must be >= 1 (omit it for the default corpus size)"
+        )
+    if args.num_processes < 1:
+        raise InputError(f"--num-processes={args.num_processes}: must be >= 1")
+    if not 0 <= args.process_id < args.num_processes:
+        raise InputError(
+            f"--process-id={args.process_id}: must lie in 0..{args.num_processes - 1} "
+            f"(--num-processes={args.num_processes})"
+        )
+    if args.jax_cache not in (None, "none") and os.path.isfile(args.jax_cache):
+        raise InputError(f"--jax-cache={args.jax_cache}: is a file, need a directory or 'none'")
+    check_out(args.out or os.path.join("runs", args.preset))
+
+
+def check_out(path: str) -> None:
+    """`--out` must be a directory, or creatable, and writable (checked without writing)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise InputError(f"--out={path}: exists and is not a directory; need a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InputError(f"--out={path}: {existing} is not a directory")
+    if not _writable(existing):
+        what = (
+            "is"
+            if existing == os.path.abspath(path)
+            else f"would be created in {existing}, which is"
+        )
+        raise InputError(f"--out={path}: {what} not writable; need a writable directory")
+
+
+def _writable(directory: str) -> bool:
+    """Whether a file can be created in `directory`: an unnamed O_TMPFILE file where Linux
+    offers one (true even for root, and nothing ever appears), else `os.access`."""
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:  # a read-only mount: even root cannot
+        return False
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None:
+        return os.access(directory, os.W_OK | os.X_OK)
+    try:
+        os.close(os.open(directory, flag | os.O_WRONLY, 0o600))
+    except OSError as err:
+        if err.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):  # no O_TMPFILE here
+            return os.access(directory, os.W_OK | os.X_OK)
+        return False
+    return True
 
 
 def _mesh_spec(text: str, axes: str | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
@@ -194,16 +323,64 @@ def _configs(args):
         "remat": args.remat,
         "scan_layers": args.scan or None,
         "microbatches": args.microbatches,
+        "max_skipped_fraction": args.max_skipped_fraction,
     }
     train_cfg = train_presets.get(args.preset)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if "steps" in overrides and train_cfg.warmup_steps >= overrides["steps"]:
         overrides["warmup_steps"] = overrides["steps"] // 10
-    return model_cfg, train_cfg.replace(**overrides)
+    try:
+        train_cfg = train_cfg.replace(**overrides)
+    except ValueError as err:  # "TrainConfig.<field>=...": name the flag that set it
+        field = str(err).split("TrainConfig.", 1)[-1].split("=", 1)[0]
+        flag = _FLAG_OF.get(field)
+        raise InputError(f"{flag}: {err}" if flag and field in overrides else str(err)) from None
+    if args.stop_at is not None and args.stop_at > train_cfg.steps:
+        raise InputError(
+            f"--stop-at={args.stop_at}: beyond the schedule's {train_cfg.steps} steps (--steps); "
+            f"need a step in 1..{train_cfg.steps}"
+        )
+    return model_cfg, train_cfg
+
+
+_FLAG_OF = {  # TrainConfig field -> the flag that sets it
+    "steps": "--steps",
+    "batch_size": "--batch-size",
+    "seq_len": "--seq-len",
+    "learning_rate": "--lr",
+    "seed": "--seed",
+    "checkpoint_every": "--checkpoint-every",
+    "keep_checkpoints": "--keep",
+    "eval_batches": "--eval-batches",
+    "expert_slots_per_device": "--expert-slots",
+    "microbatches": "--microbatches",
+    "max_skipped_fraction": "--max-skipped-fraction",
+}
+# Estimated seconds per train step on CPU per GFLOP of the step: the tiny preset's README job on
+# the 2-core development VM (see _cpu_warning).
+_CPU_S_PER_GFLOP = 0.028
+
+
+def _cpu_warning(model_cfg, train_cfg, args) -> str | None:
+    """A warning when the run would take over half an hour on this CPU (e.g. --preset small)."""
+    from moejax.training import flops_per_token
+
+    seq_len = train_cfg.seq_len or model_cfg.max_seq_len
+    gflop = flops_per_token(model_cfg, seq_len) * train_cfg.batch_size * seq_len / 1e9
+    steps = args.stop_at or train_cfg.steps
+    hours = steps * gflop * _CPU_S_PER_GFLOP / 3600
+    if hours < 0.5:
+        return None
+    return (
+        f"warning: --preset {args.preset} on CPU: {steps} steps of {train_cfg.batch_size} x "
+        f"{seq_len} tokens, about {gflop * _CPU_S_PER_GFLOP:.0f} s a step on a 2-core machine, "
+        f"{hours:.0f} h in all (estimated from its FLOPs); try fewer --steps, or a GPU/TPU"
+    )
 
 
 def _setup(args):
     """Everything that only reads the flags, the devices and the corpus (before training)."""
+    check_flags(args)
     shape = _setup_devices(args)
     import jax
 
@@ -215,16 +392,30 @@ def _setup(args):
             num_processes=args.num_processes,
             process_id=args.process_id,
         )
+    import moejax
     from moejax import data, parallel
+    from moejax.training import checkpoint, metrics
 
+    if args.implementation not in moejax.IMPLEMENTATIONS:
+        raise InputError(
+            f"--implementation={args.implementation!r}: must be one of "
+            f"{', '.join(moejax.IMPLEMENTATIONS)}"
+        )
     model_cfg, train_cfg = _configs(args)
+    run_dir = args.out or os.path.join("runs", args.preset)
+    checkpoint.check_directory(os.path.join(run_dir, "checkpoints"))  # symlinks, foreign files
+    metrics.read_records(os.path.join(run_dir, "metrics.jsonl"), on_torn=lambda _: None)
     if math.prod(shape) != jax.device_count():
         raise InputError(
             f"--mesh={args.mesh}: needs {math.prod(shape)} devices, "
             f"{jax.device_count()} are available"
         )
     _, axes = _mesh_spec(args.mesh, args.mesh_axes)
-    mesh = parallel.make_mesh(shape, axes)
+    try:
+        mesh = parallel.make_mesh(shape, axes)
+    except ValueError as err:
+        flag = f"--mesh-axes={args.mesh_axes}" if args.mesh_axes else f"--mesh={args.mesh}"
+        raise InputError(f"{flag}: {err}") from None
     strategy = _strategy(args, model_cfg, train_cfg, mesh)
     if args.data:
         corpus = data.load_corpus(
@@ -235,6 +426,10 @@ def _setup(args):
     if args.placement and not train_cfg.expert_slots_per_device:
         g = model_cfg.moe.num_experts // max(1, dict(mesh.shape).get("expert", 1))
         train_cfg = train_cfg.replace(expert_slots_per_device=g + max(1, g // 2))
+    if jax.default_backend() == "cpu" and jax.process_index() == 0:
+        warning = _cpu_warning(model_cfg, train_cfg, args)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     return model_cfg, train_cfg, mesh, strategy, corpus
 
 
@@ -250,9 +445,14 @@ def _strategy(args, model_cfg, train_cfg, mesh):
         return "auto"
     if args.strategy == "auto":
         candidates = args.tune_candidates and tuning.parse_candidates(args.tune_candidates)
-        return tuning.TuningConfig(
-            candidates=candidates or None, budget=args.tune_budget, repeats=args.tune_steps
-        )
+        try:
+            return tuning.TuningConfig(
+                candidates=candidates or None, budget=args.tune_budget, repeats=args.tune_steps
+            )
+        except ValueError as err:  # "TuningConfig.<field>=...": name the flag that set it
+            field = str(err).split("TuningConfig.", 1)[-1].split("=", 1)[0]
+            flag = {"budget": "--tune-budget", "repeats": "--tune-steps"}.get(field)
+            raise InputError(f"{flag}: {err}" if flag else str(err)) from None
     candidate = tuning.parse_candidate(args.strategy)
     problems = tuning.candidate_problems(candidate, model_cfg, train_cfg, mesh)
     if problems:
@@ -307,6 +507,12 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
         controller=_controller(args, model_cfg, train_cfg, mesh),
         init_params=_init_params(args, model_cfg),
     )
+    if primary and result.interrupted:
+        print(
+            f"stopped by {result.stop_signal}: checkpoint of step {result.step} saved; rerun "
+            f"with the same --out to resume",
+            flush=True,
+        )
     if primary and not args.no_outputs:
         print(report.summary_table(result))
         events = ", placement_events.jsonl" if args.placement else ""
@@ -320,6 +526,10 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
         )
     if args.num_processes > 1:
         jax.distributed.shutdown()
+    if result.failure:
+        if primary:
+            print(f"error: run failed: {result.failure}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 
@@ -334,16 +544,26 @@ def _init_params(args, model_cfg):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:  # reads only flags, devices and the corpus: every ValueError is an input error
-        inputs = _setup(args)
-    except ValueError as err:
-        return _fail(err, args)
-    from moejax.training import INPUT_ERRORS
+    try:
+        try:  # reads only flags, devices and the corpus: every ValueError is an input error
+            inputs = _setup(args)
+        except ValueError as err:
+            return _fail(err, args)
+        from moejax.training import INPUT_ERRORS
 
-    try:  # inside training only the library's input errors are one line; bugs keep tracebacks
-        return run(args, *inputs)
-    except INPUT_ERRORS as err:
-        return _fail(err, args)
+        try:  # inside training only the library's input errors are one line; bugs keep tracebacks
+            return run(args, *inputs)
+        except INPUT_ERRORS as err:
+            return _fail(err, args)
+    except KeyboardInterrupt:  # before the training loop, or a second Ctrl-C inside it
+        if args.debug:
+            raise
+        print(
+            "interrupted (Ctrl-C) outside a training step: nothing more saved; rerun with the "
+            "same --out to resume from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _fail(err: ValueError, args) -> int:

@@ -39,6 +39,9 @@ class TrainConfig:
         `moejax.models.remat_policy`. Changes memory and time, never the math.
       scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
         unit (`moejax.models.lm_forward`): compile time stops growing with depth.
+      max_skipped_fraction: a run whose skipped (non-finite) steps exceed this fraction of its
+        steps fails (`RunResult.failure`; `train_lm.py` exits 3); the loop stops as soon as the
+        fraction of the planned steps is exceeded (it cannot come back under). 1: never.
       microbatches: split each step's batch into this many equal micro-batches whose gradients
         are accumulated (`moejax.training.step`): activation memory of one micro-batch, the
         same update (the load-balance loss is averaged over micro-batches). `batch_size` must
@@ -68,6 +71,7 @@ class TrainConfig:
     remat: str = "none"
     scan_layers: bool = False
     microbatches: int = 1
+    max_skipped_fraction: float = 0.1
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "microbatches"):
@@ -104,6 +108,8 @@ class TrainConfig:
             _bad("clip_norm", self.clip_norm, "must be > 0")
         if not 0 <= self.eval_fraction < 1:
             _bad("eval_fraction", self.eval_fraction, "must lie in [0, 1)")
+        if not 0 <= self.max_skipped_fraction <= 1:
+            _bad("max_skipped_fraction", self.max_skipped_fraction, "must lie in [0, 1]")
         if self.remat not in _REMAT:
             _bad("remat", self.remat, f"must be one of {_REMAT}")
         if not isinstance(self.scan_layers, bool):

@@ -1,17 +1,39 @@
-"""Checkpoints with orbax: async, keep-N, exact resume, restore onto another mesh.
+"""Checkpoints with orbax: async, checksummed, keep-N, exact resume, restore onto another mesh.
 
-A checkpoint of step `t` is the orbax step directory `<dir>/<t>/` with two items:
+A checkpoint of step `t` is the orbax step directory `<dir>/<t>/` with three items:
 
 - `state`: the `TrainState` as a dict (`step`, `updates`, `skipped`, `params` in logical
   expert order `[E, ...]`, `opt_state`, `rng`), saved with `StandardSave`;
 - `meta`: JSON: `format`, the model config, the data-iterator state (`seed`, `epoch`,
   `position`), the expert placement of every MoE layer (`slot_to_expert [Lm][P]`, `num_devices`,
   `slots_per_device`), the placement controller's state (`PlacementRuntime.checkpoint_state`,
-  None without a controller), the mesh it was written on, and the train config (informational).
+  None without a controller), the mesh it was written on, and the train config (informational);
+- `checksums`: JSON: the CRC-32 of every array's bytes (C order, as saved) by its name
+  (`params.layers[1].moe.experts.w_up`), with its shape and dtype, and the CRC-32 of `meta`
+  (canonical JSON). Computed on the host copy of the state when it is saved; verified after
+  every restore. Arrays that span processes (multi-process runs) have no host copy on any one
+  process: their entry is null, and such arrays are not checked on restore either (the
+  metadata still is).
 
 Atomicity: orbax writes `<t>.orbax-checkpoint-tmp*` and renames it to `<t>` only when every
-process has finished writing, so a save cut short (crash, kill -9, full disk) leaves a tmp
-directory that is never listed as a step: the latest finished checkpoint stays the latest.
+process has finished writing all three items, so a save cut short (crash, kill -9, full disk)
+leaves a tmp directory that is never listed as a step: the latest finished checkpoint stays the
+latest.
+
+Fallback (`Checkpointer.restore_latest`): checkpoints are tried newest first; one whose metadata
+or arrays cannot be read or fail their checksums is reported in one line and skipped, and the
+newest intact one is restored. Skipped checkpoints newer than it are never deleted: they are
+renamed `<t>.corrupt` (so the resumed run can write step `t` again) for inspection. With no
+intact checkpoint, `CheckpointError` names every step tried and why, and nothing is touched.
+A checkpoint written before checksums existed (no `checksums` item) is restored unverified,
+with a warning.
+
+Rotation (keep the newest `keep`) runs before each save and on `close`, once the previous save
+has finished; it deletes older checkpoints only after the newest one has been verified (read
+back and checked against its checksums, into host memory, or restored and checked at the start
+of the run), so a newer checkpoint that turns out bad never costs the older intact ones. Between
+two saves `keep + 1` checkpoints may exist. Multi-process runs skip the read-back (nothing to
+check: see `checksums`).
 
 Restoring reads the arrays straight into the shardings of the current mesh, whatever mesh wrote
 them. Placements: parameters are stored in logical order, so a placement only describes where
@@ -22,7 +44,11 @@ and the identity placement of the new mesh is used.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
+import sys
+import zlib
 
 import jax
 import numpy as np
@@ -32,7 +58,12 @@ from moejax.training._config import TrainConfig
 from moejax.training.state import TrainState
 
 FORMAT = "moejax-lm-train/1"
-_TMP_MARK = ".orbax-checkpoint-tmp"
+CHECKSUM_FORMAT = "moejax-checksums/1"
+_ITEMS = ("state", "meta", "checksums")
+# Entries of a checkpoint directory: finished steps, orbax's unfinished saves, and checkpoints
+# set aside by the fallback.
+_ENTRY = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*|\.corrupt(-\d+)?)?$")
+_META_KEYS = ("step", "model", "data", "placement")
 # Model fields that change neither the state's shapes nor the function trained: a checkpoint
 # may be resumed with other values (e.g. bf16 compute, another kernel block size).
 _RESUMABLE_FIELDS = frozenset({"dtype", "moe.block_size"})
@@ -40,6 +71,30 @@ _RESUMABLE_FIELDS = frozenset({"dtype", "moe.block_size"})
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be resumed from (foreign, corrupt, other model)."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """One checkpoint is unreadable or fails its checksums (the fallback skips it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `Checkpointer.restore_latest` restored.
+
+    Attributes:
+      state: the `TrainState`, in the shardings of the target.
+      meta: the metadata (`meta["placement"]` holds numpy `slot_to_expert` tables).
+      step: the step restored.
+      skipped: one line per newer checkpoint skipped (unreadable or failing its checksums),
+        each naming the checkpoint and the array or file at fault.
+      verified: False for a checkpoint written without checksums.
+    """
+
+    state: TrainState
+    meta: dict
+    step: int
+    skipped: tuple[str, ...] = ()
+    verified: bool = True
 
 
 def _flat_config(cfg) -> dict:
@@ -56,11 +111,63 @@ def _state_dict(state: TrainState) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
+def leaf_name(path) -> str:
+    """`params.layers[1].moe.experts.w_up`: a readable name of a pytree key path."""
+    out = ""
+    for key in path:
+        if isinstance(key, jax.tree_util.SequenceKey):
+            out += f"[{key.idx}]"
+        elif isinstance(key, jax.tree_util.DictKey):
+            out += f".{key.key}"
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            out += f".{key.name}"
+        else:
+            out += f".{key}"
+    return out.lstrip(".")
+
+
+def array_checksum(x: np.ndarray) -> int:
+    """CRC-32 of an array's bytes in C order."""
+    x = np.ascontiguousarray(x)
+    return zlib.crc32(x.reshape(-1).view(np.uint8))
+
+
+def meta_checksum(meta: dict) -> int:
+    """CRC-32 of `meta` as canonical JSON (as read back: tuples are lists)."""
+    return zlib.crc32(json.dumps(json.loads(json.dumps(meta)), sort_keys=True).encode())
+
+
+def state_checksums(tree) -> dict:
+    """`{name: [crc32, shape, dtype]}` of every array of `tree` (None where it spans processes)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            out[leaf_name(path)] = None
+            continue
+        host = np.asarray(jax.device_get(leaf))
+        out[leaf_name(path)] = [array_checksum(host), list(host.shape), str(host.dtype)]
+    return out
+
+
+def _mismatches(tree, expected: dict) -> list[str]:
+    """Names of the arrays of `tree` that differ from their `expected` checksums."""
+    got = state_checksums(tree)
+    bad = []
+    for name in sorted(set(got) | set(expected)):
+        want, have = expected.get(name, "<missing>"), got.get(name, "<missing>")
+        if want is None or have is None:  # spans processes (written or restored): not checked
+            continue
+        if want != have:
+            bad.append(name)
+    return bad
+
+
 class Checkpointer:
-    """Saves and restores `TrainState` + metadata under `directory` (module docstring).
+    """Saves and restores `TrainState` + metadata + checksums under `directory` (module docstring).
 
     Opening checks the directory first, before anything is written: it must be absent, empty,
-    or hold only orbax step directories (`<int>`, `<int>.orbax-checkpoint-tmp*`).
+    or hold only step directories (`<int>`, `<int>.orbax-checkpoint-tmp*`, `<int>.corrupt*`),
+    none of them a symlink (rotation deletes step directories).
 
     Args:
       directory: the checkpoint directory (created on the first save).
@@ -86,16 +193,17 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg
-        _check_directory(self.directory)
+        self.keep = keep
+        check_directory(self.directory)
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            max_to_keep=None, create=True, enable_async_checkpointing=async_save
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta")
-        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+        self._verified: set[int] = set()  # steps read back and found intact
+        self._readback = None  # a host-side target for reading back the newest checkpoint
 
     def latest_step(self) -> int | None:
         """The newest finished checkpoint's step (None if there is none)."""
@@ -117,8 +225,9 @@ class Checkpointer:
     ) -> int:
         """Save `state` as checkpoint `int(state.step)`; returns the step.
 
-        Returns once the arrays are copied off the devices (the state may then be donated to the
-        next step); the files are written in the background unless `wait`.
+        Returns once the arrays are copied off the devices and checksummed (the state may then
+        be donated to the next step); the files are written in the background unless `wait`.
+        Older checkpoints beyond `keep` are deleted first, once the newest is verified.
         """
         step = int(jax.device_get(state.step))
         meta = {
@@ -131,11 +240,27 @@ class Checkpointer:
             "controller": controller,
             "mesh": None if mesh is None else dict(mesh.shape),
         }
+        tree = _state_dict(state)
+        checksums = {
+            "format": CHECKSUM_FORMAT,
+            "algorithm": "crc32",
+            "meta": meta_checksum(meta),
+            "arrays": state_checksums(tree),
+        }
+        self._manager.wait_until_finished()  # the previous save, before rotating
+        self._rotate(self.keep)
+        if self._readback is None:
+            host = jax.sharding.SingleDeviceSharding(_host_device())
+            self._readback = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), tree
+            )
         ocp = self._ocp
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_state_dict(state)), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(tree),
+                meta=ocp.args.JsonSave(meta),
+                checksums=ocp.args.JsonSave(checksums),
             ),
             force=True,
         )
@@ -144,7 +269,7 @@ class Checkpointer:
         return step
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
-        """Restore checkpoint `step` into the shapes and shardings of `target`.
+        """Restore checkpoint `step` into the shapes and shardings of `target`, verified.
 
         Args:
           step: a finished step (`latest_step()`).
@@ -154,31 +279,104 @@ class Checkpointer:
           `(state, meta)`; `meta["placement"]` holds numpy `slot_to_expert` tables.
 
         Raises:
-          CheckpointError: the checkpoint is unreadable, not a moejax training checkpoint, or
-            for another model.
+          CorruptCheckpoint: unreadable, not a moejax training checkpoint, or failing its
+            checksums (names the checkpoint and the array).
+          CheckpointError: written for another model.
         """
+        state, meta, _ = self._load(step, _state_dict(target))
+        return TrainState(**state), meta
+
+    def restore_latest(self, target: TrainState, *, log=None) -> Restored | None:
+        """Restore the newest intact checkpoint (module docstring: fallback); None if none exist.
+
+        Args:
+          target: as for `restore`.
+          log: called with one line per checkpoint skipped (once an intact one is found) or
+            restored unverified (default: print to stderr on process 0).
+
+        Raises:
+          CheckpointError: no checkpoint is intact (names each step tried and why; nothing is
+            touched), or one is for another model.
+        """
+        log = log or _log
+        tried = []
+        for step in reversed(self.all_steps()):
+            path = os.path.join(self.directory, str(step))
+            try:
+                state, meta, verified = self._load(step, _state_dict(target))
+            except CorruptCheckpoint as err:
+                tried.append((step, str(err)))
+                continue
+            skipped = []
+            for bad, why in tried:
+                moved = self._set_aside(bad)
+                skipped.append(f"skipped {why}; moved aside to {moved}")
+                log(skipped[-1])
+            if tried:
+                self._manager.reload()
+            if not verified:
+                log(f"checkpoint {path} has no checksums (older format): not verified")
+            else:
+                self._verified.add(step)
+            return Restored(TrainState(**state), meta, step, tuple(skipped), verified)
+        if tried:
+            steps = ", ".join(str(s) for s, _ in tried)
+            raise CheckpointError(
+                f"no intact checkpoint in {self.directory} (tried steps {steps}: "
+                + "; ".join(why for _, why in tried)
+                + f"); remove those step directories (or all of {self.directory}) to start afresh"
+            )
+        return None
+
+    def _load(self, step: int, target: dict) -> tuple[dict, dict, bool]:
+        """(state dict, meta, verified) of checkpoint `step`; raises CorruptCheckpoint."""
         ocp = self._ocp
         path = os.path.join(self.directory, str(step))
+
+        def corrupt(why):
+            return CorruptCheckpoint(f"checkpoint {path}: {why}")
+
         try:
             meta = self._manager.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
             )["meta"]
         except Exception as err:  # orbax raises many types; report one line
-            raise CheckpointError(
-                f"checkpoint {path} has no readable metadata ({_first_line(err)})"
-            ) from None
+            raise corrupt(f"no readable metadata ({_first_line(err)})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not a moejax training checkpoint (format mismatch)")
+            raise corrupt("not a moejax training checkpoint (format mismatch)")
+        checksums = None
+        if os.path.exists(os.path.join(path, "checksums")):
+            try:
+                checksums = self._manager.restore(
+                    step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore())
+                )["checksums"]
+                if checksums.get("format") != CHECKSUM_FORMAT:
+                    raise ValueError(f"format {checksums.get('format')!r}")
+            except Exception as err:
+                raise corrupt(f"checksums unreadable ({_first_line(err)})") from None
+            if meta_checksum(meta) != checksums["meta"]:
+                raise corrupt("metadata fails its checksum")
+        missing = [k for k in _META_KEYS if k not in meta]
+        if missing or meta["step"] != step:
+            why = f"lacks {missing}" if missing else f"says step {meta['step']}"
+            raise corrupt(f"metadata {why}")
         self._check_model(meta.get("model", {}), path)
         try:
             restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(_state_dict(target))),
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
             )["state"]
         except Exception as err:
-            raise CheckpointError(f"checkpoint {path} is corrupt ({_first_line(err)})") from None
-        meta["placement"] = _placement_from_meta(meta["placement"])
-        return TrainState(**restored), meta
+            raise corrupt(f"array data cannot be read ({_first_line(err)})") from None
+        if checksums is not None:
+            bad = _mismatches(restored, checksums["arrays"])
+            if bad:
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                raise corrupt(f"array {bad[0]} fails its checksum{more}")
+        try:
+            meta["placement"] = _placement_from_meta(meta["placement"])
+        except Exception as err:
+            raise corrupt(f"metadata placement unreadable ({_first_line(err)})") from None
+        return restored, meta, checksums is not None
 
     def _check_model(self, saved: dict, path: str) -> None:
         here = _flat_config(self.model_cfg)
@@ -194,13 +392,46 @@ class Checkpointer:
                     f"{key}={a!r} there, {b!r} here"
                 )
 
+    def _set_aside(self, step: int) -> str:
+        """Rename step directory `step` to `<step>.corrupt[-n]` (process 0); returns the name."""
+        names = [f"{step}.corrupt"] + [f"{step}.corrupt-{i}" for i in range(1, 1000)]
+        name = next(n for n in names if not os.path.exists(os.path.join(self.directory, n)))
+        if jax.process_index() == 0:
+            os.rename(os.path.join(self.directory, str(step)), os.path.join(self.directory, name))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"moejax checkpoint set aside {step}")
+        return name
+
+    def _rotate(self, keep: int) -> None:
+        """Delete finished checkpoints beyond the newest `keep`, once the newest is verified."""
+        steps = self.all_steps()
+        if len(steps) <= keep:
+            return
+        newest = steps[-1]
+        if newest not in self._verified and jax.process_count() == 1:
+            # (Several processes: their arrays span processes and carry no checksums, so a read
+            # back would check nothing; the newest finished step counts as verified.)
+            if self._readback is None:  # nothing saved by this run: no read-back target
+                return
+            try:
+                self._load(newest, self._readback)
+            except CheckpointError as err:
+                _log(f"keeping older checkpoints: the newest fails verification: {err}")
+                return
+            self._verified.add(newest)
+        for step in steps[:-keep]:
+            self._manager.delete(step)
+
     def wait(self) -> None:
         """Block until pending saves are on disk."""
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Finish pending saves and release the manager."""
+        """Finish pending saves, rotate, and release the manager."""
         self._manager.wait_until_finished()
+        self._rotate(self.keep)
         self._manager.close()
 
 
@@ -216,16 +447,23 @@ def restore_target(abstract: TrainState, shardings: TrainState | None) -> TrainS
     )
 
 
-def _check_directory(directory: str) -> None:
-    if not os.path.exists(directory):
+def check_directory(directory: str) -> None:
+    """Raise `CheckpointError` unless `directory` is absent, or holds only step directories
+    (not symlinks) and files orbax leaves beside them."""
+    if not os.path.lexists(directory):
         return
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint path {directory} is not a directory")
     for name in sorted(os.listdir(directory)):
-        step_part = name.split(_TMP_MARK)[0] if _TMP_MARK in name else name
-        if not (step_part.isdigit() and os.path.isdir(os.path.join(directory, name))):
+        full = os.path.join(directory, name)
+        if not (_ENTRY.match(name) and os.path.isdir(full)):
             raise CheckpointError(
                 f"{directory} is not a moejax checkpoint directory: unexpected entry {name!r}"
+            )
+        if os.path.islink(full):
+            raise CheckpointError(
+                f"checkpoint step directory {full} is a symlink: rotation would delete what it "
+                f"points to; replace it with a copy (cp -rL) or remove it"
             )
 
 
@@ -245,6 +483,26 @@ def _placement_from_meta(meta: dict) -> dict:
     return {**meta, "slot_to_expert": tables}
 
 
+def _host_device():
+    """Where a checkpoint is read back for verification: host memory when the CPU backend is
+    there (it is unless JAX_PLATFORMS leaves it out), never a second copy on the accelerator."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
+
+
+def _log(line: str) -> None:
+    if jax.process_index() == 0:
+        print(f"moejax: {line}", file=sys.stderr, flush=True)
+
+
 def _first_line(err: BaseException) -> str:
+    """`Type: first line` of an error, without the Python reprs some tensorstore errors carry
+    (`See full TensorStore details: <bound method pybind11_...>`)."""
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+    first = text[0] if text else ""
+    for junk in ("See full TensorStore details", "<bound method", "<built-in"):
+        first = first.split(junk)[0]
+    first = first.strip().rstrip(".:;,")[:200]
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__

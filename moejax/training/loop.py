@@ -6,11 +6,19 @@ ready or nearly so while the device works on the current step; it never waits on
 just dispatched, so routing statistics reach the host one step late without stalling the
 device. A checkpoint save waits only for the device-to-host copy of the state.
 
-SIGTERM (preemption) sets a flag; the loop finishes the step in flight, saves a checkpoint,
-writes the outputs and returns with `interrupted=True`. Rerunning with the same run directory
-resumes from the latest finished checkpoint, bit-identically (same mesh) to an uninterrupted
-run. The handler is installed when `train` runs in the main thread; with several processes each
-handles its own signal, so deliver it to all of them.
+SIGTERM (preemption) and SIGINT (Ctrl-C) set a flag; the loop finishes the step in flight,
+saves a checkpoint, writes the outputs and returns with `interrupted=True` (`stop_signal` names
+the signal); a second Ctrl-C aborts at once (KeyboardInterrupt, nothing more saved). Rerunning
+with the same run directory resumes from the newest intact checkpoint
+(`Checkpointer.restore_latest`: checksummed, corrupt ones skipped), bit-identically (same mesh)
+to an uninterrupted run, and says so on stderr. The handlers are installed when `train` runs in
+the main thread; with several processes each handles its own signal, so deliver it to all of
+them.
+
+Skipped steps (non-finite loss or gradient: the update is dropped) are reported on stderr as
+they happen (the first few, then a count in the progress bar) and counted in the result; once
+they exceed `TrainConfig.max_skipped_fraction` of the planned steps the loop stops, saves, and
+the result carries the reason in `failure`.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -30,7 +39,13 @@ from moejax.placement import Placement, save_trace
 from moejax.training import placed, report, tuning
 from moejax.training._config import TrainConfig
 from moejax.training.checkpoint import Checkpointer, restore_target
-from moejax.training.metrics import MetricsWriter, flops_per_token, step_record
+from moejax.training.metrics import (
+    MetricsWriter,
+    flops_per_token,
+    read_records,
+    replace_atomically,
+    step_record,
+)
 from moejax.training.placement_runtime import PlacementRuntime, measured_effect
 from moejax.training.state import (
     TrainState,
@@ -59,6 +74,10 @@ class RunResult:
     mean_dropped: float | None
     wall_s: float
     interrupted: bool
+    stop_signal: str | None = None  # "SIGTERM" or "SIGINT" when interrupted
+    resumed_from: int | None = None  # the checkpoint step this run resumed from
+    skipped_checkpoints: tuple = ()  # one line per corrupt checkpoint skipped on resume
+    failure: str | None = None  # why the run failed (too many skipped steps), else None
     records: list = dataclasses.field(repr=False, default_factory=list)
     state: TrainState | None = dataclasses.field(repr=False, default=None)  # the final state
     placement: dict | None = None  # PlacementRuntime.summary: re-placements and their overhead
@@ -135,24 +154,46 @@ def _saved_placements(meta: dict, current: list[Placement]) -> list[Placement] |
     return [p.with_table(t) for p, t in zip(current, saved["slot_to_expert"], strict=True)]
 
 
-class _Sigterm:
-    """Records SIGTERM instead of dying; restores the previous handler on exit."""
+_REPORTED_SKIPS = 5  # skipped steps reported one line each; later ones only counted
+
+
+class _StopSignals:
+    """Records SIGTERM and a first SIGINT instead of dying (a second SIGINT raises
+    KeyboardInterrupt); restores the previous handlers on exit."""
 
     def __init__(self):
-        self.received = False
-        self._previous = None
+        self.received: str | None = None
+        self._previous = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        self.received = True
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.received == "SIGINT":
+            raise KeyboardInterrupt
+        if self.received is None:
+            self.received = name
+            # os.write, not print: a handler that prints while the progress bar is printing
+            # would re-enter the same buffered stream (RuntimeError: reentrant call).
+            again = " (Ctrl-C again to abort without saving)" if name == "SIGINT" else ""
+            line = f"\nmoejax: {name}: finishing the step in flight, then saving a checkpoint"
+            os.write(2, f"{line}{again}\n".encode())
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def _say(line: str) -> None:
+    """One line on stderr from process 0 (above the progress bar)."""
+    if jax.process_index() == 0:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"moejax: {line}", file=sys.stderr)
 
 
 def train(
@@ -217,6 +258,14 @@ def train(
     """
     t_start = time.perf_counter()
     seq_len = check_setup(model_cfg, train_cfg, mesh)
+    if stop_at is not None and not (
+        isinstance(stop_at, int) and not isinstance(stop_at, bool) and stop_at >= 1
+    ):
+        raise SetupError(f"stop_at={stop_at!r}: must be a step >= 1 (None: train_cfg.steps)")
+    if stop_at is not None and stop_at > train_cfg.steps:
+        raise SetupError(
+            f"stop_at={stop_at}: beyond the schedule's TrainConfig.steps={train_cfg.steps}"
+        )
     train_tokens, eval_tokens = corpus.split(train_cfg.eval_fraction)
     if train_tokens.size and train_tokens.max() >= model_cfg.vocab_size:
         raise DataError(
@@ -224,7 +273,7 @@ def train(
             f"{model_cfg.vocab_size}"
         )
     iterator = BatchIterator(train_tokens, train_cfg.batch_size, seq_len, seed=train_cfg.seed)
-    stop = min(stop_at or train_cfg.steps, train_cfg.steps)
+    stop = stop_at or train_cfg.steps
     primary = jax.process_index() == 0
     try:  # writes nothing yet
         steps = tuning.StepRunner(
@@ -232,6 +281,8 @@ def train(
         )
     except ValueError as err:  # no candidate strategy fits the run
         raise SetupError(str(err)) from None
+    # A metrics.jsonl damaged before its last line stops the run before anything is written.
+    read_records(os.path.join(run_dir, "metrics.jsonl"), on_torn=lambda _: None)
 
     ckpt = Checkpointer(
         os.path.join(run_dir, "checkpoints"),
@@ -241,17 +292,23 @@ def train(
         async_save=async_checkpoints,
     )
     shardings = None if mesh is None else state_shardings(model_cfg, train_cfg, mesh)
-    latest = ckpt.latest_step()
     placements = placed.initial_placements(model_cfg, train_cfg, mesh)
     resumed = None  # the controller state of the checkpoint resumed, if its tables apply
-    if latest is not None:
-        target = restore_target(abstract_state(model_cfg, train_cfg), shardings)
-        try:
-            state, meta = ckpt.restore(latest, target)
-            iterator.restore(meta["data"])
-        except ValueError:
-            ckpt.close()
-            raise
+    target = restore_target(abstract_state(model_cfg, train_cfg), shardings)
+    try:
+        restored = ckpt.restore_latest(target, log=_say)
+        if restored is not None:
+            iterator.restore(restored.meta["data"])
+    except ValueError:
+        ckpt.close()
+        raise
+    latest = None if restored is None else restored.step
+    if restored is not None:
+        state, meta = restored.state, restored.meta
+        _say(
+            f"resumed from checkpoint step {latest} ({ckpt.directory}/{latest})"
+            + ("" if restored.verified else ", not verified: written without checksums")
+        )
         saved = _saved_placements(meta, placements)
         if saved is not None:  # the saved tables apply here: so does their controller's state
             placements, resumed = saved, meta.get("controller")
@@ -271,6 +328,8 @@ def train(
     )
     start = int(jax.device_get(state.step))
     skipped = int(jax.device_get(state.skipped))
+    if start >= stop:
+        _say(f"nothing to train: the checkpoint is at step {start}, stop_at={stop}")
 
     os.makedirs(run_dir, exist_ok=True)
     writer = MetricsWriter(run_dir, keep_up_to=start, tensorboard=tensorboard) if primary else None
@@ -278,6 +337,8 @@ def train(
     tokens_per_step = train_cfg.batch_size * seq_len
     flops_per_step = flops_per_token(model_cfg, seq_len) * tokens_per_step
     last_saved = latest
+    # More skipped steps than this over the planned run cannot come back under the threshold.
+    skip_limit = train_cfg.max_skipped_fraction * stop
 
     def save(wait=False):
         nonlocal last_saved
@@ -299,6 +360,7 @@ def train(
     bar = _progress_bar(start, stop, progress and primary)
     pending, t_prev = None, time.perf_counter()
     interrupted = False
+    failure = None
 
     def record(step_no, metrics, placements):
         nonlocal skipped, t_prev
@@ -318,11 +380,16 @@ def train(
         if writer is not None:
             writer.write(rec)
         steps.observe(rec)
+        if not metrics.finite:
+            _report_skip(step_no, skipped, metrics)
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics.loss:.3f}", tok_s=f"{rec['tokens_per_s'] or 0:,.0f}")
+        postfix = {"loss": f"{metrics.loss:.3f}", "tok_s": f"{rec['tokens_per_s'] or 0:,.0f}"}
+        if skipped:
+            postfix["skipped"] = skipped
+        bar.set_postfix(**postfix)
         return metrics
 
-    with _Sigterm() as sigterm:
+    with _StopSignals() as stop_signals:
         for step in range(start, stop):
             batch = global_batch(iterator.next(), mesh)
             layout = placing.placements  # what this step runs on
@@ -339,8 +406,10 @@ def train(
             every = train_cfg.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < stop:
                 save()
-            if sigterm.received:
+            if stop_signals.received:
                 interrupted = True
+                break
+            if skipped > skip_limit:
                 break
         if pending is not None:
             record(*pending)
@@ -348,42 +417,65 @@ def train(
         if last_saved != int(jax.device_get(state.step)):
             save(wait=True)
         ckpt.close()
-    bar.close()
+        bar.close()
+        done = int(jax.device_get(state.step))
+        if done and skipped / done > train_cfg.max_skipped_fraction:
+            failure = (
+                f"{skipped} of {done} steps skipped (non-finite loss or gradient), more than "
+                f"TrainConfig.max_skipped_fraction={train_cfg.max_skipped_fraction:g}"
+            )
+            _say(f"run failed: {failure}")
 
-    eval_loss = _evaluate(
-        state,
-        placing,
-        eval_tokens,
-        model_cfg,
-        train_cfg,
-        seq_len,
-        mesh,
-        steps.strategy,
-        implementation,
-    )
-    records = writer.records if writer is not None else []
-    if writer is not None:
-        if eval_loss is not None:
-            writer.write_scalar("eval/loss", eval_loss, int(jax.device_get(state.step)))
-        writer.close()
-    result = _result(
-        run_dir,
-        state,
-        start,
-        records,
-        eval_loss,
-        report.unigram_entropy(train_tokens, model_cfg.vocab_size),
-        skipped,
-        time.perf_counter() - t_start,
-        interrupted,
-    )
-    result.state = state
-    result.placement = placing.summary(result.wall_s, records)
-    result.placements = placing.placements
-    result.tuning = steps.summary()
-    if primary and outputs and records:
-        write_outputs(run_dir, result, events=placing.events)
+        eval_loss = None
+        if not stop_signals.received:  # a signal during the loop: save and leave, no eval
+            eval_loss = _evaluate(
+                state,
+                placing,
+                eval_tokens,
+                model_cfg,
+                train_cfg,
+                seq_len,
+                mesh,
+                steps.strategy,
+                implementation,
+            )
+        records = writer.records if writer is not None else []
+        if writer is not None:
+            if eval_loss is not None:
+                writer.write_scalar("eval/loss", eval_loss, int(jax.device_get(state.step)))
+            writer.close()
+        result = _result(
+            run_dir,
+            state,
+            start,
+            records,
+            eval_loss,
+            report.unigram_entropy(train_tokens, model_cfg.vocab_size),
+            skipped,
+            time.perf_counter() - t_start,
+            interrupted,
+        )
+        result.stop_signal = stop_signals.received if interrupted else None
+        result.resumed_from = latest
+        result.skipped_checkpoints = () if restored is None else restored.skipped
+        result.failure = failure
+        result.state = state
+        result.placement = placing.summary(result.wall_s, records)
+        result.placements = placing.placements
+        result.tuning = steps.summary()
+        if primary and outputs and records:
+            write_outputs(run_dir, result, events=placing.events)
     return result
+
+
+def _report_skip(step: int, skipped: int, metrics) -> None:
+    if skipped > _REPORTED_SKIPS:
+        return
+    _say(
+        f"step {step} skipped: loss {float(metrics.loss):.4g}, grad norm "
+        f"{float(metrics.grad_norm):.4g} not finite, update dropped ({skipped} skipped so far"
+        + ("; further ones are counted in the progress bar)" if skipped == _REPORTED_SKIPS else ")")
+    )
 
 
 def _progress_bar(start: int, stop: int, enabled: bool):
@@ -449,18 +541,26 @@ def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, i
 
 def write_outputs(run_dir: str, result: RunResult, events=()) -> None:
     """`routing_trace.npy`, `loss.png` (re-placement `events` marked), `expert_load.png` from
-    the run's records, and with events `placement_forecast.png` (forecast vs measured fall)."""
+    the run's records, and with events `placement_forecast.png` (forecast vs measured fall).
+    Each is written to a temporary file renamed over the old one: never half-written."""
     counts = np.array([r["expert_counts"] for r in result.records], np.int64)
-    save_trace(os.path.join(run_dir, "routing_trace.npy"), counts)
-    report.plot_loss(
-        result.records,
-        os.path.join(run_dir, "loss.png"),
-        baseline=result.unigram_entropy,
-        eval_loss=result.eval_loss,
-        events=events,
-        switches=(result.tuning or {}).get("switches", ()),
+
+    def out(name, write):
+        replace_atomically(os.path.join(run_dir, name), write)
+
+    out("routing_trace.npy", lambda path: save_trace(path, counts))
+    out(
+        "loss.png",
+        lambda path: report.plot_loss(
+            result.records,
+            path,
+            baseline=result.unigram_entropy,
+            eval_loss=result.eval_loss,
+            events=events,
+            switches=(result.tuning or {}).get("switches", ()),
+        ),
     )
-    report.plot_expert_load(result.records, os.path.join(run_dir, "expert_load.png"))
+    out("expert_load.png", lambda path: report.plot_expert_load(result.records, path))
     if events:
         rows = measured_effect(result.records, list(events))
-        report.plot_placement_forecast(rows, os.path.join(run_dir, "placement_forecast.png"))
+        out("placement_forecast.png", lambda path: report.plot_placement_forecast(rows, path))

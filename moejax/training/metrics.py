@@ -18,10 +18,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import warnings
 
 import numpy as np
 
 from moejax.models import LMConfig, param_counts
+from moejax.training.checkpoint import CheckpointError
 
 
 def flops_per_token(cfg: LMConfig, seq_len: int) -> float:
@@ -87,13 +90,58 @@ def _num(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def read_records(path: str | os.PathLike, *, up_to_step: int | None = None) -> list[dict]:
-    """Records of a `metrics.jsonl` (those with `step <= up_to_step` if given)."""
+def read_records(
+    path: str | os.PathLike, *, up_to_step: int | None = None, on_torn=None
+) -> list[dict]:
+    """Records of a `metrics.jsonl` (those with `step <= up_to_step` if given).
+
+    A torn last line (a run killed mid-write) is dropped and reported: `on_torn(message)`, by
+    default a `UserWarning`. An unreadable line before the last raises `MetricsFileError`.
+    """
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records = []
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    for k, (number, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a step record")
+        except ValueError as err:
+            if k == len(numbered) - 1:  # the last one: torn by a crash, resumable without it
+                message = f"{path}: dropped a torn last record (line {number}, {len(line)} bytes)"
+                if on_torn is None:
+                    warnings.warn(message, stacklevel=2)
+                else:
+                    on_torn(message)
+                break
+            raise MetricsFileError(
+                f"{path} line {number} is not a metrics record ({type(err).__name__}); "
+                f"fix or remove that line"
+            ) from None
+        records.append(record)
     return [r for r in records if up_to_step is None or r["step"] <= up_to_step]
+
+
+class MetricsFileError(CheckpointError):
+    """A `metrics.jsonl` damaged before its last line (a resumed run cannot append to it)."""
+
+
+def replace_atomically(path: str, write) -> None:
+    """Write a file through `write(tmp_path)` and rename it over `path` (never half-written).
+
+    The temporary name keeps `path`'s extension, for writers that choose a format by it.
+    """
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.tmp-{os.getpid()}{ext}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 _SCALARS = (
@@ -116,16 +164,29 @@ class MetricsWriter:
     Args:
       run_dir: the run directory.
       keep_up_to: on resume, the restored step: records after it (written before an interrupted
-        run died, so not part of the resumed history) are dropped from `metrics.jsonl`, and
-        TensorBoard purges its events after it (`purge_step`).
+        run died, so not part of the resumed history) and a torn last line (reported on stderr)
+        are dropped from `metrics.jsonl` by writing the kept records to a new file renamed over
+        it (never a rewrite in place), and TensorBoard purges its events after it
+        (`purge_step`). Otherwise records are appended, one `write` each, so a crash can only
+        tear the last line.
       tensorboard: write TensorBoard events (`tensorboardX`) under `run_dir/tensorboard`.
     """
 
     def __init__(self, run_dir: str, *, keep_up_to: int | None = None, tensorboard: bool = True):
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        kept = read_records(self.path, up_to_step=keep_up_to) if keep_up_to is not None else []
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        kept = []
+        if keep_up_to is not None:
+            kept = read_records(self.path, up_to_step=keep_up_to, on_torn=_say)
+        if keep_up_to is None or _needs_rewrite(self.path, kept):
+            # Records to drop (after the restored step, or torn): a new file renamed over the
+            # old one, never a rewrite in place that a crash could leave half done.
+            def write(tmp):
+                with open(tmp, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+            replace_atomically(self.path, write)
         self.records = kept
         self._file = open(self.path, "a")  # noqa: SIM115 (closed in close())
         self._tb = None
@@ -138,7 +199,7 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         """Append one step's record."""
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(record) + "\n")  # one write: a crash tears the last line only
         self._file.flush()
         if self._tb is not None:
             step = record["step"]
@@ -159,3 +220,17 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _needs_rewrite(path: str, kept: list[dict]) -> bool:
+    """Whether `path` holds more than the `kept` records, each on a whole line."""
+    if not os.path.exists(path):
+        return True
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    return len(lines) != len(kept) or (bool(data) and not data.endswith(b"\n"))
+
+
+def _say(line: str) -> None:
+    print(f"moejax: {line}", file=sys.stderr, flush=True)

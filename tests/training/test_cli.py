@@ -70,7 +70,7 @@ def test_step_directory_without_metadata(capsys, tmp_path):
     step.mkdir(parents=True)
     (step / "junk").write_text("x")
     code, err, _ = _run(capsys, tmp_path)
-    assert code == 2 and "checkpoints/5 has no readable metadata" in err and "\n" not in err
+    assert code == 2 and "checkpoints/5: no readable metadata" in err and "\n" not in err
     assert sorted(os.listdir(step)) == ["junk"]
 
 
