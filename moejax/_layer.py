@@ -97,7 +97,8 @@ def moe_apply(
     Returns:
       `(y, aux)`: `y` of the shape and dtype of `x`, `aux` a `MoEAux` of routing statistics and
       auxiliary losses (over the T flattened tokens). An empty batch (T = 0) gives an empty `y`
-      and zero aux (`empty_outputs`).
+      and zero aux (`empty_outputs`). Called eagerly, the layer compiles once per shape and
+      config (`jax.jit` inside); under the caller's `jit` or `grad` it is traced inline.
 
     Raises:
       TypeError, ValueError: before tracing, for a params tree that does not match `config`
@@ -115,6 +116,20 @@ def moe_apply(
     resolve_implementation(implementation)  # validates the name
     if is_empty(x):
         return empty_outputs(params["router"], x, config)
+    if is_traced(params, x):
+        return _moe_apply(params, x, config, implementation)  # inside the caller's jit or grad
+    # Called eagerly: one compiled program per shape and config, not an op-by-op run.
+    return _moe_apply_jit(params, x, config, implementation)
+
+
+def is_traced(*trees) -> bool:
+    """Whether any leaf of `trees` is a tracer (the call is inside a `jit`, `grad`, `vmap`...).
+    The layer entry points jit themselves when called eagerly and inline otherwise."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(trees))
+
+
+def _moe_apply(params, x, config, implementation):
+    """`moe_apply` on checked, non-empty inputs."""
     shape = x.shape
     num_sequences = math.prod(shape[:-2]) if x.ndim >= 3 else 1
     xt = x.reshape(-1, config.d_model)
@@ -132,6 +147,9 @@ def moe_apply(
         with jax.named_scope("shared_experts"):
             y = y + shared_mlp(params["shared"], xt, config)
     return y.reshape(shape), make_aux(routing, config)
+
+
+_moe_apply_jit = jax.jit(_moe_apply, static_argnums=(2, 3))
 
 
 def _routed_phases(xt, routing, experts, implementation, *, config, max_kept):

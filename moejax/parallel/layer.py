@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from moejax import _routing
 from moejax._config import MoEConfig
 from moejax._experts import shared_mlp
-from moejax._layer import empty_outputs, resolve_implementation
+from moejax._layer import empty_outputs, is_traced, resolve_implementation
 from moejax._types import MoEAux
 from moejax._validate import check_params, check_x, is_empty
 from moejax.parallel import _collectives as col
@@ -118,7 +118,7 @@ def moe_apply_sharded(
         implementation=implementation,
         stagger=stagger or strategy.stagger,
     )
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((params, x, placement))):
+    if is_traced(params, x, placement):
         return _sharded(params, x, placement, **static)  # inside the caller's jit or grad
     # Called eagerly (as documented): one compiled program per shape, not an op-by-op run of
     # the shard_map body (hundreds of small compilations, ~26 s a call for the README's layer).
