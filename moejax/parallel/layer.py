@@ -125,8 +125,9 @@ def moe_apply_sharded(
     return _sharded_jit(params, x, placement, **static)
 
 
-def _sharded(params, x, placement, *, config, expert_config, mesh, strategy, implementation,
-             stagger):  # fmt: skip
+def _sharded(
+    params, x, placement, *, config, expert_config, mesh, strategy, implementation, stagger
+):
     """The layer under `jax.shard_map` (arguments checked by `moe_apply_sharded`)."""
     axes = col.MeshAxes.of(mesh)
     pspecs = mesh_lib.param_partition_specs(expert_config, mesh)

@@ -317,7 +317,14 @@ def _empty_result(y, aux):
     return jax.tree.map(lambda a: (a.shape, a.dtype), aux)
 
 
-@pytest.mark.parametrize("cfg", [CFG, SIGMOID.replace(dispatch="capacity")], ids=["drop", "cap"])
+EMPTY_CASES = {
+    "dropless": CFG,
+    "sigmoid_capacity": SIGMOID.replace(dispatch="capacity"),
+    "expert_choice": presets.expert_choice(**SIZES),
+}
+
+
+@pytest.mark.parametrize("cfg", EMPTY_CASES.values(), ids=EMPTY_CASES.keys())
 def test_empty_batch_is_empty_output_and_zero_aux_everywhere(cfg):
     params, x = _params(cfg), jnp.ones((0, 4, 16))
     impls = ("reference", "ragged_dot", "blocked", "pallas", "auto")
