@@ -8,7 +8,8 @@ Public surface (everything else is private and may change):
   the values of `implementation=` and `resolve_implementation` maps `"auto"` to one of them.
 - `route` -> `Routing`, `load_balance_loss`, `z_loss`, `update_correction_bias`: the routing
   phase and its auxiliary quantities.
-- `MoE` (Flax NNX) and `moejax.linen.MoE` (Flax Linen): module shells over `moe_apply`.
+- `MoE` (Flax NNX, also `moejax.nnx.MoE`) and `moejax.linen.MoE` (Flax Linen): module shells
+  over `moe_apply`; the submodules `moejax.nnx` and `moejax.linen` are loaded by `import moejax`.
 
 >>> import jax, jax.numpy as jnp, moejax
 >>> cfg = moejax.MoEConfig(d_model=16, d_ff=32, num_experts=4, top_k=2)
@@ -16,6 +17,8 @@ Public surface (everything else is private and may change):
 >>> y, aux = moejax.moe_apply(params, jnp.ones((4, 16)), cfg)
 """
 
+from moejax import linen as linen
+from moejax import nnx as nnx
 from moejax import presets as presets
 from moejax._config import MoEConfig as MoEConfig
 from moejax._layer import IMPLEMENTATIONS as IMPLEMENTATIONS
@@ -38,8 +41,10 @@ __all__ = [
     "MoEConfig",
     "Routing",
     "init_moe_params",
+    "linen",
     "load_balance_loss",
     "moe_apply",
+    "nnx",
     "param_specs",
     "presets",
     "resolve_implementation",

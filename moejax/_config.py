@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import Literal
 
+import numpy as np
+
 RouterKind = Literal["softmax", "sigmoid", "topk_softmax", "expert_choice"]
 Activation = Literal["swiglu", "geglu", "gelu", "relu", "clamped_swiglu"]
 DispatchMode = Literal["dropless", "capacity"]
@@ -21,6 +23,13 @@ ROUTER_KINDS: tuple[str, ...] = RouterKind.__args__
 ACTIVATIONS: tuple[str, ...] = Activation.__args__
 DISPATCH_MODES: tuple[str, ...] = DispatchMode.__args__
 GATED_ACTIVATIONS = frozenset({"swiglu", "geglu", "clamped_swiglu"})
+_BOOL_FIELDS = (
+    "norm_topk_prob",
+    "router_bias",
+    "score_correction_bias",
+    "expert_bias",
+    "shared_gate",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +114,10 @@ class MoEConfig:
     init_scale: float = 1.0
 
     def __post_init__(self):
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool | np.bool_):
+                raise TypeError(f"MoEConfig.{name}={value!r}: must be a bool (True or False)")
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
             _positive_int(name, getattr(self, name))
         _positive_int("block_size", self.block_size)

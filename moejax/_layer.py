@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Literal
@@ -15,6 +16,7 @@ from moejax._experts import grouped_ffn, reference_experts, shared_mlp
 from moejax._fused import fused_moe
 from moejax._permute import combine, dispatch, make_layout
 from moejax._types import MoEAux, Routing
+from moejax._validate import check_layer_inputs, is_empty
 
 Implementation = Literal["auto", "reference", "ragged_dot", "blocked", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = Implementation.__args__
@@ -94,7 +96,14 @@ def moe_apply(
 
     Returns:
       `(y, aux)`: `y` of the shape and dtype of `x`, `aux` a `MoEAux` of routing statistics and
-      auxiliary losses (over the T flattened tokens).
+      auxiliary losses (over the T flattened tokens). An empty batch (T = 0) gives an empty `y`
+      and zero aux (`empty_outputs`). Called eagerly, the layer compiles once per shape and
+      config (`jax.jit` inside); under the caller's `jit` or `grad` it is traced inline.
+
+    Raises:
+      TypeError, ValueError: before tracing, for a params tree that does not match `config`
+        (a missing or unused key, a wrong shape: the path and the expected shape are named), an
+        x that is not a floating array `[..., D]` of rank >= 2 (`moejax._validate`).
 
     >>> import jax, jax.numpy as jnp, moejax
     >>> cfg = moejax.MoEConfig(d_model=8, d_ff=16, num_experts=4, top_k=2)
@@ -103,9 +112,24 @@ def moe_apply(
     >>> y.shape, aux.expert_counts.sum().item(), aux.dropped_fraction.item()
     ((2, 3, 8), 12, 0.0)
     """
-    if x.shape[-1] != config.d_model:
-        raise ValueError(f"x has last dim {x.shape[-1]}, config.d_model={config.d_model}")
+    check_layer_inputs(params, x, config)
     resolve_implementation(implementation)  # validates the name
+    if is_empty(x):
+        return empty_outputs(params["router"], x, config)
+    if is_traced(params, x):
+        return _moe_apply(params, x, config, implementation)  # inside the caller's jit or grad
+    # Called eagerly: one compiled program per shape and config, not an op-by-op run.
+    return _moe_apply_jit(params, x, config, implementation)
+
+
+def is_traced(*trees) -> bool:
+    """Whether any leaf of `trees` is a tracer (the call is inside a `jit`, `grad`, `vmap`...).
+    The layer entry points jit themselves when called eagerly and inline otherwise."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(trees))
+
+
+def _moe_apply(params, x, config, implementation):
+    """`moe_apply` on checked, non-empty inputs."""
     shape = x.shape
     num_sequences = math.prod(shape[:-2]) if x.ndim >= 3 else 1
     xt = x.reshape(-1, config.d_model)
@@ -123,6 +147,9 @@ def moe_apply(
         with jax.named_scope("shared_experts"):
             y = y + shared_mlp(params["shared"], xt, config)
     return y.reshape(shape), make_aux(routing, config)
+
+
+_moe_apply_jit = jax.jit(_moe_apply, static_argnums=(2, 3))
 
 
 def _routed_phases(xt, routing, experts, implementation, *, config, max_kept):
@@ -152,6 +179,24 @@ def _max_kept(xt, config, num_sequences) -> int | None:
         cap = min(config.capacity(s), s) if config.router == "expert_choice" else config.capacity(s)
         return num_sequences * config.num_experts * cap
     return None
+
+
+def empty_outputs(router_params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, MoEAux]:
+    """`(y, aux)` of an empty batch (`x [..., D]` with no tokens), the same for every
+    implementation, sharded included: `y` zeros like `x`; per-token aux fields `[0, ...]`;
+    counts, fractions and losses zero (not the NaN of a mean over no tokens)."""
+    one = jnp.zeros((1, config.d_model), x.dtype)
+    like = jax.eval_shape(lambda r: make_aux(_routing.route(r, one, config), config), router_params)
+    aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+    per_token = ("router_logits", "topk_indices", "topk_weights", "dropped_mask")
+    aux = dataclasses.replace(
+        aux,
+        **{
+            f: jnp.zeros((0, *getattr(like, f).shape[1:]), getattr(like, f).dtype)
+            for f in per_token
+        },
+    )
+    return jnp.zeros(x.shape, x.dtype), aux
 
 
 def make_aux(routing: Routing, config: MoEConfig) -> MoEAux:

@@ -30,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 from moejax import _routing
 from moejax._config import MoEConfig
 from moejax._experts import shared_mlp
-from moejax._layer import resolve_implementation
+from moejax._layer import empty_outputs, is_traced, resolve_implementation
 from moejax._types import MoEAux
+from moejax._validate import check_params, check_x, is_empty
 from moejax.parallel import _collectives as col
 from moejax.parallel import mesh as mesh_lib
 from moejax.parallel._aux import sharded_aux
@@ -82,20 +83,53 @@ def moe_apply_sharded(
 
     Returns:
       `(y, aux)`: `y` like `x`; `aux` the single-device `MoEAux` over all tokens (per-token fields
-      sharded like the tokens, counts and losses global).
+      sharded like the tokens, counts and losses global). An empty batch gives what `moe_apply`
+      gives (an empty `y`, zero aux).
+
+    Raises:
+      TypeError, ValueError: before tracing, for the mistakes `moejax.moe_apply` names (params
+        tree against the config, the experts' against the placement's `[P, ...]`; x's dtype,
+        rank and `D`) and for a mesh or strategy that does not fit x and the config.
+
+    Called eagerly (concrete arrays), it compiles the layer once per shape, config, mesh and
+    strategy (`jax.jit` inside); called under the caller's `jit` or `grad` it is traced inline.
     """
     strategy = resolve_strategy(strategy, config)
     resolve_implementation(implementation)  # validates; "auto" is left to the compile target
     if implementation == "reference":
         raise ValueError("implementation='reference': not supported sharded; use another one")
+    check_x(x, config)
     axes = col.MeshAxes.of(mesh)
-    _check(x, config, strategy, axes)
     if placement is not None and strategy.mode == "expert" and strategy.dispatcher == "capacity":
         raise ValueError(
             "Strategy.dispatcher='capacity' with a placement: capacity buffers are per logical "
             "expert; use dispatcher 'dropless' or 'allgather', or mode 'data'/'tensor'"
         )
     expert_config = config if placement is None else physical_config(config, placement)
+    check_params(params, config, experts_config=expert_config)
+    if is_empty(x):
+        return empty_outputs(params["router"], x, config)
+    _check(x, config, strategy, axes)
+    static = dict(
+        config=config,
+        expert_config=expert_config,
+        mesh=mesh,
+        strategy=strategy,
+        implementation=implementation,
+        stagger=stagger or strategy.stagger,
+    )
+    if is_traced(params, x, placement):
+        return _sharded(params, x, placement, **static)  # inside the caller's jit or grad
+    # Called eagerly (as documented): one compiled program per shape, not an op-by-op run of
+    # the shard_map body (hundreds of small compilations, ~26 s a call for the README's layer).
+    return _sharded_jit(params, x, placement, **static)
+
+
+def _sharded(
+    params, x, placement, *, config, expert_config, mesh, strategy, implementation, stagger
+):
+    """The layer under `jax.shard_map` (arguments checked by `moe_apply_sharded`)."""
+    axes = col.MeshAxes.of(mesh)
     pspecs = mesh_lib.param_partition_specs(expert_config, mesh)
     xspec = mesh_lib.activation_spec(mesh, x.ndim)
     tspec = P(axes.token or None)
@@ -107,7 +141,7 @@ def moe_apply_sharded(
         strategy=strategy,
         axes=axes,
         implementation=implementation,
-        stagger=stagger or strategy.stagger,
+        stagger=stagger,
     )
     table_spec = None if placement is None else jax.tree.map(lambda _: P(), placement)
     return jax.shard_map(
@@ -117,6 +151,12 @@ def moe_apply_sharded(
         out_specs=(xspec, aux_spec),
         check_vma=True,
     )(params, x, placement)
+
+
+_sharded_jit = jax.jit(
+    _sharded,
+    static_argnames=("config", "expert_config", "mesh", "strategy", "implementation", "stagger"),
+)
 
 
 def physical_config(config: MoEConfig, placement: SlotTable) -> MoEConfig:
@@ -131,8 +171,7 @@ def physical_config(config: MoEConfig, placement: SlotTable) -> MoEConfig:
 
 
 def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes) -> None:
-    if x.ndim < 2 or x.shape[-1] != config.d_model:
-        raise ValueError(f"x.shape={x.shape}: need [..., D] with D=config.d_model={config.d_model}")
+    """Sharding constraints on a non-empty `x` (its dtype, rank and `D` are checked first)."""
     if x.shape[0] % axes.token_shards:
         raise ValueError(f"x.shape[0]={x.shape[0]}: not divisible by {axes.token_shards} shards")
     per_sequence = config.dispatch == "capacity" or config.router == "expert_choice"

@@ -8,13 +8,12 @@ import math
 import numpy as np
 
 
-def _pyplot():
-    import matplotlib
+def _figure(**kwargs):
+    """A matplotlib `Figure` outside pyplot: saving it needs no GUI and leaves the caller's
+    backend and open figures alone (a notebook keeps drawing inline after `train()`)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**kwargs)
 
 
 def moving_average(values: np.ndarray, window: int) -> np.ndarray:
@@ -45,10 +44,10 @@ def plot_loss(
     label)`, from `moejax.training.tuning`); below it the device-load imbalance of every MoE
     layer, raw per step and a 10-step average, with expert re-placement `events`
     (`placement_events.jsonl` records) marked where they took effect."""
-    plt = _pyplot()
     steps = np.array([r["step"] for r in records])
     loss = _series(records, "loss")
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(2, 1))
+    fig = _figure(figsize=(9, 7))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
     top.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="train loss")
     top.plot(steps, moving_average(loss, 20), color="tab:blue", lw=2, label="20-step mean")
     if baseline is not None:
@@ -99,20 +98,19 @@ def plot_loss(
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_expert_load(records: list[dict], path: str) -> None:
     """One heatmap per MoE layer: share of the layer's assignments per expert (rows) and step
     (columns); 1/E everywhere is perfect balance."""
-    plt = _pyplot()
     counts = np.array([r["expert_counts"] for r in records], float)  # [steps, Lm, E]
     steps = [r["step"] for r in records]
     share = counts / np.maximum(counts.sum(-1, keepdims=True), 1)
     num_layers, num_experts = share.shape[1:]
     cols = min(num_layers, 2)
     rows = math.ceil(num_layers / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 2.6 * rows), squeeze=False)
+    fig = _figure(figsize=(6 * cols, 2.6 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     vmax = max(2.0 / num_experts, float(np.nanmax(share)))
     for layer in range(num_layers):
         ax = axes[layer // cols][layer % cols]
@@ -134,7 +132,6 @@ def plot_expert_load(records: list[dict], path: str) -> None:
         axes[layer // cols][layer % cols].axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_placement_forecast(rows: list[dict], path: str) -> None:
@@ -142,14 +139,13 @@ def plot_placement_forecast(rows: list[dict], path: str) -> None:
     against the measured one (10 steps before -> after, and old -> new table on the same steps
     after), with the in-sample forecast beside it; color is the step. On the diagonal the
     forecast was right."""
-    plt = _pyplot()
     keys = ("forecast_before", "forecast_after", "measured_before", "measured_after")
     rows = [r for r in rows if all(r.get(k) is not None for k in keys)]
-    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    fig = _figure(figsize=(6.5, 5.5))
+    ax = fig.subplots()
     if not rows:
         ax.text(0.5, 0.5, "no re-placement with a full window", ha="center", transform=ax.transAxes)
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         return
     forecast = np.array([r["forecast_before"] - r["forecast_after"] for r in rows])
     measured = np.array([r["measured_before"] - r["measured_after"] for r in rows])
@@ -194,7 +190,6 @@ def plot_placement_forecast(rows: list[dict], path: str) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

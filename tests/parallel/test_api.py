@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 import pytest
-from _common import CAPACITY, DROPLESS, SHARED, mesh
+from _common import CAPACITY, DROPLESS, SHARED, make_params, mesh
 from jax.sharding import PartitionSpec as P
 
 from moejax import parallel
@@ -73,15 +73,17 @@ def test_strategy_validation(kwargs, field):
 
 
 def test_call_validation():
+    """Mesh and strategy mistakes (the params and x checks shared with `moe_apply` are in
+    tests/core/test_input_validation.py)."""
     m = mesh("d2e4")
-    params = {"router": {}, "experts": {}}
+    params = make_params(DROPLESS)
     x3 = jnp.ones((8, 8, 16))
     with pytest.raises(ValueError, match="dispatch='capacity'"):
         parallel.moe_apply_sharded(
             params, x3, DROPLESS, m, strategy=Strategy(dispatcher="capacity")
         )
     with pytest.raises(ValueError, match="sequence axis"):
-        parallel.moe_apply_sharded(params, jnp.ones((64, 16)), CAPACITY, m)
+        parallel.moe_apply_sharded(make_params(CAPACITY), jnp.ones((64, 16)), CAPACITY, m)
     with pytest.raises(ValueError, match=r"x.shape\[0\]=6"):
         parallel.moe_apply_sharded(params, jnp.ones((6, 8, 16)), DROPLESS, m)
     with pytest.raises(ValueError, match="strategy='fast'"):
