@@ -191,7 +191,7 @@ class _StopSignals:
 def _say(line: str) -> None:
     """One line on stderr from process 0 (above the progress bar)."""
     if jax.process_index() == 0:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm  # write() is a class method: the same line for every bar kind
 
         tqdm.write(f"moejax: {line}", file=sys.stderr)
 
@@ -479,7 +479,12 @@ def _report_skip(step: int, skipped: int, metrics) -> None:
 
 
 def _progress_bar(start: int, stop: int, enabled: bool):
-    from tqdm.auto import tqdm
+    # tqdm.auto picks the notebook bar in Jupyter and warns there without ipywidgets: only
+    # import it for a bar that is shown.
+    if enabled:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm import tqdm
 
     return tqdm(total=stop, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
 

@@ -218,7 +218,8 @@ def summary_rows(result) -> list[tuple[str, str]]:
         ("run directory", result.run_dir),
     ]
     if result.interrupted:
-        rows.insert(0, ("stopped early", "SIGTERM: checkpoint saved, rerun to resume"))
+        signal = getattr(result, "stop_signal", None) or "a signal"
+        rows.insert(0, ("stopped early", f"{signal}: checkpoint saved, rerun to resume"))
     return rows
 
 

@@ -90,9 +90,9 @@ def test_peak_host_memory_while_streaming_stays_far_below_the_model(tmp_path):
     *beyond* them: a loader that read the checkpoint before placing it would peak at least
     `placed + stored` above where it started; streaming peaks at `placed` plus about one recipe
     (expert leaves are built per device block from the rows of the experts it holds). Measured
-    (2026-11-24): peak - before = 123.3 MB, placed 109.3 MB, peak - after 4-5 MB. glibc's mmap threshold is
-    pinned (`MALLOC_MMAP_THRESHOLD_`) so that freed temporaries leave the process instead of
-    staying in the heap, where they would count as if live."""
+    (2026-11-24): peak - before = 123.3 MB, placed 109.3 MB, peak - after 4-5 MB. glibc's mmap
+    threshold is pinned (`MALLOC_MMAP_THRESHOLD_`) so that freed temporaries leave the process
+    instead of staying in the heap, where they would count as if live."""
     sd = ref.random_state_dict(_BIG, seed=0)
     stored = sum(t.nbytes for t in sd.values())
     ref.write_checkpoint(str(tmp_path), _BIG, sd, shards=16)

@@ -14,6 +14,10 @@ says which a family has. `FLOAT_DTYPES` are the tensor dtypes a block's paramete
 - `SafetensorsCheckpoint(path)`: a lazy Mapping over a checkpoint directory (sharded or not);
   `CheckpointWriter` / `save_safetensors`: atomic writing (temporary directory, then rename);
   `read_config(path)`.
+- Whole decoders (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): `lm_config_from_hf(config)` ->
+  `LMConfig`; `load_hf_model(path, mesh=...)` streams a checkpoint directory onto a mesh;
+  `save_hf_model(path, params, cfg, hf_config)` writes one back (sharded, atomic);
+  `model_recipes` / `tensor_names` list the tensors a model has.
 - Errors: `CheckpointError` (a `ValueError`) and `MissingTensorError` (also a `KeyError`) name
   the tensor and the file.
 
@@ -46,12 +50,22 @@ from moejax.interop.hf._families import FAMILIES as FAMILIES
 from moejax.interop.hf._families import LAYOUTS as LAYOUTS
 from moejax.interop.hf._families import HFFamily as HFFamily
 from moejax.interop.hf._families import block_prefix as block_prefix
+from moejax.interop.hf._model import load_hf_model as load_hf_model
+from moejax.interop.hf._model import model_recipes as model_recipes
+from moejax.interop.hf._model import save_hf_model as save_hf_model
+from moejax.interop.hf._model import tensor_names as tensor_names
+from moejax.interop.hf._model_config import lm_config_from_hf as lm_config_from_hf
 from moejax.interop.hf._safetensors import CheckpointWriter as CheckpointWriter
 from moejax.interop.hf._safetensors import SafetensorsCheckpoint as SafetensorsCheckpoint
 from moejax.interop.hf._safetensors import read_config as read_config
 from moejax.interop.hf._safetensors import save_safetensors as save_safetensors
 
 __all__ = [
+    "load_hf_model",
+    "save_hf_model",
+    "lm_config_from_hf",
+    "model_recipes",
+    "tensor_names",
     "FAMILIES",
     "FLOAT_DTYPES",
     "LAYOUTS",
