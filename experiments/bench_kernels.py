@@ -4,8 +4,8 @@ For each shape it reports the median time after warm-up, useful TFLOP/s (2 * row
 * N) and ratios to a dense matmul of the same FLOPs and to `jax.lax.ragged_dot`, all timed in
 the same process. On a GPU it times the Pallas-Triton kernel, and, where available, jax's
 `ragged_dot_mgpu` (Hopper only) and `torch._grouped_mm` (torch with CUDA installed); that
-path is UNTESTED ON HARDWARE so far. Without a GPU it runs a CPU part at reduced shapes: the
-reference backend (what `backend="auto"` picks on CPU), `jax.lax.ragged_dot` and the dense
+path ran on one H100 on 2026-11-24 (BENCHMARKS.md, "One H100, measured"). Without a GPU it
+runs a CPU part at reduced shapes: the reference backend (what `backend="auto"` picks on CPU), `jax.lax.ragged_dot` and the dense
 matmul are timed; the Pallas kernels run in interpret mode for correctness only (no timing).
 
 Run: python experiments/bench_kernels.py [--repeats 5]   (CPU: ~1 min on 2 cores)
@@ -129,7 +129,7 @@ def run_cpu(repeats: int) -> None:
 
 
 def gpu_impls(device_kind: str) -> dict:
-    """UNTESTED ON HARDWARE. Pallas-Triton, ragged_dot, ragged_dot_mgpu (Hopper), torch."""
+    """Pallas-Triton, ragged_dot, ragged_dot_mgpu (Hopper)."""
     impls = {
         "pallas_triton": jax.jit(lambda x, w, s: pk.gmm(x, w, s, backend="pallas_triton")),
         "ragged_dot": jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s)),
@@ -146,7 +146,7 @@ def gpu_impls(device_kind: str) -> dict:
 
 
 def torch_grouped_mm_seconds(spec: ShapeSpec, repeats: int) -> float | None:
-    """UNTESTED ON HARDWARE. torch._grouped_mm (bf16, CUDA) on the same shape, or None."""
+    """torch._grouped_mm (bf16, CUDA) on the same shape, or None."""
     try:
         import torch
     except ImportError:
