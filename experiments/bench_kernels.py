@@ -5,8 +5,9 @@ For each shape it reports the median time after warm-up, useful TFLOP/s (2 * row
 the same process. On a GPU it times the Pallas-Triton kernel, and, where available, jax's
 `ragged_dot_mgpu` (Hopper only) and `torch._grouped_mm` (torch with CUDA installed); that
 path ran on one H100 on 2026-11-24 (BENCHMARKS.md, "One H100, measured"). Without a GPU it
-runs a CPU part at reduced shapes: the reference backend (what `backend="auto"` picks on CPU), `jax.lax.ragged_dot` and the dense
-matmul are timed; the Pallas kernels run in interpret mode for correctness only (no timing).
+runs a CPU part at reduced shapes: the reference backend (what `backend="auto"` picks on
+CPU), `jax.lax.ragged_dot` and the dense matmul are timed; the Pallas kernels run in interpret
+mode for correctness only (no timing).
 
 Run: python experiments/bench_kernels.py [--repeats 5]   (CPU: ~1 min on 2 cores)
 Absolute times on a shared CPU are noisy (other jobs run beside it): read the ratios.
