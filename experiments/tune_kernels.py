@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import pathlib
-import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -29,6 +27,9 @@ import pallas_kernels as pk
 from pallas_kernels.autotune import candidates
 from pallas_kernels.config import default_config
 from pallas_kernels.shapes import SHAPES
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_kernels import median_seconds  # noqa: E402  (the same timing as the kernel benchmark)
 
 GPU_SMALL = dict(m=16384, k=2048, n=2048)
 
@@ -42,17 +43,6 @@ def parse_config(text: str) -> pk.Config:
     sizes, warps, stages = text.split(":")
     tm, tk, tn = (int(v) for v in sizes.split("x"))
     return pk.Config(tm, tk, tn, num_warps=int(warps), num_stages=int(stages))
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def problem(kernel: str, spec, dtype):
