@@ -29,9 +29,7 @@ from pallas_kernels.config import default_config
 from pallas_kernels.shapes import SHAPES
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_kernels import median_seconds  # noqa: E402  (the same timing as the kernel benchmark)
-
-GPU_SMALL = dict(m=16384, k=2048, n=2048)
+from bench_kernels import GPU_SMALL, median_seconds  # noqa: E402  (the kernel benchmark's)
 
 
 def tiles(c) -> str:
