@@ -10,6 +10,13 @@ the median process CPU time (steadier on a shared machine) and the modeled step 
 result relative to the start (so a speed-up that changed the plan shows). ``--groups``: expert
 groups of group-limited routing (``Workload.num_groups``), which the planner keeps on few
 nodes. About 5 s.
+
+``--compare-greedy``: the packers alone (no planner, no cost model) over 24 shapes (``E`` in
+64 / 128 / 256, ``N`` in 8 / 16 / 32 / 64, ``S`` = 1.25 and 1.5 x ``E / N`` rounded up, at
+least 2; hottest expert 2x / 4x / 8x the mean in turn; one seed per shape), replica counts
+fixed by ``packing.replica_counts``: max / mean device load of the differencing packer (the
+only one before), EPLB-style greedy alone, greedy refined by the same rebalancing passes, and
+the kept packing (``packing.pack``), then how many shapes each start wins. Under a second.
 """
 
 import argparse
@@ -18,6 +25,7 @@ import time
 import numpy as np
 
 from moejax.placement import H100_IB, Placement, Workload, plan, step_cost
+from moejax.placement.packing import greedy_pack, pack, replica_counts
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 
 
@@ -44,6 +52,56 @@ def _time(start: Placement, counts: np.ndarray, wl: Workload, repeats: int):
     return times, cpu, ratio, new
 
 
+def _greedy_shapes() -> list[tuple[int, int, int, float]]:
+    """(E, N, S, hottest / mean) of ``--compare-greedy``."""
+    shapes = []
+    for e in (64, 128, 256):
+        for n in (8, 16, 32, 64):
+            for f in (1.25, 1.5):
+                s = max(2, -(-int(f * e) // n))
+                shapes.append((e, n, s, (2.0, 4.0, 8.0)[len(shapes) % 3]))
+    return shapes
+
+
+def compare_greedy() -> int:
+    """Prints the ``--compare-greedy`` table (module docstring) and the win counts."""
+    print(
+        "| E | N | S | hot/mean | differencing (before) | greedy (EPLB) | greedy + passes | kept |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    wins = {"differencing": 0, "greedy + passes": 0, "tie": 0, "EPLB greedy beats before": 0}
+    for i, (e, n, s, hot) in enumerate(_greedy_shapes()):
+        rng = np.random.default_rng(i)
+        probs = zipf_probs(e, zipf_exponent_for(e, hot))[rng.permutation(e)]
+        counts = rng.multinomial(n * 4096, probs).astype(np.float64)
+        r = replica_counts(counts, n, s)
+        experts = np.repeat(np.arange(e), r)
+        weights = counts[experts] / r[experts]
+        mean = counts.sum() / n
+
+        def ratio(table, r=r, counts=counts, mean=mean):
+            return float((counts[table] / r[table]).sum(axis=1).max() / mean)
+
+        before = ratio(pack(weights, experts, n, method="differencing"))
+        eplb = ratio(greedy_pack(weights, experts, n))
+        refined = ratio(pack(weights, experts, n, method="greedy"))
+        kept = ratio(pack(weights, experts, n))
+        rel = 1e-12
+        if refined < before * (1 - rel):
+            wins["greedy + passes"] += 1
+        elif before < refined * (1 - rel):
+            wins["differencing"] += 1
+        else:
+            wins["tie"] += 1
+        wins["EPLB greedy beats before"] += eplb < before * (1 - rel)
+        print(
+            f"| {e} | {n} | {s} | {hot:g} | {before:.4f} | {eplb:.4f} | {refined:.4f} | "
+            f"{kept:.4f} |"
+        )
+    print("wins: " + ", ".join(f"{k} {v}" for k, v in wins.items()))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=256)
@@ -53,7 +111,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--groups", type=int, default=1, help="expert groups (1: none)")
     parser.add_argument("--topk-groups", type=int, default=1, help="groups kept per token")
+    parser.add_argument("--compare-greedy", action="store_true", help="packers alone, 24 shapes")
     args = parser.parse_args(argv)
+    if args.compare_greedy:
+        return compare_greedy()
     wl = Workload(num_groups=args.groups, topk_groups=args.topk_groups)
     cases = _loads(args.experts, args.devices, wl, args.seeds)
     for s in args.slots:

@@ -9,9 +9,11 @@ bandwidth on ``H100_IB``). ``packing_nodes.group_nodes`` orders a flat packing i
 flat packing links most devices into long chains of replicated experts, so some replicas stay
 cut. Here no replica crosses a node (an expert gets at most ``G`` replicas):
 
-1. **Nodes**: ``packing.pack`` deals the ``E`` experts, whole, into ``M`` nodes of exactly
-   ``Q`` experts each, balancing the nodes' rows (balanced largest differencing + pairwise
-   rebalancing).
+1. **Nodes**: ``packing.pack_starts`` deals the ``E`` experts, whole, into ``M`` nodes of
+   exactly ``Q`` experts each, balancing the nodes' rows (balanced largest differencing, and
+   EPLB-style greedy, each + pairwise rebalancing); steps 2 and 3 run for both dealings
+   (``pack_by_node_starts``), and ``pack_by_node`` keeps the greedy one when its busiest device
+   is strictly lighter (the planner: when its modeled step is strictly lower).
 2. **Replica counts per node**: the node's ``G·S`` slots among its ``Q`` experts. Candidates,
    all nodes at once: the ``j`` coldest experts split two or three ways and the other spare
    slots by highest averages (largest ``n_e / r_e`` first, at most ``G`` replicas), for every
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.placement.packing import _has_duplicates, _splits, pack
+from moejax.placement.packing import _has_duplicates, _splits, pack_starts
 
 _PASSES = 16  # pairwise re-split passes per node at most
 
@@ -59,24 +61,48 @@ def pack_by_node(
       multiple of ``M``, more experts per node than slots, or fewer than ``S``: then some
       expert would need more than ``G`` replicas).
     """
+    starts = pack_by_node_starts(counts, num_devices, slots_per_device, devices_per_node)
+    if starts is None:
+        return None
+    (first, first_max), (second, second_max) = starts
+    return second if second_max < first_max * (1.0 - 1e-12) else first
+
+
+def pack_by_node_starts(
+    counts: np.ndarray, num_devices: int, slots_per_device: int, devices_per_node: int
+) -> list[tuple[np.ndarray, float]] | None:
+    """``pack_by_node``'s candidates: for each start of the node dealing (``packing.pack_starts``:
+    differencing, then greedy), ``[N, S]`` experts per device and the busiest device's rows;
+    None as ``pack_by_node``. The planner weighs them by modeled step time."""
     e, g, s = counts.shape[0], devices_per_node, slots_per_device
     m = num_devices // g
     if num_devices % g or e % m or not s <= e // m <= g * s:
         return None
-    nodes = pack(counts, np.arange(e), m)  # [M, Q] experts per node
+    # Both dealings packed at once (stacked, ``2M`` nodes): the same per node as one by one.
+    starts = pack_starts(counts, np.arange(e), m)  # [M, Q] experts per node, each start
+    table, worst = _pack_dealt(counts, np.concatenate([nodes for nodes, _ in starts]), g, s)
+    table, worst = table.reshape(len(starts), num_devices, s), worst.reshape(len(starts), m)
+    return [(table[i], float(worst[i].max())) for i in range(len(starts))]
+
+
+def _pack_dealt(counts: np.ndarray, nodes: np.ndarray, g: int, s: int):
+    """Steps 2 and 3 for experts dealt to nodes (``[K, Q]``, ``K / M`` dealings of ``M`` nodes
+    each stacked): ``[K, G, S]`` experts per device and ``[K]`` each node's busiest device, of
+    the best replica-count candidate per node."""
+    k, m = nodes.shape[0], counts.shape[0] // nodes.shape[1]
     node_counts = counts[nodes]
     best_table, best_max = None, None
     for r in _candidate_replicas(node_counts, g, s):  # each node keeps its best candidate
-        ids = np.repeat(nodes.reshape(-1), r.reshape(-1)).reshape(m, g * s)
-        weights = np.repeat((node_counts / r).reshape(-1), r.reshape(-1)).reshape(m, g * s)
-        table, slot_w = _pack_nodes(weights, ids, g, s)
-        worst = slot_w.sum(axis=2).max(axis=1)  # [M] each node's busiest device
+        ids = np.repeat(nodes.reshape(-1), r.reshape(-1)).reshape(k, g * s)
+        weights = np.repeat((node_counts / r).reshape(-1), r.reshape(-1)).reshape(k, g * s)
+        table, slot_w = _pack_nodes(weights, ids, g, s, k // m)
+        worst = slot_w.sum(axis=2).max(axis=1)  # [K] each node's busiest device
         if best_table is None:
             best_table, best_max = table, worst
         else:
             better = worst < best_max
             best_table[better], best_max = table[better], np.minimum(worst, best_max)
-    return best_table.reshape(num_devices, s)
+    return best_table, best_max
 
 
 def _candidate_replicas(node_counts: np.ndarray, g: int, s: int) -> list[np.ndarray]:
@@ -100,26 +126,40 @@ def _candidate_replicas(node_counts: np.ndarray, g: int, s: int) -> list[np.ndar
     return out
 
 
-def _pack_nodes(weights: np.ndarray, ids: np.ndarray, g: int, s: int, passes: int = _PASSES):
-    """``[M, G·S]`` replicas into ``[M, G, S]`` devices per node (step 3, at most ``passes``
-    re-split passes); returns the experts and the rows of every slot."""
-    m = weights.shape[0]
+def _pack_nodes(
+    weights: np.ndarray, ids: np.ndarray, g: int, s: int, blocks: int = 1, passes: int = _PASSES
+):
+    """``[K, G·S]`` replicas into ``[K, G, S]`` devices per node (step 3, at most ``passes``
+    re-split passes); returns the experts and the rows of every slot. The ``K`` nodes are
+    ``blocks`` independent packings of ``K / blocks`` consecutive nodes each: a block stops
+    after the first pass that does not lower its busiest device, as if packed alone."""
+    k = weights.shape[0]
     order = np.argsort(-weights, axis=1, kind="stable")
     weights, ids = np.take_along_axis(weights, order, 1), np.take_along_axis(ids, order, 1)
-    rows = np.arange(m)[:, None]
-    table, slot_w = np.empty((m, g, s), np.int64), np.empty((m, g, s))
-    for k in range(s):  # round k: the k-th heaviest G items, the lightest to the busiest device
-        busiest = np.argsort(-slot_w[:, :, :k].sum(axis=2), axis=1, kind="stable")
-        table[rows, busiest, k] = ids[:, (k + 1) * g - 1 : k * g - 1 if k else None : -1]
-        slot_w[rows, busiest, k] = weights[:, (k + 1) * g - 1 : k * g - 1 if k else None : -1]
-    best = slot_w.sum(axis=2).max()
+    rows = np.arange(k)[:, None]
+    table, slot_w = np.empty((k, g, s), np.int64), np.empty((k, g, s))
+    for j in range(s):  # round j: the j-th heaviest G items, the lightest to the busiest device
+        busiest = np.argsort(-slot_w[:, :, :j].sum(axis=2), axis=1, kind="stable")
+        table[rows, busiest, j] = ids[:, (j + 1) * g - 1 : j * g - 1 if j else None : -1]
+        slot_w[rows, busiest, j] = weights[:, (j + 1) * g - 1 : j * g - 1 if j else None : -1]
+
+    def block_max(slot_w):  # [blocks] busiest device of each block
+        return slot_w.sum(axis=2).reshape(blocks, -1).max(axis=1)
+
+    best = block_max(slot_w)
+    active = np.ones(blocks, bool)  # blocks still improving
+    out_table, out_w = table, slot_w
     for shift in range(passes):
         table, slot_w = _resplit_pairs(table, slot_w, shift)
-        top = slot_w.sum(axis=2).max()
-        if not top < best:
+        keep = np.repeat(active, k // blocks)  # [K] nodes of the blocks this pass counts for
+        out_table = np.where(keep[:, None, None], table, out_table)
+        out_w = np.where(keep[:, None, None], slot_w, out_w)
+        top = block_max(slot_w)
+        active &= top < best
+        if not active.any():
             break
-        best = top
-    return table, slot_w
+        best = np.where(active, top, best)
+    return out_table, out_w
 
 
 def _resplit_pairs(table: np.ndarray, slot_w: np.ndarray, shift: int):

@@ -20,8 +20,10 @@ The planner balances *compute*: it minimises the busiest device's rows, where an
 
 **Re-pack** (``packing.py``, vectorised, ~20 ms at ``P = 6144``): replica counts by
 highest-averages apportionment, also trying splits of the coldest experts (which pack better
-into exactly ``S`` slots), packed by balanced largest differencing and pairwise rebalancing, the
-devices then relabelled onto the current placement so that experts stay where they are.
+into exactly ``S`` slots), packed by balanced largest differencing and pairwise rebalancing (and
+from an EPLB-style greedy start, kept when its busiest device is strictly lighter or, with
+``hardware``, its modeled step strictly lower), the devices then relabelled onto the current
+placement so that experts stay where they are.
 
 **Order**: a short greedy pass (``_QUICK_MOVES``) first, when the input is within
 ``_REPACK_FIRST`` x the mean; if it reaches tolerance, done. Otherwise the re-pack sets the
@@ -48,7 +50,8 @@ nodes so that the holders of a replicated expert share one where they can
 relabelled onto the current placement node by node (``packing_nodes.align_nodes``). There,
 the hierarchical packing (``packing_hier.pack_by_node``: experts dealt to nodes, replicas packed
 inside their node, so no replica sync leaves a node) is a further candidate, taken when its
-modeled step is lower.
+modeled step is lower (of its two node dealings, differencing and greedy, the one of lower
+modeled step; greedy only when strictly lower).
 
 **Expert groups** (``Workload.num_groups > 1`` with group-limited routing, on hardware with
 nodes): the cost model charges the all-to-all per destination node (``groups.py``), so a
@@ -81,9 +84,17 @@ from moejax.placement.cost_model import (
     rows_per_gradient,
     step_cost,
 )
-from moejax.placement.packing import align, apportion, fill_spare, pack, rebalance, replica_counts
+from moejax.placement.packing import (
+    align,
+    apportion,
+    fill_spare,
+    pack,
+    pack_starts,
+    rebalance,
+    replica_counts,
+)
 from moejax.placement.packing_groups import SPILL_LEVELS, pack_by_group
-from moejax.placement.packing_hier import pack_by_node
+from moejax.placement.packing_hier import pack_by_node_starts
 from moejax.placement.packing_nodes import align_nodes, group_nodes
 from moejax.placement.packing_sync import limit_sync, sync_shares
 from moejax.placement.table import Placement, check_counts
@@ -286,10 +297,12 @@ def plan(
         if has_group_nodes(placement.num_devices, hardware, workload):
             by_node = _by_group(placement, counts, hardware, workload)  # groups on few nodes
         else:
-            by_node = _by_node(placement, counts, g)
+            by_node = _by_node(placement, counts, hardware, workload)
         bar = np.inf if by_node is None else step_cost(by_node, counts, hardware, workload).total_s
         nodes = _Nodes(g, hardware, workload, bar)
-    candidate = _balance_rows(placement, counts, max_moves, tolerance, sync_rows, nodes, workload)
+    candidate = _balance_rows(
+        placement, counts, max_moves, tolerance, sync_rows, nodes, workload, hardware
+    )
     candidate = _weigh_sync(placement, candidate, counts, hardware, workload, sync_rows, nodes)
     if by_node is None:
         return candidate
@@ -330,6 +343,7 @@ def _balance_rows(
     sync_rows: float = 0.0,
     nodes: _Nodes | None = None,
     wl: Workload | None = None,
+    hw: HardwareModel | None = None,
 ):
     """Greedy pass, repair and re-pack (module docstring; the re-pack weighs replica sync at
     ``sync_rows`` as ``wl.replica_sync`` says and groups replicas into ``nodes``): a placement
@@ -345,7 +359,8 @@ def _balance_rows(
         candidate = _greedy(placement, counts, min(max_moves, _QUICK_MOVES), good_enough)
         after = candidate.device_load(counts).max()
     if after > good_enough:
-        repacked = _repack(placement, counts, sync_rows, nodes, _sync_mode(wl))
+        model = None if hw is None else (hw, wl)
+        repacked = _repack(placement, counts, sync_rows, nodes, _sync_mode(wl), model)
         packed_max = repacked.device_load(counts).max()
         target = max(good_enough, packed_max / (1.0 - _GLOBAL_MARGIN))
         if after > target:  # swap replicas between busy and idle devices, counts unchanged
@@ -379,7 +394,7 @@ def _weigh_sync(placement, candidate, counts, hw, wl, sync_rows: float, nodes) -
     if candidate is placement:
         if step_cost(placement, counts, hw, wl).replica_sync_s == 0:
             return placement  # balanced within tolerance (or stuck) with nothing to sync
-        candidate = _repack(placement, counts, sync_rows, nodes, wl.replica_sync)
+        candidate = _repack(placement, counts, sync_rows, nodes, wl.replica_sync, (hw, wl))
         limit = now * (1.0 - _GLOBAL_MARGIN)
     return candidate if step_cost(candidate, counts, hw, wl).total_s < limit else placement
 
@@ -397,15 +412,25 @@ class _Nodes:
     bar: float
 
 
-def _by_node(placement: Placement, counts: np.ndarray, nodes: int) -> Placement | None:
+def _by_node(
+    placement: Placement, counts: np.ndarray, hw: HardwareModel, wl: Workload
+) -> Placement | None:
     """``packing_hier.pack_by_node`` relabelled onto ``placement`` node by node (None when the
-    shapes do not split into nodes)."""
-    packed = pack_by_node(counts, placement.num_devices, placement.slots_per_device, nodes)
-    if packed is None:
+    shapes do not split into nodes); of its two starts (``pack_by_node_starts``), the greedy
+    one when its modeled step is strictly lower."""
+    g = hw.devices_per_node
+    starts = pack_by_node_starts(counts, placement.num_devices, placement.slots_per_device, g)
+    if starts is None:
         return None
-    return placement.with_table(
-        align_nodes(placement.device_table(), packed, placement.num_experts, nodes)
-    )
+    best = None
+    for packed, _ in starts:
+        new = placement.with_table(
+            align_nodes(placement.device_table(), packed, placement.num_experts, g)
+        )
+        cost = step_cost(new, counts, hw, wl).total_s
+        if best is None or cost < best[1] * (1.0 - _REL_TOL):
+            best = (new, cost)
+    return best[0]
 
 
 def _repack(
@@ -414,35 +439,58 @@ def _repack(
     sync_rows: float = 0.0,
     nodes: _Nodes | None = None,
     sync: str = "holders",
+    model: tuple[HardwareModel, Workload] | None = None,
 ) -> Placement:
     """Global re-pack (``packing.py``): apportioned replica counts (weighing replica sync at
     ``sync_rows``, modeled as ``sync``, a ``Workload.replica_sync``; spare slots left over are
     duplicated in place), balanced packing, devices grouped into ``nodes``
     (``packing_nodes.py``; None: no nodes) and relabelled onto the current placement to keep
-    experts in place."""
+    experts in place. Of the packing's two starts (``packing.pack_starts``), the greedy one is
+    kept when its busiest device is strictly lighter or, with ``model`` (hardware, workload),
+    when its finished packing's modeled step is strictly lower."""
     n_dev = placement.num_devices
     r = replica_counts(counts, n_dev, placement.slots_per_device, sync_rows, sync)
     experts = np.repeat(np.arange(placement.num_experts), r)
     spare = placement.num_slots - experts.size  # 0 unless sync_rows > 0
     ids = np.concatenate([experts, -1 - np.arange(spare)])  # [P]; distinct ids < 0: empty
     weights = np.concatenate([counts[experts] / r[experts], np.zeros(spare)])
-    packed = pack(weights, ids, n_dev)  # [N, S]
+    if model is None:
+        starts = [pack(weights, ids, n_dev)]  # [N, S]; the lighter busiest device
+    else:
+        starts = [table for table, _ in pack_starts(weights, ids, n_dev)]
+    best = None
+    for packed in starts:
+        packed, grouped = _finish(placement, counts, packed, r, sync_rows, nodes, sync)
+        cost = 0.0
+        if len(starts) > 1:  # device order within nodes: the same cost once aligned
+            cost = step_cost(placement.with_table(packed.reshape(-1)), counts, *model).total_s
+        if best is None or cost < best[2] * (1.0 - _REL_TOL):
+            best = (packed, grouped, cost)
+    packed, grouped, _ = best
+    old, e = placement.device_table(), placement.num_experts
+    if grouped:
+        return placement.with_table(align_nodes(old, packed, e, nodes.size))
+    return placement.with_table(align(old, packed, e))
+
+
+def _finish(placement, counts, packed, r, sync_rows: float, nodes, sync: str):
+    """A packing's replicas moved to limit sync (``sync_rows > 0``, ``"holders"``), its spare
+    slots filled and its devices grouped into ``nodes`` where that can beat ``nodes.bar``;
+    returns ``[N, S]`` experts per device and whether it was grouped."""
     if sync_rows > 0 and sync == "holders":  # the same replicas, moved so that fewer
         # devices sync several experts (a packed sync costs the same wherever they sit)
         slot_r = np.where(packed >= 0, r[np.maximum(packed, 0)], 1)
         slot_w = np.where(packed >= 0, counts[np.maximum(packed, 0)] / slot_r, 0.0)
         packed = limit_sync(packed, slot_w, sync_shares(packed, r))
     packed = fill_spare(packed, r)
-    old, e = placement.device_table(), placement.num_experts
     if nodes is not None:
         # Compute and all-to-all do not depend on the order of the devices (only sync does).
         cost = step_cost(placement.with_table(packed.reshape(-1)), counts, nodes.hw, nodes.wl)
         if cost.total_s - cost.replica_sync_s < nodes.bar:
             # Replicas of an expert in one node: their sync stays on the in-node link.
-            packed = packed[group_nodes(packed, nodes.size)]
-            return placement.with_table(align_nodes(old, packed, e, nodes.size))
+            return packed[group_nodes(packed, nodes.size)], True
         # Else no grouping brings it under the hierarchical packing (``_Nodes``).
-    return placement.with_table(align(old, packed, e))
+    return packed, False
 
 
 def _repair(placement: Placement, counts: np.ndarray, target: float) -> Placement:
