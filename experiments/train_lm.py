@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scan", action="store_true", help="scan the layers (compile once per unit)")
     p.add_argument(
+        "--delay-wgrad",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="attention weight gradients inside the previous MoE layer's backward all-to-all "
+        "(default auto: on with a mesh)",
+    )
+    p.add_argument(
         "--microbatches", type=int, help=f"gradient-accumulation micro-batches (default: {preset})"
     )
     p.add_argument(
@@ -322,6 +329,7 @@ def _configs(args):
         "expert_slots_per_device": args.expert_slots,
         "remat": args.remat,
         "scan_layers": args.scan or None,
+        "delay_wgrad": {"on": True, "off": False}.get(args.delay_wgrad),
         "microbatches": args.microbatches,
         "max_skipped_fraction": args.max_skipped_fraction,
     }

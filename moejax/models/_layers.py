@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import _wgrad
 from moejax.models._attention import causal_attention
 
 
@@ -142,6 +143,7 @@ def attention(
     implementation: str = "auto",
     qk_norm: str | None = None,
     norm_eps: float = 1e-5,
+    wgrad_slots: dict | None = None,
 ) -> jax.Array:
     """Causal self-attention with grouped query heads and RoPE.
 
@@ -166,26 +168,38 @@ def attention(
       implementation: the core's, `"auto"`, `"xla"` or `"pallas"`.
       qk_norm: None, `"head"` (over `Dh`) or `"full"` (over all heads' features together).
       norm_eps: the query/key RMSNorm epsilon.
+      wgrad_slots: None, or the slots of `moejax.models._wgrad.collect` for `wq`, `wk`, `wv`
+        and `wo`: the projections' weight gradients are then computed there (the numbers are
+        the same).
 
     Returns:
       `[B, S, D]`.
     """
-    q = _project(x, p, "q")
-    k = _project(x, p, "k")
-    v = _project(x, p, "v")
+    q = _project(x, p, "q", wgrad_slots)
+    k = _project(x, p, "k", wgrad_slots)
+    v = _project(x, p, "v", wgrad_slots)
     if qk_norm is not None:
         q = _qk_norm(q, p["q_norm"]["scale"], qk_norm, norm_eps)
         k = _qk_norm(k, p["k_norm"]["scale"], qk_norm, norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = causal_attention(q, k, v, mesh=mesh, implementation=implementation)
-    out = jnp.einsum("bshk,hkd->bsd", out, p["wo"])
+    out = _einsum(out, p, "wo", wgrad_slots)
     return out + p["bo"] if "bo" in p else out
 
 
-def _project(x: jax.Array, p: dict, name: str) -> jax.Array:
+def _project(x: jax.Array, p: dict, name: str, slots: dict | None) -> jax.Array:
     """`x [B, S, D]` through `w{name} [D, heads, Dh]` (+ `b{name} [heads, Dh]`)."""
-    y = jnp.einsum("bsd,dhk->bshk", x, p[f"w{name}"])
+    y = _einsum(x, p, f"w{name}", slots)
     return y + p[f"b{name}"] if f"b{name}" in p else y
+
+
+def _einsum(x: jax.Array, p: dict, name: str, slots: dict | None) -> jax.Array:
+    """`x` through the projection `p[name]` (`_wgrad.ATTENTION_SPECS`), its weight gradient
+    left to `slots[name]` where `slots` is given."""
+    spec = _wgrad.ATTENTION_SPECS[name]
+    if slots is None:
+        return jnp.einsum(spec, x, p[name])
+    return _wgrad.project(spec, x, p[name], slots[name])
 
 
 def _qk_norm(x: jax.Array, scale: jax.Array, mode: str, eps: float) -> jax.Array:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import moejax
+from moejax import _wgrad
 from moejax.models._config import LMConfig
 from moejax.models._layers import attention, rms_norm, rope_tables, swiglu_mlp
 from moejax.models._sharding import constrain as constrain_specs
@@ -52,14 +53,23 @@ def _router_entropy(logits: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
 
-def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, placement):
+def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, placement, wgrad=None):
+    """`(y, MoEAux, slots)`: the MoE layer, and with `wgrad` (a `_wgrad.Delayed`) the slots of
+    the weight gradients it computes in its backward (None without)."""
     if mesh is None:
-        return moejax.moe_apply(p, h, cfg.moe, implementation=implementation)
+        if wgrad is None:
+            return (*moejax.moe_apply(p, h, cfg.moe, implementation=implementation), None)
+        h, slots = _wgrad.collect(h, wgrad.weights, wgrad.templates)  # around the whole layer
+        y, aux = moejax.moe_apply(p, h, cfg.moe, implementation=implementation)
+        y, slots = _wgrad.hold(y, slots)
+        return y, aux, slots
     from moejax import parallel
 
-    return parallel.moe_apply_sharded(
-        p, h, cfg.moe, mesh, strategy=strategy, implementation=implementation, placement=placement
-    )
+    out = parallel.moe_apply_sharded(
+        p, h, cfg.moe, mesh, strategy=strategy, implementation=implementation,
+        placement=placement, wgrad=wgrad,
+    )  # fmt: skip
+    return out if wgrad is not None else (*out, None)
 
 
 Remat = Literal["none", "dots_saveable", "full"]
@@ -94,6 +104,7 @@ def lm_forward(
     remat: Remat = "none",
     scan_layers: bool = False,
     batch_split: int = 1,
+    delay_wgrad: bool | None = None,
 ) -> tuple[jax.Array, LMAux]:
     """Logits of every position of `tokens`, and the MoE layers' routing statistics.
 
@@ -128,6 +139,10 @@ def lm_forward(
         MLP, or shared experts) can run. Per-token results are those of the whole batch; the
         statistics are combined exactly (`merge_stats`). The local batch (`B` over the token
         shards) must divide by it.
+      delay_wgrad: compute each attention's weight gradients in the backward of the MoE layer
+        of the block before, while that layer's all-to-alls are in flight
+        (`moejax.models._wgrad`; Megatron-Core's `--delay-wgrad-compute`). Gradients are
+        unchanged. None (the default): on with a mesh.
 
     Returns:
       `(logits [B, S, V] fp32, LMAux)`.
@@ -143,6 +158,8 @@ def lm_forward(
             raise ValueError(
                 f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
             )
+    if delay_wgrad is None:
+        delay_wgrad = mesh is not None
     policy = remat_policy(remat)
     shards = 1 if mesh is None else _token_shards(mesh)
     if isinstance(batch_split, bool) or not isinstance(batch_split, int) or batch_split < 1:
@@ -173,9 +190,13 @@ def lm_forward(
     )
     tables = list(placements) if placements is not None else [None] * cfg.num_moe_layers
     if scan_layers:
-        xs, stats = _scanned_layers(p, xs, cfg, compute, tables, block, policy)
+        xs, stats = _scanned_layers(
+            p, xs, cfg, compute, tables, block, policy, mesh=mesh, delay_wgrad=delay_wgrad
+        )
     else:
-        xs, stats = _unscanned_layers(p, xs, cfg, compute, tables, block, policy)
+        xs, stats = _unscanned_layers(
+            p, xs, cfg, compute, tables, block, policy, delay_wgrad=delay_wgrad
+        )
     x = constrain(merge_rows(xs))
     x = rms_norm(x, p["final_norm"]["scale"], cfg.norm_eps)
     if cfg.tie_embeddings:
@@ -211,32 +232,36 @@ def _attention_implementation(implementation: str) -> str:
     return implementation if implementation in ("auto", "pallas") else "xla"
 
 
-def _attention_stage(layer, x, *, cfg, cos, sin, mesh, constrain, attn_impl):
+def _attention_stage(layer, x, slots, *, cfg, cos, sin, mesh, constrain, attn_impl):
     """The first half of a pre-norm block: `x + attention(norm(x))`."""
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
         a = attention(
             layer["attn"], h, cos, sin, mesh=mesh, implementation=attn_impl,
-            qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+            qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, wgrad_slots=slots,
         )  # fmt: skip
         return constrain(x + a)
 
 
-def _ffn_stage(layer, x, table, *, is_moe, cfg, constrain, moe):
-    """The second half: `(x + ffn(norm(x)), MoEAux or None, the FFN input)`."""
+def _ffn_stage(layer, x, table, next_attn, *, is_moe, cfg, constrain, moe):
+    """The second half: `(x + ffn(norm(x)), MoEAux or None, the FFN input, the next block's
+    attention weight-gradient slots or None)`."""
     h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
+    slots = None
     if is_moe:
         with jax.named_scope("moe"):
-            y, aux = moe(layer["moe"], h, placement=table)
+            side = None if next_attn is None else _wgrad.attention_side(h, next_attn)
+            y, aux, slots = moe(layer["moe"], h, placement=table, wgrad=side)
     else:
         with jax.named_scope("mlp"):
             y, aux = swiglu_mlp(layer["mlp"], h), None
-    return constrain(x + y), aux, h
+    return constrain(x + y), aux, h, slots
 
 
 def split_block(
-    layer, xs, table, *, is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl
-):
+    layer, xs, table, slots=None, next_attn=None, *,
+    is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl, next_compute=None,
+):  # fmt: skip
     """One block over micro-batches `xs` (a tuple), staggered stage by stage.
 
     Micro-batch `j`'s input to each stage (attention, then the MoE or dense FFN) is paired
@@ -248,39 +273,51 @@ def split_block(
     all-to-alls (and micro-batch `j`'s MoE while the next block's attention of `j - 1` runs).
     The barrier is the identity, so is its transpose: the backward is staggered the same way.
 
+    Delayed weight gradients (`moejax.models._wgrad`): `slots` (one per micro-batch, from the
+    previous block) make this block's attention leave its weight gradients to the previous
+    block's MoE backward; `next_attn` (the next block's attention weights, raw, laid out by
+    `next_compute`) makes this block's MoE layer compute the next block's in its backward.
+
     Returns:
-      `(xs, LMAux of this layer (merged over micro-batches) or None, the FFN inputs)`.
+      `(xs, LMAux of this layer (merged over micro-batches) or None, the FFN inputs, the next
+      block's slots (one per micro-batch) or None)`.
     """
     layer = _gathered(layer, compute, mesh)
+    if next_attn is not None:
+        next_attn = _gathered(next_attn, next_compute, mesh)
+        next_attn = {name: next_attn[name] for name in _wgrad.ATTENTION_SPECS}
+    slots = slots if slots is not None else (None,) * len(xs)
     attend = functools.partial(
         _attention_stage,
         cfg=cfg, cos=cos, sin=sin, mesh=mesh, constrain=constrain, attn_impl=attn_impl,
     )  # fmt: skip
     ffn = functools.partial(_ffn_stage, is_moe=is_moe, cfg=cfg, constrain=constrain, moe=moe)
-    mid = _staggered(lambda x: (attend(layer, x), None), xs)
-    outs = _staggered(lambda x: _split_ffn_out(ffn(layer, x, table)), [m for m, _ in mid])
+    mid = _staggered(lambda x, s: (attend(layer, x, s), None), list(zip(xs, slots, strict=True)))
+    outs = _staggered(
+        lambda x, _: _split_ffn_out(ffn(layer, x, table, next_attn)), [(m, None) for m, _ in mid]
+    )
     ys = tuple(y for y, _ in outs)
-    auxes, hs = zip(*(rest for _, rest in outs), strict=True)
+    auxes, hs, next_slots = zip(*(rest for _, rest in outs), strict=True)
     stats = None if auxes[0] is None else merge_stats([_layer_stats(a) for a in auxes])
-    return ys, stats, hs
+    return ys, stats, hs, (None if next_slots[0] is None else next_slots)
 
 
 def _split_ffn_out(out):
-    y, aux, h = out
-    return y, (aux, h)
+    y, aux, h, slots = out
+    return y, (aux, h, slots)
 
 
-def _staggered(stage, xs):
-    """`[stage(x) for x in xs]` (each `(array, extra)`), micro-batch j's input fenced on
-    micro-batch j-1's output array."""
+def _staggered(stage, inputs):
+    """`[stage(x, extra) for x, extra in inputs]` (each returning `(array, extra)`),
+    micro-batch j's input array fenced on micro-batch j-1's output array."""
     outs = []
-    for j, x in enumerate(xs):
+    for j, (x, extra) in enumerate(inputs):
         if outs:
-            prev, extra = outs[-1]
+            prev, prev_extra = outs[-1]
             x, prev = jax.lax.optimization_barrier((x, prev))
-            outs[-1] = (prev, extra)
-        with jax.named_scope(f"micro{j}") if len(xs) > 1 else contextlib.nullcontext():
-            outs.append(stage(x))
+            outs[-1] = (prev, prev_extra)
+        with jax.named_scope(f"micro{j}") if len(inputs) > 1 else contextlib.nullcontext():
+            outs.append(stage(x, extra))
     return outs
 
 
@@ -318,45 +355,89 @@ def merge_stats(stats: list[LMAux]) -> LMAux:
     )
 
 
-def _unscanned_layers(p, x, cfg, compute, tables, block, policy, start=0):
-    """Blocks `[start, L)` one after the other: `(x, LMAux stacked over their MoE layers)`."""
+def _unscanned_layers(
+    p, x, cfg, compute, tables, block, policy, start=0, delay_wgrad=False, slots=None
+):
+    """Blocks `[start, L)` one after the other: `(x, LMAux stacked over their MoE layers)`.
+
+    With `delay_wgrad`, each MoE block followed by another block computes that block's
+    attention weight gradients in its MoE layer's backward (`split_block`); `slots` are the
+    first block's, from a block before `start`."""
     stats, tables = [], iter(tables)
     for i in range(start, cfg.num_layers):
+        delay = delay_wgrad and cfg.is_moe(i) and i + 1 < cfg.num_layers
         fn = functools.partial(
-            block, is_moe=cfg.is_moe(i), compute=compute and compute["layers"][i]
+            block,
+            is_moe=cfg.is_moe(i),
+            compute=compute and compute["layers"][i],
+            next_compute=compute and compute["layers"][i + 1]["attn"] if delay else None,
         )
         if policy is not None:
             fn = jax.checkpoint(fn, policy=policy)
+        next_attn = p["layers"][i + 1]["attn"] if delay else None
         with jax.named_scope(f"layer_{i}"):
-            x, s, _ = fn(p["layers"][i], x, next(tables) if cfg.is_moe(i) else None)
+            table = next(tables) if cfg.is_moe(i) else None
+            x, s, _, slots = fn(p["layers"][i], x, table, slots, next_attn)
         if s is not None:
             stats.append(s)
     return x, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
 
 
-def _scanned_layers(p, x, cfg, compute, tables, block, policy):
-    """Blocks `[0, R * u)` as a scan over R units of `u = moe_every` blocks (the last one MoE),
-    then the leftover (dense) blocks unscanned."""
-    u = cfg.moe_every
-    repeats = cfg.num_layers // u
-    units = [p["layers"][k * u : (k + 1) * u] for k in range(repeats)]
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *units)  # [R, ...] per unit position
-    unit_compute = compute and compute["layers"][:u]
-    xs = (stacked, None if tables[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *tables))
+def _side(x, weights):
+    side = _wgrad.attention_side(x, weights)
+    return side.weights, side.templates
 
-    def unit(x, xs):
-        layers, table = xs
+
+def _scanned_layers(p, x, cfg, compute, tables, block, policy, mesh=None, delay_wgrad=False):
+    """Blocks `[0, R * u)` as a scan over R units of `u = moe_every` blocks (the last one MoE),
+    then the leftover (dense) blocks unscanned.
+
+    With `delay_wgrad`, unit `r`'s MoE layer computes the weight gradients of the attention of
+    the block after it (unit `r + 1`'s first, or the first leftover block's), whose weights
+    the scan takes with unit `r`'s, and whose slots it carries. The last unit's, where no
+    block follows, go to block 0's weights with zero inputs: they add exactly nothing. Block
+    0's own come from slots made before the scan, computed after its backward."""
+    u, layers = cfg.moe_every, p["layers"]
+    repeats = cfg.num_layers // u
+    units = [layers[k * u : (k + 1) * u] for k in range(repeats)]
+    stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
+    unit_compute = compute and compute["layers"][:u]
+    table_xs = None if tables[0] is None else stack(tables)
+    next_attn, slots, attn_compute = None, None, None
+    if delay_wgrad:
+        following = [(r + 1) * u if (r + 1) * u < cfg.num_layers else 0 for r in range(repeats)]
+        next_attn = stack([layers[i]["attn"] for i in following])
+        attn_compute = compute and compute["layers"][0]["attn"]
+        first = _gathered(layers[0]["attn"], attn_compute, mesh)
+        x, slots = zip(*(_wgrad.collect(xj, *_side(xj, first)) for xj in x), strict=True)
+
+    def unit(carry, xs):
+        x, slots = carry
+        layers, table, nxt = xs
         for j in range(u):
+            delay = delay_wgrad and j == u - 1
             fn = functools.partial(
-                block, is_moe=cfg.is_moe(j), compute=unit_compute and unit_compute[j]
+                block,
+                is_moe=cfg.is_moe(j),
+                compute=unit_compute and unit_compute[j],
+                next_compute=attn_compute if delay else None,
             )
-            x, s, _ = fn(layers[j], x, table if cfg.is_moe(j) else None)
-        return x, s
+            x, s, _, out = fn(
+                layers[j],
+                x,
+                table if cfg.is_moe(j) else None,
+                slots if j == 0 else None,
+                nxt if delay else None,
+            )
+        return (x, out), s
 
     if policy is not None:
         unit = jax.checkpoint(unit, policy=policy)
-    x, stats = jax.lax.scan(unit, x, xs)
-    x, _ = _unscanned_layers(p, x, cfg, compute, [], block, policy, start=repeats * u)
+    (x, slots), stats = jax.lax.scan(unit, (x, slots), (stack(units), table_xs, next_attn))
+    x, _ = _unscanned_layers(
+        p, x, cfg, compute, [], block, policy, start=repeats * u,
+        delay_wgrad=delay_wgrad, slots=slots if repeats * u < cfg.num_layers else None,
+    )  # fmt: skip
     return x, stats
 
 
@@ -376,12 +457,12 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
 
-    def moe(layer_params, h, placement):
-        return moejax.moe_apply(layer_params, h, cfg.moe)
+    def moe(layer_params, h, placement, wgrad):
+        return (*moejax.moe_apply(layer_params, h, cfg.moe), None)
 
     inputs = []
     for i, layer in enumerate(p["layers"]):
-        (x,), _, (h,) = split_block(
+        (x,), _, (h,), _ = split_block(
             layer, (x,), None, is_moe=cfg.is_moe(i), compute=None, cfg=cfg, cos=cos, sin=sin,
             mesh=None, constrain=lambda v: v, moe=moe, attn_impl="xla",
         )  # fmt: skip

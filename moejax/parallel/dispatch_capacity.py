@@ -13,11 +13,13 @@ one device, so the dropped assignments (reported in `aux.dropped_mask`) are the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from moejax import _wgrad
 from moejax._config import MoEConfig
 from moejax._permute import dispatch, make_layout
 from moejax._types import GroupedLayout, Routing
@@ -77,7 +79,8 @@ def capacity_all_to_all(
     implementation: str,
     axes: col.MeshAxes,
     slots: int,
-) -> jax.Array:
+    side=None,
+):
     """Expert outputs of the local tokens through fixed-size all-to-all buffers.
 
     Args:
@@ -88,13 +91,16 @@ def capacity_all_to_all(
       implementation: as for `moejax.parallel._local.local_moe` ("auto" allowed).
       axes: the mesh axes.
       slots: `C`, rows per (device, expert), see `slot_bound`.
+      side: delayed weight gradients (`moejax._wgrad.Delayed`) to compute inside the window of
+        the return all-to-all's transpose, or None.
 
     Returns:
-      `[T, D]` routed output (a partial sum over `model` when F is sliced).
+      `([T, D]` routed output (a partial sum over `model` when F is sliced), the side's slots
+      or None).
     """
     stages = CapacityStages(experts, config, implementation, axes, slots)
     sent = stages.dispatch(x, routing)
-    return stages.combine(stages.experts(sent), sent)
+    return stages.combine(stages.experts(sent), sent, side)
 
 
 class CapacityStages:
@@ -134,8 +140,10 @@ class CapacityStages:
                 sent["recv"], sent["local"], sent["experts"], self.config, self.implementation
             )
 
-    def combine(self, out: jax.Array, sent: dict) -> jax.Array:
-        """Return all-to-all, then the weighted sum per token."""
+    def combine(self, out: jax.Array, sent: dict, side=None):
+        """Return all-to-all (`side`'s weight gradients inside its transpose's window,
+        `moejax._wgrad.around`), then the weighted sum per token. Returns `(y, slots)`."""
         with jax.named_scope("combine"):
-            back = col.all_to_all(out, self.axes.expert)
-            return combine_varying(back, sent["weight"], sent["layout"])
+            exchange = functools.partial(col.all_to_all, axis=self.axes.expert)
+            back, slots = _wgrad.around(exchange, out, side)
+            return combine_varying(back, sent["weight"], sent["layout"]), slots

@@ -65,6 +65,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moejax import _wgrad
 from moejax._config import MoEConfig
 from moejax._permute import dispatch, make_layout
 from moejax._types import Routing
@@ -120,7 +121,8 @@ def dropless_all_to_all(
     axes: col.MeshAxes,
     bucket: int,
     exchange: str = "padded",
-) -> jax.Array:
+    side=None,
+):
     """Expert outputs of the local tokens through bounded all-to-all rounds.
 
     Args:
@@ -134,13 +136,16 @@ def dropless_all_to_all(
       exchange: `"padded"` (an `all_to_all` of the `[N * B, D]` buffer, every platform) or
         `"ragged"` (`ragged_all_to_all` of exactly the rows when compiled for GPU or TPU,
         padded on CPU); see `Strategy.exchange`.
+      side: delayed weight gradients (`moejax._wgrad.Delayed`) to compute inside the window of
+        round 0's return exchange's transpose, or None.
 
     Returns:
-      `[T, D]` routed output (a partial sum over `model` when F is sliced).
+      `([T, D]` routed output (a partial sum over `model` when F is sliced), the side's slots
+      or None).
     """
     stages = DroplessStages(experts, config, implementation, axes, bucket, exchange)
     sent = stages.dispatch(x, routing)
-    return stages.combine(stages.experts(sent), sent)
+    return stages.combine(stages.experts(sent), sent, side)
 
 
 class DroplessStages:
@@ -182,14 +187,17 @@ class DroplessStages:
         with jax.named_scope("experts"):
             return self._ffn(sent["recv"], sent["local"], sent["experts"])
 
-    def combine(self, out: jax.Array, sent: dict) -> jax.Array:
-        """Return round 0's outputs, run the leftover rounds, weighted sum per token."""
+    def combine(self, out: jax.Array, sent: dict, side=None):
+        """Return round 0's outputs (`side`'s weight gradients inside the window of that
+        exchange's transpose, `moejax._wgrad.around`), run the leftover rounds, weighted sum
+        per token. Returns `(y, slots)`."""
         axis, b, rows, plan = self.axes.expert, self.bucket, sent["rows"], sent["plan"]
         with jax.named_scope("combine"):
-            first = _return(out, plan, 0, b, axis, rows, self.ragged)
+            exchange = lambda y: _return(y, plan, 0, b, axis, rows, self.ragged)  # noqa: E731
+            first, slots = _wgrad.around(exchange, out, side)
         rest = _leftover(self._ffn, b, (axis, self.ragged), rows, plan, self.experts_params)
         with jax.named_scope("combine"):
-            return combine_varying(first + rest, sent["weight"], sent["layout"])
+            return combine_varying(first + rest, sent["weight"], sent["layout"]), slots
 
 
 def _ffn(rows, local_expert, experts, *, config, implementation):

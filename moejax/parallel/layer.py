@@ -25,9 +25,10 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moejax import _routing
+from moejax import _routing, _wgrad
 from moejax._config import MoEConfig
 from moejax._experts import shared_mlp
 from moejax._layer import empty_outputs, is_traced, resolve_implementation
@@ -60,7 +61,8 @@ def moe_apply_sharded(
     implementation: str = "auto",
     stagger: bool = False,
     placement: SlotTable | None = None,
-) -> tuple[jax.Array, MoEAux]:
+    wgrad: _wgrad.Delayed | None = None,
+):
     """Apply one MoE layer sharded over `mesh`; the same function as `moejax.moe_apply`.
 
     Args:
@@ -80,11 +82,17 @@ def moe_apply_sharded(
       placement: expert placement (`moejax.parallel.placed.slot_table`). Then `params["experts"]`
         are physical, `[P, ...]` with identical replicas (`placed.to_physical`); each expert's
         rows are split over its replicas. None: the logical `[E, ...]` layout.
+      wgrad: weight gradients of a later block for this layer to compute in its backward
+        (`moejax._wgrad.Delayed`; what `lm_forward`'s `delay_wgrad` passes): inside the window
+        of the return all-to-all's transpose where the layer has one (`mode="expert"` with the
+        capacity or dropless dispatcher, `expert` axis over 1 device, no `model` split; the
+        last chunk's), otherwise bounded by the whole layer's backward. The layer then also
+        returns the slots the later block's projections take (`moejax._wgrad.project`).
 
     Returns:
       `(y, aux)`: `y` like `x`; `aux` the single-device `MoEAux` over all tokens (per-token fields
       sharded like the tokens, counts and losses global). An empty batch gives what `moe_apply`
-      gives (an empty `y`, zero aux).
+      gives (an empty `y`, zero aux). With `wgrad`: `(y, aux, slots)`.
 
     Raises:
       TypeError, ValueError: before tracing, for the mistakes `moejax.moe_apply` names (params
@@ -107,6 +115,14 @@ def moe_apply_sharded(
         )
     expert_config = config if placement is None else physical_config(config, placement)
     check_params(params, config, experts_config=expert_config)
+    if wgrad is not None and (is_empty(x) or not _window_inside(strategy, axes)):
+        x, slots = _wgrad.collect(x, wgrad.weights, wgrad.templates)  # around the whole layer
+        y, aux = moe_apply_sharded(
+            params, x, config, mesh, strategy=strategy, implementation=implementation,
+            stagger=stagger, placement=placement,
+        )  # fmt: skip
+        y, slots = _wgrad.hold(y, slots)
+        return y, aux, slots
     if is_empty(x):
         return empty_outputs(params["router"], x, config)
     _check(x, config, strategy, axes)
@@ -118,17 +134,27 @@ def moe_apply_sharded(
         implementation=implementation,
         stagger=stagger or strategy.stagger,
     )
-    if is_traced(params, x, placement):
-        return _sharded(params, x, placement, **static)  # inside the caller's jit or grad
+    if is_traced(params, x, placement, wgrad):
+        return _sharded(params, x, placement, wgrad, **static)  # inside the caller's jit or grad
     # Called eagerly (as documented): one compiled program per shape, not an op-by-op run of
     # the shard_map body (hundreds of small compilations, ~26 s a call for the README's layer).
-    return _sharded_jit(params, x, placement, **static)
+    return _sharded_jit(params, x, placement, wgrad, **static)
+
+
+def _window_inside(strategy: Strategy, axes: col.MeshAxes) -> bool:
+    """Whether delayed weight gradients go inside the layer: it has a return all-to-all, and
+    the gradients' parts vary over the same mesh axes as the rows it carries."""
+    exchanges = strategy.mode == "expert" and strategy.dispatcher in ("capacity", "dropless")
+    return exchanges and axes.n > 1 and axes.m == 1
 
 
 def _sharded(
-    params, x, placement, *, config, expert_config, mesh, strategy, implementation, stagger
+    params, x, placement, wgrad, *, config, expert_config, mesh, strategy, implementation, stagger
 ):
-    """The layer under `jax.shard_map` (arguments checked by `moe_apply_sharded`)."""
+    """The layer under `jax.shard_map` (arguments checked by `moe_apply_sharded`).
+
+    A `wgrad`'s weights enter broadcast over the token shards, so that each device computes
+    its own tokens' part of their gradients; the broadcast's transpose outside sums the parts."""
     axes = col.MeshAxes.of(mesh)
     pspecs = mesh_lib.param_partition_specs(expert_config, mesh)
     xspec = mesh_lib.activation_spec(mesh, x.ndim)
@@ -142,15 +168,20 @@ def _sharded(
         axes=axes,
         implementation=implementation,
         stagger=stagger,
+        templates=None if wgrad is None else wgrad.templates,
     )
     table_spec = None if placement is None else jax.tree.map(lambda _: P(), placement)
-    return jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(pspecs, xspec, table_spec),
-        out_specs=(xspec, aux_spec),
-        check_vma=True,
-    )(params, x, placement)
+    in_specs, out_specs = (pspecs, xspec, table_spec), (xspec, aux_spec)
+    stacked = None
+    if wgrad is not None:
+        shards = axes.token_shards
+        stacked = {n: jnp.broadcast_to(w, (shards, *w.shape)) for n, w in wgrad.weights.items()}
+        in_specs += ({n: mesh_lib.activation_spec(mesh, w.ndim) for n, w in stacked.items()},)
+        spec = lambda shape: mesh_lib.activation_spec(mesh, len(shape))  # noqa: E731
+        out_specs += ({t.name: (spec(t.x_shape), spec(t.y_shape)) for t in wgrad.templates},)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)(
+        params, x, placement, *(() if wgrad is None else (stacked,))
+    )
 
 
 _sharded_jit = jax.jit(
@@ -187,7 +218,15 @@ def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes) -> None
         )
 
 
-def _body(params, x, placement, *, config, expert_config, strategy, axes, implementation, stagger):
+def _body(
+    params, x, placement, stacked=None, *,
+    config, expert_config, strategy, axes, implementation, stagger, templates,
+):  # fmt: skip
+    side = None
+    if stacked is not None:  # this device's block of the broadcast weights
+        shards = axes.token_shards
+        local = tuple(t.local(shards) for t in templates)
+        side = _wgrad.Delayed({n: w[0] for n, w in stacked.items()}, local)
     shape = x.shape
     seqs = math.prod(shape[:-2]) if x.ndim >= 3 else 1
     xt = x.reshape(-1, config.d_model)
@@ -216,18 +255,18 @@ def _body(params, x, placement, *, config, expert_config, strategy, axes, implem
     if stagger and strategy.mode == "expert" and strategy.dispatcher == "capacity":
         slots = slot_bound(config, chunk_tokens, xt.shape[0] // seqs, seqs)
         stages = CapacityStages(experts, config, implementation, axes, slots)
-        y = staged(stages, xt, routing, strategy.chunks)
+        y, slots = staged(stages, xt, routing, strategy.chunks, side=side)
     elif stagger and strategy.mode == "expert" and strategy.dispatcher == "dropless":
         bucket = _bucket(strategy, chunk_tokens, routing.expert_index.shape[1], axes)
         stages = DroplessStages(experts, config, implementation, axes, bucket, strategy.exchange)
-        y = staged(stages, xt, routing, strategy.chunks)
+        y, slots = staged(stages, xt, routing, strategy.chunks, side=side)
     else:
-        y = pipelined(routed, xt, routing, strategy.chunks, stagger=stagger)
+        y, slots = pipelined(routed, xt, routing, strategy.chunks, stagger=stagger, side=side)
     if config.shared_width:
         with jax.named_scope("shared_experts"):
             y = y + shared_mlp(params["shared"], xt, config)
     y = col.psum(y, axes.model)
-    return y.reshape(shape), aux
+    return (y.reshape(shape), aux) if side is None else (y.reshape(shape), aux, slots)
 
 
 def _shard(axes: col.MeshAxes):
@@ -238,21 +277,22 @@ def _shard(axes: col.MeshAxes):
     return index
 
 
-def _routed(xc, rc, *, experts, config, strategy, axes, implementation, sizes):
-    """Routed output of one chunk `[Tc, D]` (partial over `model`)."""
+def _routed(xc, rc, side, *, experts, config, strategy, axes, implementation, sizes):
+    """`(routed output of one chunk [Tc, D] (partial over model), side's slots or None)`;
+    `side` only where `_window_inside`."""
     chunk_tokens, seq_len, seqs = sizes
     if strategy.mode == "data":
         with jax.named_scope("experts"):
             args = (rc.expert_index, rc.weight, rc.kept)
-            return local_moe(xc, *args, experts, config, implementation)
+            return local_moe(xc, *args, experts, config, implementation), None
     if strategy.mode == "tensor" or strategy.dispatcher == "allgather":
-        return allgather_reduce_scatter(xc, rc, experts, config, implementation, axes)
+        return allgather_reduce_scatter(xc, rc, experts, config, implementation, axes), None
     if strategy.dispatcher == "capacity":
         slots = slot_bound(config, chunk_tokens, seq_len, seqs)
-        return capacity_all_to_all(xc, rc, experts, config, implementation, axes, slots)
+        return capacity_all_to_all(xc, rc, experts, config, implementation, axes, slots, side)
     bucket = _bucket(strategy, chunk_tokens, rc.expert_index.shape[1], axes)
     return dropless_all_to_all(
-        xc, rc, experts, config, implementation, axes, bucket, strategy.exchange
+        xc, rc, experts, config, implementation, axes, bucket, strategy.exchange, side
     )
 
 

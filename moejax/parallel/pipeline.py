@@ -34,39 +34,46 @@ def chunk_slices(tokens: int, chunks: int) -> list[slice]:
 
 
 def pipelined(
-    fn: Callable, x: jax.Array, routing, chunks: int, *, stagger: bool = False
-) -> jax.Array:
+    fn: Callable, x: jax.Array, routing, chunks: int, *, stagger: bool = False, side=None
+):
     """`concat_i fn(x[i], routing[i])` over `chunks` token chunks.
 
     Args:
-      fn: `(x [Tc, D], routing over Tc tokens) -> [Tc, D]`.
+      fn: `(x [Tc, D], routing over Tc tokens, side) -> ([Tc, D], slots)`.
       x: `[T, D]`.
       routing: a pytree of arrays with leading dim T.
       chunks: pipeline degree `n`.
       stagger: pair each chunk's input with the previous chunk's output in an optimization
         barrier (keeps chunks apart from DotMerger; see module docstring).
+      side: delayed weight gradients (`moejax._wgrad.Delayed`) or None, given to the last
+        chunk (the first in the backward).
 
     Returns:
-      `[T, D]`.
+      `([T, D], the last chunk's slots)`.
     """
     if chunks == 1:
-        return fn(x, routing)
-    outs = []
-    for i, sl in enumerate(chunk_slices(x.shape[0], chunks)):
+        return fn(x, routing, side)
+    outs, slices = [], chunk_slices(x.shape[0], chunks)
+    for i, sl in enumerate(slices):
         xc, rc = x[sl], jax.tree.map(lambda a, sl=sl: a[sl], routing)
         if stagger and outs:
             xc, outs[-1] = jax.lax.optimization_barrier((xc, outs[-1]))
         with jax.named_scope(f"chunk{i}"):
-            outs.append(fn(xc, rc))
-    return jnp.concatenate(outs, axis=0)
+            y, slots = fn(xc, rc, side if i + 1 == chunks else None)
+            outs.append(y)
+    return jnp.concatenate(outs, axis=0), slots
 
 
-def staged(stages, x: jax.Array, routing, chunks: int) -> jax.Array:
+def staged(stages, x: jax.Array, routing, chunks: int, *, side=None):
     """Staggered pipeline over `chunks` token chunks of an object with `dispatch(x, routing)`,
-    `experts(sent)` and `combine(out, sent)` stages (see module docstring).
+    `experts(sent)` and `combine(out, sent, side)` stages (see module docstring); `side` as for
+    `pipelined`.
 
     Schedule (data dependencies only; XLA orders the rest): dispatch 0; then for each i:
     dispatch i+1, experts i, barrier(received i+1, output i), combine i.
+
+    Returns:
+      `([T, D], the last chunk's slots)`.
     """
     slices = chunk_slices(x.shape[0], chunks)
     part = lambda sl: (x[sl], jax.tree.map(lambda a: a[sl], routing))  # noqa: E731
@@ -79,5 +86,6 @@ def staged(stages, x: jax.Array, routing, chunks: int) -> jax.Array:
             out = stages.experts(sent[i])
             if i + 1 < chunks:
                 sent[i + 1], out = jax.lax.optimization_barrier((sent[i + 1], out))
-            outs.append(stages.combine(out, sent[i]))
-    return jnp.concatenate(outs, axis=0)
+            y, slots = stages.combine(out, sent[i], side if i + 1 == chunks else None)
+            outs.append(y)
+    return jnp.concatenate(outs, axis=0), slots

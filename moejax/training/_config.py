@@ -39,6 +39,9 @@ class TrainConfig:
         `moejax.models.remat_policy`. Changes memory and time, never the math.
       scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
         unit (`moejax.models.lm_forward`): compile time stops growing with depth.
+      delay_wgrad: compute each attention's weight gradients inside the backward all-to-all
+        window of the MoE layer before it (`moejax.models.lm_forward`). None: on with a mesh.
+        Changes the schedule, never the math.
       max_skipped_fraction: a run whose skipped (non-finite) steps exceed this fraction of its
         steps fails (`RunResult.failure`; `train_lm.py` exits 3); the loop stops as soon as the
         fraction of the planned steps is exceeded (it cannot come back under). 1: never.
@@ -70,6 +73,7 @@ class TrainConfig:
     expert_slots_per_device: int = 0
     remat: str = "none"
     scan_layers: bool = False
+    delay_wgrad: bool | None = None
     microbatches: int = 1
     max_skipped_fraction: float = 0.1
 
@@ -114,6 +118,8 @@ class TrainConfig:
             _bad("remat", self.remat, f"must be one of {_REMAT}")
         if not isinstance(self.scan_layers, bool):
             _bad("scan_layers", self.scan_layers, "must be a bool")
+        if self.delay_wgrad is not None and not isinstance(self.delay_wgrad, bool):
+            _bad("delay_wgrad", self.delay_wgrad, "must be None or a bool")
 
     def replace(self, **changes) -> TrainConfig:
         """A copy with `changes` applied (and validated)."""

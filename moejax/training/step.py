@@ -146,6 +146,7 @@ def train_step(
         remat=train_cfg.remat,
         scan_layers=train_cfg.scan_layers,
         batch_split=batch_split,
+        delay_wgrad=train_cfg.delay_wgrad,
     )
     if train_cfg.microbatches > 1:
         (total, (ce, aux)), grads = _accumulated(

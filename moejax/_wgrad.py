@@ -1,0 +1,186 @@
+"""Delayed weight gradients: attention's dW computed while an MoE layer's all-to-all is in flight.
+
+In the backward of block `l`, the attention projections' weight gradients `dW = x^T dy` have
+their inputs early, a whole MoE layer before anything needs them, and nothing in the graph asks
+XLA to compute them anywhere in particular. The MoE layer of block `l - 1`, next in the backward,
+is where the step waits on all-to-alls; the transpose of its return exchange (the first
+all-to-all of its backward) has nothing else to overlap with. Megatron-Core's
+`--delay-wgrad-compute` fills the same gap. Three pieces move the GEMMs there; the numbers do
+not change (each is the identity in the forward, and the backward computes the same einsum
+transposes, only elsewhere):
+
+- `project(spec, x, w, slot)`: `einsum(spec, x, w)` whose backward returns `dx` only, and hands
+  `(x, dy)` back as the gradient of `slot` instead of computing `dW`.
+- `collect(h, weights, templates)`, just before the exchange: creates the slots (zeros in the
+  forward). In the backward it computes each `dW` from its `(x, dy)` and passes them through
+  one `optimization_barrier` with the gradient of `h`, which the exchange's transpose returns:
+  nothing reads that gradient until every `dW` is done.
+- `hold(y, slots)`, just after the exchange: in the backward, the slots' `(x, dy)` pass a
+  barrier with `y`'s gradient, the operand of the exchange's transpose, so no `dW` starts
+  before that all-to-all can.
+
+`around(exchange, x, side)` puts the three together. Inside the MoE layer's `shard_map`
+(`moejax.parallel.moe_apply_sharded(..., wgrad=side)`) the exchange is the return all-to-all,
+and each device computes its own tokens' part of `dW` (the caller's `jit` sums the parts, as it
+sums any replicated weight's gradient). Where the layer has no all-to-all to bound them by, the
+bounds go around the whole layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moejax._vma import match_vma, vary_like, vma
+
+# The attention projections whose weight gradients are delayed, and their einsums.
+ATTENTION_SPECS: dict[str, str] = {
+    "wq": "bsd,dhk->bshk",
+    "wk": "bsd,dhk->bshk",
+    "wv": "bsd,dhk->bshk",
+    "wo": "bshk,hkd->bsd",
+}
+
+
+class Template(NamedTuple):
+    """The static shapes of one delayed projection: its einsum, input `x` and output `y`."""
+
+    name: str
+    spec: str
+    x_shape: tuple[int, ...]
+    x_dtype: str
+    y_shape: tuple[int, ...]
+    y_dtype: str
+
+    def local(self, shards: int) -> Template:
+        """The template of one of `shards` equal blocks of the leading (batch) axis."""
+        x0, y0 = self.x_shape[0], self.y_shape[0]
+        if x0 % shards or y0 % shards:
+            raise ValueError(f"{self.name}: batch {x0} does not split over {shards} shards")
+        return self._replace(
+            x_shape=(x0 // shards, *self.x_shape[1:]), y_shape=(y0 // shards, *self.y_shape[1:])
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Delayed:
+    """Weight gradients a layer computes in its backward on behalf of a later block: the
+    weights (as that block uses them) and one `Template` per projection."""
+
+    weights: dict  # name -> weight array
+    templates: tuple[Template, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def attention_side(h: jax.Array, weights: dict) -> Delayed:
+    """The attention projections fed `h [B, S, D]` (the normalised residual stream; an MoE
+    layer's input shares its shape and dtype), as a `Delayed`."""
+    q = jax.eval_shape(functools.partial(jnp.einsum, ATTENTION_SPECS["wq"]), h, weights["wq"])
+    heads = jax.ShapeDtypeStruct(h.shape[:2] + weights["wo"].shape[:2], q.dtype)
+    templates = []
+    for name, spec in ATTENTION_SPECS.items():
+        x = heads if name == "wo" else h
+        y = jax.eval_shape(functools.partial(jnp.einsum, spec), x, weights[name])
+        templates.append(Template(name, spec, x.shape, str(x.dtype), y.shape, str(y.dtype)))
+    return Delayed({name: weights[name] for name in ATTENTION_SPECS}, tuple(templates))
+
+
+def around(exchange: Callable, x: jax.Array, side: Delayed | None):
+    """`(exchange(x), slots)`, with `side`'s weight gradients computed inside the window of
+    `exchange`'s transpose in the backward (`slots`: None without a side)."""
+    if side is None:
+        return exchange(x), None
+    x, slots = collect(x, side.weights, side.templates)
+    y = exchange(x)
+    return hold(y, slots)
+
+
+def _einsum_vjp(spec: str, x, w, dy, wrt: str):
+    """The gradient of `einsum(spec, x, w)` with respect to `x` or `w` (`wrt`), as autodiff
+    gives it."""
+    if wrt == "x":
+        _, vjp = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)
+    else:
+        _, vjp = jax.vjp(lambda w: jnp.einsum(spec, x, w), w)
+    return vjp(dy)[0]
+
+
+def _bounded(a, b):
+    """`(a, b)` through one `optimization_barrier` where they vary over the same manual axes
+    (a barrier would make them alike, changing a cotangent's type); unchanged otherwise."""
+    if vma(a) != vma(b):
+        return a, b
+    return jax.lax.optimization_barrier((a, b))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def project(spec: str, x: jax.Array, w: jax.Array, slot) -> jax.Array:
+    """`einsum(spec, x, w)`; its backward leaves `dW` to `collect` (via `slot`)."""
+    del slot
+    return jnp.einsum(spec, x, w)
+
+
+def _project_fwd(spec, x, w, slot):
+    del slot
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _project_bwd(spec, res, dy):
+    x, w = res
+    return _einsum_vjp(spec, x, w, dy, wrt="x"), None, (x, dy)
+
+
+project.defvjp(_project_fwd, _project_bwd)
+
+
+@jax.custom_vjp
+def hold(y, slots: dict):
+    """`(y, slots)` unchanged; see the module docstring for the backward."""
+    return y, slots
+
+
+def _hold_fwd(y, slots):
+    return (y, slots), None
+
+
+def _hold_bwd(_, cotangents):
+    d_y, d_slots = cotangents
+    return _bounded(d_y, d_slots)
+
+
+hold.defvjp(_hold_fwd, _hold_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def collect(h, weights: dict, templates: tuple[Template, ...]):
+    """`(h, slots)`: `h` unchanged and one zero `(x, y)` pair per template, varying like the
+    weights; see the module docstring for the backward."""
+    return h, _zero_slots(weights, templates)
+
+
+def _zero_slots(weights, templates):
+    axes = vma(weights)
+    zeros = lambda shape, dtype: vary_like(jnp.zeros(shape, dtype), axes)  # noqa: E731
+    return {t.name: (zeros(t.x_shape, t.x_dtype), zeros(t.y_shape, t.y_dtype)) for t in templates}
+
+
+def _collect_fwd(h, weights, templates):
+    return (h, _zero_slots(weights, templates)), weights
+
+
+def _collect_bwd(templates, weights, cotangents):
+    d_h, d_slots = cotangents
+    d_weights = {}
+    for t in templates:
+        x, dy = d_slots[t.name]
+        w = weights[t.name]
+        d_weights[t.name] = match_vma(_einsum_vjp(t.spec, x, w, dy, wrt="w"), w)
+    return _bounded(d_h, d_weights)
+
+
+collect.defvjp(_collect_fwd, _collect_bwd)
