@@ -7,7 +7,9 @@ H100 model of `moejax.schedule_model`: compute, all-to-all time, the part of it 
 the exposed time of every collective (FSDP gathers and reductions too), and the estimated
 step (all-to-all: plain and ragged together; the dropless dispatcher's
 leftover rounds, a data-dependent loop, replayed zero times: the steady state, where the bucket
-covers the load). Prints one Markdown row per program (the BENCHMARKS.md table).
+covers the load), and how many of the weight-gradient GEMMs (experts' and attention's,
+`moejax.parallel.gpu_hlo.weight_gradient_kernels`) sit inside an all-to-all window. Prints one
+Markdown row per program (the BENCHMARKS.md table).
 
     JAX_PLATFORMS=cpu python experiments/bench_overlap.py --preset tiny --batch 256 \\
         --batch-split 1 2 4 --dispatcher capacity dropless --chunks 1 2
@@ -21,6 +23,7 @@ import time
 
 from moejax import aot, parallel, schedule_model, training
 from moejax.models import presets
+from moejax.parallel import gpu_hlo
 from moejax.training import presets as train_presets
 
 
@@ -44,6 +47,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--chunks", type=int, nargs="+", default=[1], help="default: 1")
     p.add_argument("--stagger", action="store_true", help="stagger the chunks")
+    p.add_argument(
+        "--delay-wgrad",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="delayed attention weight gradients (lm_forward's delay_wgrad; default auto: on)",
+    )
     return p.parse_args(argv)
 
 
@@ -54,6 +63,7 @@ def row(model, args, k, dispatcher, chunks) -> str:
         train_cfg = train_presets.get(args.train_preset).replace(batch_size=args.batch)
     else:
         train_cfg = training.TrainConfig(batch_size=args.batch, steps=10, warmup_steps=1)
+    train_cfg = train_cfg.replace(delay_wgrad={"on": True, "off": False}.get(args.delay_wgrad))
     axes = dict(part.split("=") for part in args.mesh.split(","))
     mesh = aot.mesh("cuda", tuple(int(v) for v in axes.values()), tuple(axes))
     strategy = parallel.Strategy(
@@ -68,11 +78,22 @@ def row(model, args, k, dispatcher, chunks) -> str:
     a2a = sum(est.comm(kind) for kind in kinds)
     exposed = sum(est.exposed(kind) for kind in kinds)
     share = exposed / a2a if a2a else 0.0
+    shards = parallel.mesh.token_shards(mesh)
+    rows = args.batch * model.max_seq_len // shards // k // train_cfg.microbatches
+    kinds = ("all-to-all", "ragged-all-to-all")
+    wgrad = {c: gpu_hlo.weight_gradient_kernels(compiled.text, rows, c) for c in kinds}
+    inside = {kind: 0 for kind in ("experts", "attention")}
+    totals = dict(inside)
+    for kind, _, _ in wgrad["all-to-all"]:
+        totals[kind] += 1
+    for found in zip(*wgrad.values(), strict=True):
+        inside[found[0][0]] += any(i for _, _, i in found)
     return (
         f"| {args.preset} | {args.mesh} | {args.batch} | {k} | {dispatcher} | {chunks}"
         f"{' staggered' if strategy.stagger else ''} | {est.compute_s * 1e3:.3f} "
         f"| {a2a * 1e3:.3f} | {exposed * 1e3:.3f} ({share:.0%}) | {est.exposed_s * 1e3:.3f} "
         f"| {est.step_s * 1e3:.3f} "
+        f"| {inside['experts']}/{totals['experts']} | {inside['attention']}/{totals['attention']} "
         f"| {time.perf_counter() - start:.0f} |"
     )
 
@@ -82,9 +103,10 @@ def main(argv=None) -> int:
     model = presets.get(args.preset)
     print(
         "| preset | H100 mesh | batch | batch split | dispatcher | chunks | compute ms "
-        "| all-to-all ms | exposed ms | all exposed ms | step ms | compile s |"
+        "| all-to-all ms | exposed ms | all exposed ms | step ms | expert dW in windows "
+        "| attention dW in windows | compile s |"
     )
-    print("|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k, dispatcher, chunks in itertools.product(args.batch_split, args.dispatcher, args.chunks):
         print(row(model, args, k, dispatcher, chunks), flush=True)
     return 0

@@ -142,7 +142,8 @@ def lm_forward(
       delay_wgrad: compute each attention's weight gradients in the backward of the MoE layer
         of the block before, while that layer's all-to-alls are in flight
         (`moejax.models._wgrad`; Megatron-Core's `--delay-wgrad-compute`). Gradients are
-        unchanged. None (the default): on with a mesh.
+        unchanged. None (the default): on where the mesh has an `expert` axis of more than one
+        device.
 
     Returns:
       `(logits [B, S, V] fp32, LMAux)`.
@@ -158,8 +159,8 @@ def lm_forward(
             raise ValueError(
                 f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
             )
-    if delay_wgrad is None:
-        delay_wgrad = mesh is not None
+    if delay_wgrad is None:  # on where the MoE layers exchange tokens
+        delay_wgrad = mesh is not None and dict(mesh.shape).get("expert", 1) > 1
     policy = remat_policy(remat)
     shards = 1 if mesh is None else _token_shards(mesh)
     if isinstance(batch_split, bool) or not isinstance(batch_split, int) or batch_split < 1:

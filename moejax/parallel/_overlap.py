@@ -14,6 +14,13 @@ to run between the all-to-all's start and its done, by construction rather than 
 numbers are unchanged (the barrier is the identity). With the experts' widths split over
 `model` the weights' gradients vary over an axis the rows' do not, and a barrier would have to
 make them alike: that case is left to the scheduler.
+
+The capacity dispatcher ties right before its all-to-all. The dropless dispatcher's padded send
+gathers rows into its buffer before the all-to-all, so its transpose scatters them back after
+it, and a tie before the gather would let XLA run a `dW` between the all-to-all's done and the
+barrier; it ties inside its send's own VJP instead, right after the all-to-all
+(`dispatch_dropless._send_tied`). The attention weights' gradients, delayed into the MoE
+layer, use the same kind of barriers (`moejax._wgrad`).
 """
 
 from __future__ import annotations

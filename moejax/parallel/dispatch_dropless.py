@@ -69,10 +69,9 @@ from moejax import _wgrad
 from moejax._config import MoEConfig
 from moejax._permute import dispatch, make_layout
 from moejax._types import Routing
-from moejax._vma import match_vma
+from moejax._vma import match_vma, vma
 from moejax.parallel import _collectives as col
 from moejax.parallel._local import combine_varying, regrouped_ffn
-from moejax.parallel._overlap import tie
 
 # Lowering platforms that compile `ragged-all-to-all` (XLA:CPU does not).
 _RAGGED_PLATFORMS = ("cuda", "rocm", "tpu")
@@ -170,8 +169,9 @@ class DroplessStages:
             layout = make_layout(routing, e, 1)  # A rows sorted by expert
             rows = dispatch(x, layout)  # [A, D]
             plan = _plan(layout, n, g, b, self.axes)
-            sent_rows, experts = tie(rows, self.experts_params)  # dW inside the send's window
-            recv = _send(sent_rows, plan, 0, b, self.axes.expert, self.ragged)
+            # The experts' weight gradients inside the window of the send's transpose.
+            recv, experts = _send_tied(b, (self.axes.expert, self.ragged), rows, plan, 0,
+                                       self.experts_params)  # fmt: skip
         return {
             "recv": recv,
             "experts": experts,
@@ -193,8 +193,12 @@ class DroplessStages:
         per token. Returns `(y, slots)`."""
         axis, b, rows, plan = self.axes.expert, self.bucket, sent["rows"], sent["plan"]
         with jax.named_scope("combine"):
-            exchange = lambda y: _return(y, plan, 0, b, axis, rows, self.ragged)  # noqa: E731
-            first, slots = _wgrad.around(exchange, out, side)
+            if side is None:
+                first, slots = _return(out, plan, 0, b, axis, rows, self.ragged), None
+            else:  # `_wgrad.around`, its lower bound inside the exchange's VJP (_return_held)
+                out, slots = _wgrad.collect(out, side.weights, side.templates)
+                wire = (axis, self.ragged)
+                first, slots = _return_held(b, wire, rows.shape[0], out, plan, 0, slots)
         rest = _leftover(self._ffn, b, (axis, self.ragged), rows, plan, self.experts_params)
         with jax.named_scope("combine"):
             return combine_varying(first + rest, sent["weight"], sent["layout"]), slots
@@ -303,6 +307,86 @@ _send_vjp.defvjp(_send_fwd, _send_bwd)
 _return_vjp.defvjp(_return_fwd, _return_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _send_tied(bucket, wire, rows, plan, r, experts):
+    """`(_send(rows, ...), experts)`: in the backward, the experts' weight gradients pass one
+    `optimization_barrier` with the reverse exchange's result, before anything reads it (for
+    the padded exchange: before the gather that follows the all-to-all), so the scheduler has
+    them to run inside that all-to-all's window (`moejax.parallel._overlap.tie`, which sits
+    one step earlier, before the send's gather)."""
+    return _send_vjp(bucket, wire, rows, plan, jnp.int32(r)), experts
+
+
+def _send_tied_fwd(bucket, wire, rows, plan, r, experts):
+    return _send_tied(bucket, wire, rows, plan, r, experts), (plan, jnp.int32(r), _witness(rows))
+
+
+def _send_tied_bwd(bucket, wire, res, cotangents):
+    plan, r, rows = res
+    ct, d_experts = cotangents
+    axis, ragged = wire
+    num_rows = plan.row_dest.shape[0]
+    if axis is None or any(vma(w) != vma(ct) for w in jax.tree.leaves(d_experts)):
+        d_rows = _return_vjp(bucket, wire, num_rows, ct, plan, r)
+        return _as(d_rows, rows), None, None, d_experts
+    d_rows, d_experts = _by_target_with(
+        _return_padded, _return_ragged if ragged else None,
+        dict(bucket=bucket, axis=axis, num_rows=num_rows), axis, ct, plan, r, tied=d_experts,
+    )  # fmt: skip
+    return _as(d_rows, rows), None, None, d_experts
+
+
+_send_tied.defvjp(_send_tied_fwd, _send_tied_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _return_held(bucket, wire, num_rows, y, plan, r, held):
+    """`(_return(y, ...), held)`: in the backward, `held`'s cotangents (delayed weight
+    gradients' inputs, `moejax._wgrad`) pass one `optimization_barrier` with the send's buffer
+    right before its all-to-all (for the padded exchange: after the gather), so nothing
+    computed from them starts before the all-to-all can (`_wgrad.hold`, one step later)."""
+    return _return_vjp(bucket, wire, num_rows, y, plan, jnp.int32(r)), held
+
+
+def _return_held_fwd(bucket, wire, num_rows, y, plan, r, held):
+    out = _return_held(bucket, wire, num_rows, y, plan, r, held)
+    return out, (plan, jnp.int32(r), _witness(y))
+
+
+def _return_held_bwd(bucket, wire, num_rows, res, cotangents):
+    plan, r, y = res
+    ct, d_held = cotangents
+    axis, ragged = wire
+    if axis is None or vma(d_held) != vma(ct):
+        return _as(_send_vjp(bucket, wire, ct, plan, r), y), None, None, d_held
+    d_y, d_held = _by_target_with(
+        _send_padded, _send_ragged if ragged else None, dict(bucket=bucket, axis=axis),
+        axis, ct, plan, r, held=d_held,
+    )  # fmt: skip
+    return _as(d_y, y), None, None, d_held
+
+
+_return_held.defvjp(_return_held_fwd, _return_held_bwd)
+
+
+def _by_target_with(padded, ragged, kw, axis, x, plan, r, **extra):
+    """`_by_target` of exchanges that also return an extra value (`tied` or `held`, passed
+    through their barrier): `(result typed as there, the extra value)`."""
+    target = col.vma(x, plan) | {axis}
+
+    def run(fn):
+        def call(x, plan, r):
+            out, other = fn(x, plan, r, **kw, **extra)
+            return col.vary_like(out, target), other
+
+        return call
+
+    if ragged is None:
+        return run(padded)(x, plan, r)
+    per_platform = dict.fromkeys(_RAGGED_PLATFORMS, run(ragged))
+    return jax.lax.platform_dependent(x, plan, r, **per_platform, default=run(padded))
+
+
 def _witness(x):
     """A scalar with `x`'s dtype and varying axes (a residual that keeps only `x`'s type)."""
     return col.vary_like(jnp.zeros((), x.dtype), col.vma(x))
@@ -331,12 +415,26 @@ def _by_target(padded, ragged, kw, axis, x, plan, r):
     )
 
 
-def _send_padded(rows, plan, r, *, bucket, axis):
-    idx = _send_slots(plan, r, bucket, rows.shape[0])
-    return col.all_to_all(_take(rows, idx), axis)
+def _send_padded(rows, plan, r, *, bucket, axis, held=None):
+    """(With `held`: `(buffer, held)`, the two through one barrier right before the
+    all-to-all.)"""
+    buffer = _take(rows, _send_slots(plan, r, bucket, rows.shape[0]))
+    if held is None:
+        return col.all_to_all(buffer, axis)
+    buffer, held = jax.lax.optimization_barrier((buffer, held))
+    return col.all_to_all(buffer, axis), held
 
 
-def _send_ragged(rows, plan, r, *, bucket, axis):
+def _send_ragged(rows, plan, r, *, bucket, axis, held=None):
+    """(With `held`: `(buffer, held)`, the two through one barrier right before the
+    exchange.)"""
+    if held is None:
+        return _send_ragged_rows(rows, plan, r, bucket=bucket, axis=axis)
+    rows, held = jax.lax.optimization_barrier((rows, held))
+    return _send_ragged_rows(rows, plan, r, bucket=bucket, axis=axis), held
+
+
+def _send_ragged_rows(rows, plan, r, *, bucket, axis):
     n = plan.dest_count.shape[0]
     sizes = _round_sizes(plan.dest_count, r, bucket)  # to each destination
     starts = jnp.where(sizes > 0, plan.dest_start + r * bucket, 0)
@@ -346,13 +444,23 @@ def _send_ragged(rows, plan, r, *, bucket, axis):
     return jax.lax.ragged_all_to_all(rows, out, starts, sizes, at, recv_sizes, axis_name=axis)
 
 
-def _return_padded(y, plan, r, *, bucket, axis, num_rows):
+def _return_padded(y, plan, r, *, bucket, axis, num_rows, tied=None):
+    """(With `tied`: `(rows, tied)`, the two through one barrier right after the all-to-all.)"""
     rnd, slot = _row_slots(plan, bucket, num_rows)
     back = col.all_to_all(y, axis)
-    return jnp.where((rnd == r)[:, None], _take(back, slot), 0)
+    if tied is not None:
+        back, tied = jax.lax.optimization_barrier((back, tied))
+    out = jnp.where((rnd == r)[:, None], _take(back, slot), 0)
+    return out if tied is None else (out, tied)
 
 
-def _return_ragged(y, plan, r, *, bucket, axis, num_rows):
+def _return_ragged(y, plan, r, *, bucket, axis, num_rows, tied=None):
+    """(With `tied`: `(rows, tied)`, the two through one barrier right after the exchange.)"""
+    out = _return_ragged_rows(y, plan, r, bucket=bucket, axis=axis, num_rows=num_rows)
+    return out if tied is None else jax.lax.optimization_barrier((out, tied))
+
+
+def _return_ragged_rows(y, plan, r, *, bucket, axis, num_rows):
     n = plan.dest_count.shape[0]
     sizes = _round_sizes(plan.recv_counts.sum(1), r, bucket)  # back to each source
     starts = jnp.arange(n, dtype=jnp.int32) * bucket  # source s's block

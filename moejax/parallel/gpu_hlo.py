@@ -45,6 +45,15 @@ def _windows(hlo_text: str, collective: str) -> list[tuple[str, list[tuple[str, 
     return out
 
 
+def windows(
+    hlo_text: str, collective: str = "all-to-all"
+) -> list[tuple[str, list[tuple[str, str]]]]:
+    """`(start name, [(name, line) of every instruction between the start and its done])` for
+    each async `<collective>` window of the ENTRY computation, in schedule order. Any scheduled
+    HLO text will do: XLA:GPU's, or libtpu's with async all-to-all."""
+    return _windows(hlo_text, collective)
+
+
 def overlap(hlo_text: str, collective: str = "all-to-all") -> list[tuple[str, int]]:
     """GEMMs scheduled inside each async `<collective>` window of the ENTRY computation.
 
@@ -81,4 +90,47 @@ def window_kernels(
                 shape = line[_INSTR.match(line).end() :].split(" ", 1)[0]
                 kernels.append((tag.group(1) if tag else name, shape))
         out.append((start, kernels))
+    return out
+
+
+def entry_instructions(hlo_text: str) -> list[tuple[str, str, str]]:
+    """`(name, op_name or "", line)` of each instruction of the ENTRY computation, in schedule
+    order."""
+    out = []
+    for line in hlo_text[hlo_text.index("ENTRY") :].splitlines():
+        m = _INSTR.match(line)
+        if m:
+            tag = _OP_NAME.search(line)
+            out.append((m.group(1), tag.group(1) if tag else "", line))
+    return out
+
+
+# The attention projections' einsums (`moejax._wgrad.ATTENTION_SPECS`), as op_names carry them.
+_PROJECTIONS = ("bsd,dhk->bshk", "bshk,hkd->bsd")
+
+
+def weight_gradient_kernels(
+    hlo_text: str, rows: int, collective: str = "all-to-all"
+) -> list[tuple[str, str, bool]]:
+    """The weight-gradient GEMMs and kernels of the ENTRY computation, and whether each sits
+    inside an async `<collective>` window.
+
+    Weight gradients are the experts' `tgmm` kernels and the attention projections' transposed
+    einsums whose result is not shaped like the `rows` token rows of one call (those are input
+    gradients; XLA:GPU computes a projection's weight gradient as a GEMM batched over
+    sequences, reduced afterwards).
+
+    Returns:
+      `(kind, op_name, inside)` in schedule order; `kind` is `"experts"` or `"attention"`.
+    """
+    inside = {name for _, ops in _windows(hlo_text, collective) for name, _ in ops}
+    out = []
+    for name, op, line in entry_instructions(hlo_text):
+        if "transpose(" not in op:
+            continue
+        shape = line[_INSTR.match(line).end() :].split(" ", 1)[0]
+        if " custom-call(" in line and "tgmm" in op:
+            out.append(("experts", op, name in inside))
+        elif "gemm" in name and any(p in op for p in _PROJECTIONS) and f"[{rows}," not in shape:
+            out.append(("attention", op, name in inside))
     return out

@@ -40,7 +40,8 @@ class TrainConfig:
       scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
         unit (`moejax.models.lm_forward`): compile time stops growing with depth.
       delay_wgrad: compute each attention's weight gradients inside the backward all-to-all
-        window of the MoE layer before it (`moejax.models.lm_forward`). None: on with a mesh.
+        window of the MoE layer before it (`moejax.models.lm_forward`). None: on where the mesh
+        has an `expert` axis.
         Changes the schedule, never the math.
       max_skipped_fraction: a run whose skipped (non-finite) steps exceed this fraction of its
         steps fails (`RunResult.failure`; `train_lm.py` exits 3); the loop stops as soon as the

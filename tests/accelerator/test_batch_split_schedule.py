@@ -77,35 +77,20 @@ def test_batch_split_overlaps_attention_with_the_other_micro_batchs_all_to_all(d
     in_windows = [o for o in fwd2 if "attention" in o]
     assert len({re.search(r"layer_\d+", o).group() for o in in_windows}) >= 3, in_windows
     assert {"micro0", "micro1"} <= {m for o in in_windows for m in re.findall(r"micro\d", o)}
-    # Backward: the expert weight gradients (tgmm kernels of round 0) sit in all-to-all
-    # windows, by construction (`moejax.parallel._overlap.tie`), split or not: all of them with
-    # the capacity dispatcher; with the dropless one (measured: 8 of 12 unsplit, 16 of 24
-    # split) XLA runs some before the window opens.
+    # Backward: every expert weight gradient (the tgmm kernels of round 0) sits in an
+    # all-to-all window, by construction, split or not: a barrier pairs them with the send's
+    # transpose's result (`moejax.parallel._overlap.tie`; the dropless dispatcher's
+    # `_send_tied`, right after the all-to-all, before the gather that follows it).
     for text, windows in ((whole, w1), (split, w2)):
         in_windows = sum("tgmm" in o for o in _split(windows)[1])
-        total = _entry_tgmm(text)
-        assert in_windows == total > 0 if dispatch == "capacity" else 3 * in_windows >= 2 * total
-
-
-ATTENTION_SPECS = ("bsd,dhk->bshk", "bshk,hkd->bsd")
+        assert in_windows == _entry_tgmm(text) > 0
 
 
 def _attention_weight_gemms(text: str, k: int) -> list[tuple[str, bool]]:
-    """`(op_name, inside a backward all-to-all window)` of each GEMM that computes an attention
-    projection's weight gradient: a transposed projection einsum whose result is not shaped
-    like the micro-batch's rows (those are the input gradients)."""
-    rows = BATCH // 8 * 128 // k
-    inside = {name for _, ops in gpu_hlo._windows(text, "all-to-all") for name, _ in ops}
-    out = []
-    for line in text[text.index("ENTRY") :].splitlines():
-        m = gpu_hlo._INSTR.match(line)
-        tag = gpu_hlo._OP_NAME.search(line)
-        if not (m and tag and "gemm" in m.group(1) and "transpose(" in tag.group(1)):
-            continue
-        shape = line[m.end() :].split(" ", 1)[0]
-        if any(spec in tag.group(1) for spec in ATTENTION_SPECS) and f"[{rows}," not in shape:
-            out.append((tag.group(1), m.group(1) in inside))
-    return out
+    """`(op_name, inside a backward all-to-all window)` of each attention weight-gradient GEMM."""
+    rows = BATCH // 8 * 128 // k  # one micro-batch's tokens on a device
+    kernels = gpu_hlo.weight_gradient_kernels(text, rows)
+    return [(op, inside) for kind, op, inside in kernels if kind == "attention"]
 
 
 @pytest.mark.parametrize("dispatch", DISPATCHES)
@@ -117,7 +102,14 @@ def test_attention_weight_gradients_sit_in_backward_all_to_all_windows(dispatch)
         # q, k, v and o apart there (measured: 4 per block and micro-batch).
         delayed = [inside for name, inside in gemms if "/combine/" in name]
         assert len(delayed) >= 2 * (layers - 1) * k, gemms
-        assert all(delayed), gemms
+        # Their barriers bound them to the window's edges; inside those, XLA fills the window
+        # until it deems the all-to-all covered. Capacity: all of them inside. Dropless
+        # (measured 12 of 12 unsplit, 18 of 24 split): the rest run just before the start,
+        # after the send's gather, where the other micro-batch's work already fills it.
+        if dispatch == "capacity":
+            assert all(delayed), gemms
+        else:
+            assert 4 * sum(delayed) >= 3 * len(delayed), gemms
     # Negative control: without the delay the same GEMMs land wherever the scheduler put them
     # (measured: 4 of 8 inside a window).
     control = _attention_weight_gemms(_compiled(dispatch, 1, delay_wgrad=False), 1)

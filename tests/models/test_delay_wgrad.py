@@ -91,7 +91,12 @@ def _check(params, grad, inside: bool, layer: int = 1):
     assert ({WQ, WO} <= shapes[True]) == inside, sorted(shapes[True])
 
 
-@pytest.mark.parametrize("case", list(CASES))
+SLOW_CASES = ("dropless, chunks staged", "capacity, chunks pipelined", "data mode", "allgather")
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]
+)
 def test_delayed_gradients_are_the_same_and_where_they_should_be(case):
     mesh_name, strategy, k, inside = CASES[case]
     params = init_lm_params(_config(strategy), jax.random.key(0))

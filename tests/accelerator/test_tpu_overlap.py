@@ -1,0 +1,44 @@
+"""The weight gradients in the backward all-to-all windows of libtpu's schedule (deviceless).
+
+The `tiny` LM train step compiled for a TPU v5p 2x2x2 slice with
+`--xla_tpu_enable_async_all_to_all=true`: every expert weight gradient (the Mosaic `tgmm`
+kernels) and every delayed attention weight gradient (`lm_forward(delay_wgrad=...)`, the
+default) sits inside an all-to-all window, as on the H100 schedule
+(`test_batch_split_schedule.py`).
+"""
+
+import pytest
+from _targets import CACHE_WARNING, needs_tpu
+
+from moejax import aot, parallel, training
+from moejax.models import presets
+from moejax.parallel import gpu_hlo
+
+pytestmark = [pytest.mark.deviceless, needs_tpu, CACHE_WARNING]
+
+PROJECTIONS = ("bsd,dhk->bshk", "bshk,hkd->bsd")  # the attention projections' einsums
+
+
+def test_weight_gradients_sit_in_tpu_all_to_all_windows():
+    cfg = presets.get("tiny")
+    cfg = cfg.replace(moe=cfg.moe.replace(dispatch="capacity"))
+    train_cfg = training.TrainConfig(batch_size=256, steps=10, warmup_steps=1)
+    mesh = aot.mesh("tpu", (8,), ("expert",), generation="v5p")
+    fn, args = aot.train_step_program(
+        cfg, train_cfg, mesh, strategy=parallel.Strategy(dispatcher="capacity")
+    )
+    options = {"xla_tpu_enable_async_all_to_all": True}
+    text = aot.compile_program(fn, args, donate_argnums=(0,), compiler_options=options).text
+    inside = {name for _, ops in gpu_hlo.windows(text) for name, _ in ops}
+    experts, attention = [], []
+    for name, op, line in gpu_hlo.entry_instructions(text):
+        if "transpose(" not in op:
+            continue
+        if "tgmm" in op and "custom-call(" in line:
+            experts.append(name in inside)
+        elif "/combine/transpose(" in op and any(p in op for p in PROJECTIONS):
+            attention.append(name in inside)  # computed in the MoE layer: delayed
+    layers = cfg.num_layers
+    assert len(experts) >= layers and all(experts), experts
+    # Measured: 12 of 12 (4 per block after the first).
+    assert len(attention) >= 2 * (layers - 1) and all(attention), attention
