@@ -38,20 +38,24 @@ import jax.numpy as jnp
 
 from moejax._vma import match_vma, vary_like, vma
 
-# The attention projections whose weight gradients are delayed, and their einsums.
+# The attention projections whose weight gradients are delayed: their einsums, and which input
+# each reads (q, k and v read the same one, so their gradients can stay one merged GEMM).
 ATTENTION_SPECS: dict[str, str] = {
     "wq": "bsd,dhk->bshk",
     "wk": "bsd,dhk->bshk",
     "wv": "bsd,dhk->bshk",
     "wo": "bshk,hkd->bsd",
 }
+ATTENTION_INPUTS: dict[str, str] = {"wq": "h", "wk": "h", "wv": "h", "wo": "heads"}
 
 
 class Template(NamedTuple):
-    """The static shapes of one delayed projection: its einsum, input `x` and output `y`."""
+    """The static shapes of one delayed projection: its einsum, the name of its input (shared
+    by projections of the same input) and the shapes of its input `x` and output `y`."""
 
     name: str
     spec: str
+    x_name: str
     x_shape: tuple[int, ...]
     x_dtype: str
     y_shape: tuple[int, ...]
@@ -65,6 +69,24 @@ class Template(NamedTuple):
         return self._replace(
             x_shape=(x0 // shards, *self.x_shape[1:]), y_shape=(y0 // shards, *self.y_shape[1:])
         )
+
+
+def slot_shapes(templates: tuple[Template, ...]) -> dict:
+    """The slots' tree of `(shape, dtype)`: `{"x": {input name: ...}, "dy": {projection: ...}}`
+    (one input slot per distinct input, one output slot per projection)."""
+    return {
+        "x": {t.x_name: (t.x_shape, t.x_dtype) for t in templates},
+        "dy": {t.name: (t.y_shape, t.y_dtype) for t in templates},
+    }
+
+
+def slot_of(slots: dict, name: str) -> tuple[bool, tuple]:
+    """`(hands_back_x, slot)` of projection `name` (of `ATTENTION_SPECS`) for `project`: its
+    input's slot and its output's; only the first reader of an input hands the input back (the
+    others hand back zeros, so the input slot's gradient, their sum, is the input)."""
+    x_name = ATTENTION_INPUTS[name]
+    first = next(n for n, x in ATTENTION_INPUTS.items() if x == x_name)
+    return name == first, (slots["x"][x_name], slots["dy"][name])
 
 
 @jax.tree_util.register_dataclass
@@ -81,12 +103,13 @@ def attention_side(h: jax.Array, weights: dict) -> Delayed:
     """The attention projections fed `h [B, S, D]` (the normalised residual stream; an MoE
     layer's input shares its shape and dtype), as a `Delayed`."""
     q = jax.eval_shape(functools.partial(jnp.einsum, ATTENTION_SPECS["wq"]), h, weights["wq"])
-    heads = jax.ShapeDtypeStruct(h.shape[:2] + weights["wo"].shape[:2], q.dtype)
+    inputs = {"h": h, "heads": jax.ShapeDtypeStruct(h.shape[:2] + weights["wo"].shape[:2], q.dtype)}
     templates = []
     for name, spec in ATTENTION_SPECS.items():
-        x = heads if name == "wo" else h
+        x_name = ATTENTION_INPUTS[name]
+        x = inputs[x_name]
         y = jax.eval_shape(functools.partial(jnp.einsum, spec), x, weights[name])
-        templates.append(Template(name, spec, x.shape, str(x.dtype), y.shape, str(y.dtype)))
+        templates.append(Template(name, spec, x_name, x.shape, str(x.dtype), y.shape, str(y.dtype)))
     return Delayed({name: weights[name] for name in ATTENTION_SPECS}, tuple(templates))
 
 
@@ -118,21 +141,23 @@ def _bounded(a, b):
     return jax.lax.optimization_barrier((a, b))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def project(spec: str, x: jax.Array, w: jax.Array, slot) -> jax.Array:
-    """`einsum(spec, x, w)`; its backward leaves `dW` to `collect` (via `slot`)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def project(spec: str, hands_back_x: bool, x: jax.Array, w: jax.Array, slot) -> jax.Array:
+    """`einsum(spec, x, w)`; its backward leaves `dW` to `collect`, handing `(x, dy)` back
+    through `slot = (x_slot, y_slot)` (`slot_of`; `x` as zeros unless `hands_back_x`)."""
     del slot
     return jnp.einsum(spec, x, w)
 
 
-def _project_fwd(spec, x, w, slot):
+def _project_fwd(spec, hands_back_x, x, w, slot):
     del slot
     return jnp.einsum(spec, x, w), (x, w)
 
 
-def _project_bwd(spec, res, dy):
+def _project_bwd(spec, hands_back_x, res, dy):
     x, w = res
-    return _einsum_vjp(spec, x, w, dy, wrt="x"), None, (x, dy)
+    x_back = x if hands_back_x else jnp.zeros_like(x)
+    return _einsum_vjp(spec, x, w, dy, wrt="x"), None, (x_back, dy)
 
 
 project.defvjp(_project_fwd, _project_bwd)
@@ -165,8 +190,11 @@ def collect(h, weights: dict, templates: tuple[Template, ...]):
 
 def _zero_slots(weights, templates):
     axes = vma(weights)
-    zeros = lambda shape, dtype: vary_like(jnp.zeros(shape, dtype), axes)  # noqa: E731
-    return {t.name: (zeros(t.x_shape, t.x_dtype), zeros(t.y_shape, t.y_dtype)) for t in templates}
+    return jax.tree.map(
+        lambda sd: vary_like(jnp.zeros(*sd), axes),
+        slot_shapes(templates),
+        is_leaf=lambda v: isinstance(v, tuple) and isinstance(v[1], str),
+    )
 
 
 def _collect_fwd(h, weights, templates):
@@ -177,7 +205,7 @@ def _collect_bwd(templates, weights, cotangents):
     d_h, d_slots = cotangents
     d_weights = {}
     for t in templates:
-        x, dy = d_slots[t.name]
+        x, dy = d_slots["x"][t.x_name], d_slots["dy"][t.name]
         w = weights[t.name]
         d_weights[t.name] = match_vma(_einsum_vjp(t.spec, x, w, dy, wrt="w"), w)
     return _bounded(d_h, d_weights)

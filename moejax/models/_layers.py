@@ -199,7 +199,8 @@ def _einsum(x: jax.Array, p: dict, name: str, slots: dict | None) -> jax.Array:
     spec = _wgrad.ATTENTION_SPECS[name]
     if slots is None:
         return jnp.einsum(spec, x, p[name])
-    return _wgrad.project(spec, x, p[name], slots[name])
+    hands_back_x, slot = _wgrad.slot_of(slots, name)
+    return _wgrad.project(spec, hands_back_x, x, p[name], slot)
 
 
 def _qk_norm(x: jax.Array, scale: jax.Array, mode: str, eps: float) -> jax.Array:
