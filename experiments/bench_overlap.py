@@ -51,7 +51,7 @@ def parse_args(argv=None):
         "--delay-wgrad",
         choices=("auto", "on", "off"),
         default="auto",
-        help="delayed attention weight gradients (lm_forward's delay_wgrad; default auto: on)",
+        help="delayed attention weight gradients (default auto: as lm_forward's delay_wgrad)",
     )
     return p.parse_args(argv)
 

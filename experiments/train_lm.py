@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "on", "off"),
         default="auto",
         help="attention weight gradients inside the previous MoE layer's backward all-to-all "
-        "(default auto: on where the mesh has an expert axis)",
+        "(default auto: on where the mesh has an expert axis, without --scan)",
     )
     p.add_argument(
         "--microbatches", type=int, help=f"gradient-accumulation micro-batches (default: {preset})"

@@ -142,8 +142,11 @@ def lm_forward(
       delay_wgrad: compute each attention's weight gradients in the backward of the MoE layer
         of the block before, while that layer's all-to-alls are in flight
         (`moejax.models._wgrad`; Megatron-Core's `--delay-wgrad-compute`). Gradients are
-        unchanged. None (the default): on where the mesh has an `expert` axis of more than one
-        device.
+        unchanged. Memory: one block's attention input and output gradients live until the
+        MoE layer before it runs its backward; with `scan_layers` the slots they travel in are
+        also loop carries in the forward and the backward (measured: +4.6 GiB per device for
+        Mixtral-8x7B on 64 TPU v5p chips, 1.15 GiB per carry). None (the default): on where
+        the mesh has an `expert` axis of more than one device and the layers are not scanned.
 
     Returns:
       `(logits [B, S, V] fp32, LMAux)`.
@@ -159,8 +162,9 @@ def lm_forward(
             raise ValueError(
                 f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
             )
-    if delay_wgrad is None:  # on where the MoE layers exchange tokens
+    if delay_wgrad is None:  # where the MoE layers exchange tokens, unscanned (see docstring)
         delay_wgrad = mesh is not None and dict(mesh.shape).get("expert", 1) > 1
+        delay_wgrad = delay_wgrad and not scan_layers
     policy = remat_policy(remat)
     shards = 1 if mesh is None else _token_shards(mesh)
     if isinstance(batch_split, bool) or not isinstance(batch_split, int) or batch_split < 1:

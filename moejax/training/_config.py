@@ -41,7 +41,7 @@ class TrainConfig:
         unit (`moejax.models.lm_forward`): compile time stops growing with depth.
       delay_wgrad: compute each attention's weight gradients inside the backward all-to-all
         window of the MoE layer before it (`moejax.models.lm_forward`). None: on where the mesh
-        has an `expert` axis.
+        has an `expert` axis and the layers are not scanned.
         Changes the schedule, never the math.
       max_skipped_fraction: a run whose skipped (non-finite) steps exceed this fraction of its
         steps fails (`RunResult.failure`; `train_lm.py` exits 3); the loop stops as soon as the
