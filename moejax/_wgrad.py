@@ -80,6 +80,11 @@ def slot_shapes(templates: tuple[Template, ...]) -> dict:
     }
 
 
+def is_shape(v) -> bool:
+    """Whether `v` is one `(shape, dtype)` leaf of `slot_shapes`."""
+    return isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], str)
+
+
 def slot_of(slots: dict, name: str) -> tuple[bool, tuple]:
     """`(hands_back_x, slot)` of projection `name` (of `ATTENTION_SPECS`) for `project`: its
     input's slot and its output's; only the first reader of an input hands the input back (the
@@ -190,11 +195,8 @@ def collect(h, weights: dict, templates: tuple[Template, ...]):
 
 def _zero_slots(weights, templates):
     axes = vma(weights)
-    return jax.tree.map(
-        lambda sd: vary_like(jnp.zeros(*sd), axes),
-        slot_shapes(templates),
-        is_leaf=lambda v: isinstance(v, tuple) and isinstance(v[1], str),
-    )
+    zeros = lambda sd: vary_like(jnp.zeros(*sd), axes)  # noqa: E731
+    return jax.tree.map(zeros, slot_shapes(templates), is_leaf=is_shape)
 
 
 def _collect_fwd(h, weights, templates):

@@ -179,7 +179,7 @@ def _sharded(
         in_specs += ({n: mesh_lib.activation_spec(mesh, w.ndim) for n, w in stacked.items()},)
         spec = lambda shape: mesh_lib.activation_spec(mesh, len(shape))  # noqa: E731
         shapes = _wgrad.slot_shapes(wgrad.templates)
-        out_specs += (jax.tree.map(lambda sd: spec(sd[0]), shapes, is_leaf=_is_shape),)
+        out_specs += (jax.tree.map(lambda sd: spec(sd[0]), shapes, is_leaf=_wgrad.is_shape),)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)(
         params, x, placement, *(() if wgrad is None else (stacked,))
     )
@@ -217,10 +217,6 @@ def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes) -> None
             f"Strategy.mode='tensor': d_ff/model={config.d_ff // axes.m} not divisible by expert="
             f"{axes.n}"
         )
-
-
-def _is_shape(v) -> bool:
-    return isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], str)
 
 
 def _body(
