@@ -102,11 +102,12 @@ def compile_program(
 ) -> Compiled:
     """Lower `jax.jit(fn)` on abstract `args` (placed on a deviceless mesh) and compile it;
     `donate_argnums` as for `jax.jit` (a train step donates its state: outputs alias it)."""
-    platform = platform_of(jax.tree.leaves(args)[0].sharding.mesh)
+    mesh_ = jax.tree.leaves(args)[0].sharding.mesh
+    platform = platform_of(mesh_)
     start = time.perf_counter()
-    compiled = (
-        jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile(compiler_options or {})
-    )
+    with targets.lowering(mesh_):
+        lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*args)
+    compiled = lowered.compile(compiler_options or {})
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     memory = {

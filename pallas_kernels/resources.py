@@ -145,7 +145,9 @@ def _compile_all(platform: str, cases: list[Case], generation: str) -> list[dict
         args = targets.shapes_on(args, mesh)
         os.write(2, f"\n@@case {i}\n".encode())
         start = time.perf_counter()
-        text = jax.jit(fn).lower(*args).compile().as_text()
+        with targets.lowering(mesh):
+            lowered = jax.jit(fn).lower(*args)
+        text = lowered.compile().as_text()
         seconds = time.perf_counter() - start
         calls = {kernel: _custom_calls(text, kernel) for kernel in case.kernels()}
         vmem = {k: v for k, lines in calls.items() if lines and (v := _scoped_vmem(lines[0]))}

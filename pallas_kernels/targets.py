@@ -155,6 +155,55 @@ def tpu_mesh(shape, axis_names, generation: str = "v5e"):
     return jax.sharding.Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names))
 
 
+def lowering(mesh):
+    """The context to lower in for a deviceless `mesh`: its abstract mesh, whose device is the
+    target chip, becomes the current one.
+
+    From jax 0.11 the Pallas-Triton lowering asks the current abstract mesh which GPU it
+    compiles for and, on a host without one, raises "No supported GPU devices found" (jax
+    0.10.2 assumed sm_90 instead). Mosaic GPU kernels read the SM count from the same device.
+    Lowering for CPU or TPU meshes is unchanged by it.
+    """
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def abstract_gpu_mesh(shape=(1,), axis_names=("x",)):
+    """An `AbstractMesh` of H100s, for a bare `.lower(lowering_platforms=("cuda",))` (no
+    deviceless topology needed): lower under `jax.sharding.use_abstract_mesh(...)` of it."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    device = AbstractDevice(
+        device_kind=_target_field("device_description_str"),
+        num_cores=int(_target_field("core_count")),
+        platform="gpu",
+    )
+    return AbstractMesh(
+        tuple(shape),
+        tuple(axis_names),
+        axis_types=(AxisType.Auto,) * len(shape),
+        abstract_device=device,
+    )
+
+
+def lowering_platform(platform: str, shape=(1,), axis_names=("x",)):
+    """The context for a bare `.lower(lowering_platforms=(platform,))` on a CPU host: an
+    abstract H100 mesh of `shape` for "cuda" (see `lowering`; a `shard_map` inside must use
+    the same axes), nothing for other platforms."""
+    import contextlib
+
+    if platform != "cuda":
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(abstract_gpu_mesh(shape, axis_names))
+
+
+def _target_field(name: str) -> str:
+    """One scalar field of `H100_TARGET_CONFIG` (quotes stripped)."""
+    match = re.search(rf"^\s*{name}: (.+)$", H100_TARGET_CONFIG, re.MULTILINE)
+    if match is None:
+        raise KeyError(name)
+    return match.group(1).strip().strip('"')
+
+
 def mesh_for(platform: str, shape, axis_names, **kw):
     """`gpu_mesh` for "cuda", `tpu_mesh` for "tpu"."""
     return (gpu_mesh if platform == "cuda" else tpu_mesh)(shape, axis_names, **kw)

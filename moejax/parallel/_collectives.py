@@ -58,15 +58,30 @@ def all_gather(x: jax.Array, axis: str | None, dim: int = 0) -> jax.Array:
 
 
 def psum(x, axes: tuple[str, ...] | str | None):
-    """`psum` over the given axes (identity when none)."""
-    axes = _tuple(axes)
-    return jax.lax.psum(x, axes) if axes else x
+    """`psum` over the given axes (identity when none); see `_reduce` for values that do not
+    vary over all of them."""
+    return _reduce(jax.lax.psum, x, axes)
 
 
 def pmax(x, axes: tuple[str, ...] | str | None):
-    """`pmax` over the given axes (identity when none)."""
+    """`pmax` over the given axes (identity when none); see `_reduce`."""
+    return _reduce(jax.lax.pmax, x, axes)
+
+
+def _reduce(collective, x, axes):
+    """`collective(x, axes)` with `x` first marked varying over every reduced axis.
+
+    A value may vary over only some of the axes reduced (the dropless round count varies over
+    `data` and `expert`, not `model`). jax up to 0.11.0 cast such a value to varying inside
+    `pmax`/`pmin`/`psum` itself; from 0.11.1 those raise instead ("can only accept axis_name
+    which corresponds to one of varying ... state of the input"). The cast is a no-op on values,
+    so reducing over an axis the value is invariant on keeps its meaning: the max of equal
+    copies, or the sum of `size` equal copies.
+    """
     axes = _tuple(axes)
-    return jax.lax.pmax(x, axes) if axes else x
+    if not axes:
+        return x
+    return collective(vary_like(x, frozenset(axes)), axes)
 
 
 def psum_scatter(x: jax.Array, axis: str | None) -> jax.Array:

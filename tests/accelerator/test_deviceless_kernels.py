@@ -83,9 +83,9 @@ def test_h100_rejects_before_compile_the_config_the_compiler_rejects():
     the same number."""
     cfg, tiles = pk.Config(128, 128, 128, num_warps=4, num_stages=3), (128, 128, 128)
     assert config.triton_smem_bytes("gmm", tiles, cfg, jnp.float32) == 327680
+    mesh = targets.gpu_mesh((1,), ("x",))
     lhs, rhs, sizes = _abstract(
-        targets.gpu_mesh((1,), ("x",)), ((1024, 512), jnp.float32), ((8, 512, 512), jnp.float32),
-        ((8,), jnp.int32),
+        mesh, ((1024, 512), jnp.float32), ((8, 512, 512), jnp.float32), ((8,), jnp.int32),
     )  # fmt: skip
     checked = jax.jit(lambda x, w, s: pk.gmm(x, w, s, backend="pallas_triton", config=cfg))
     with pytest.raises(ValueError, match=r"Config\(tm=128.*needs 327680 bytes.*232448"):
@@ -103,13 +103,16 @@ def test_h100_rejects_before_compile_the_config_the_compiler_rejects():
         )  # fmt: skip
     )
     with pytest.raises(Exception, match="requested 327680, available: 232448"):
-        unchecked.lower(lhs, rhs, sizes).compile()
+        with targets.lowering(mesh):
+            lowered = unchecked.lower(lhs, rhs, sizes)
+        lowered.compile()
     # One stage fewer fits, and compiles.
     fits = pk.Config(128, 128, 128, num_warps=8, num_stages=2)
     assert pk.fits("gmm", "pallas_triton", fits, jnp.float32)
-    jax.jit(lambda x, w, s: pk.gmm(x, w, s, backend="pallas_triton", config=fits)).lower(
-        lhs, rhs, sizes
-    ).compile()
+    with targets.lowering(mesh):
+        lowered = jax.jit(lambda x, w, s: pk.gmm(x, w, s, backend="pallas_triton", config=fits))
+        lowered = lowered.lower(lhs, rhs, sizes)
+    lowered.compile()
 
 
 @needs_tpu

@@ -9,6 +9,7 @@ import pytest
 from _pk_testing import IMPLS, assert_close, numpy_gmm, random_inputs
 
 import pallas_kernels as pk
+from pallas_kernels import targets
 
 T, TOP_K, K, N, G = 50, 2, 96, 128, 8  # M = T * TOP_K = 100 rows, not a tile multiple
 
@@ -77,6 +78,7 @@ def test_fused_triton_kernel_lowers_for_cuda():
         out, vjp = jax.vjp(op, x, w, weight)
         return out, *vjp(out)
 
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with targets.lowering_platform("cuda"):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # forward (fused), dx gmm, tgmm, recomputed unweighted forward (fused)
     assert text.count("__gpu$xla.gpu.triton") == 4

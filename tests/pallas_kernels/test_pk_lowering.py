@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels import targets
 
 
 @pytest.mark.parametrize(
@@ -35,5 +36,6 @@ def test_forward_and_vjp_lower_for_target(backend, platform, marker, transpose_r
         out, vjp = jax.vjp(op, lhs, rhs)
         return out, *vjp(out)
 
-    text = jax.jit(f).trace(lhs, rhs, sizes).lower(lowering_platforms=(platform,)).as_text()
+    with targets.lowering_platform(platform):
+        text = jax.jit(f).trace(lhs, rhs, sizes).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == 3  # gmm forward, gmm for dlhs, tgmm for drhs

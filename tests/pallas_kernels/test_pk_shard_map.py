@@ -16,6 +16,7 @@ from _pk_testing import assert_close, numpy_gmm, numpy_tgmm, random_inputs
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from pallas_kernels import targets
 
 SHARDS, M, K, N, G = 4, 64, 32, 48, 2
 SPECS = (P("x"), P("x"), P("x"))
@@ -64,7 +65,11 @@ def test_sharded_forward_and_vjp(backend, check_vma):
     [("pallas_triton", "cuda", "__gpu$xla.gpu.triton"), ("pallas_tpu", "tpu", "tpu_custom_call")],
 )
 def test_lowers_under_shard_map_with_check_vma(backend, platform, marker):
-    mesh = jax.sharding.AbstractMesh((SHARDS,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = (
+        targets.abstract_gpu_mesh((SHARDS,), ("x",))  # the GPU the Triton lowering targets
+        if platform == "cuda"
+        else jax.sharding.AbstractMesh((SHARDS,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    )
     args = (
         jax.ShapeDtypeStruct((SHARDS * 256, 128), jnp.bfloat16),
         jax.ShapeDtypeStruct((SHARDS * G, 128, 128), jnp.bfloat16),
@@ -77,7 +82,8 @@ def test_lowers_under_shard_map_with_check_vma(backend, platform, marker):
         out_specs=SPECS,
         check_vma=True,
     )
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    with targets.lowering_platform(platform, (SHARDS,), ("x",)):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == 3
 
 
