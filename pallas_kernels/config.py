@@ -14,8 +14,8 @@ What fits (checked by `check_fits` before a kernel is traced, so a bad tile is a
 names the config and the limit, not a compiler failure):
   * Pallas-Triton (H100): the shared memory Triton allocates for its software pipeline must stay
     within the 232,448 bytes a block may opt into. Triton keeps `num_stages` copies of each
-    operand tile (one fewer lhs copy for fp32 gmm); `triton_smem_bytes` is that count, equal byte
-    for byte to what XLA's thunk sequence reports on a deviceless H100 compile (tested).
+    operand tile; `triton_smem_bytes` is that count, equal byte for byte to what XLA's thunk
+    sequence reports on a deviceless H100 compile (tested).
   * Pallas-TPU (Mosaic): VMEM holds two buffers of every block (double buffering), the fp32
     accumulator, and scratch Mosaic adds itself (its "register allocator spill slots": up to
     13 MiB for big bf16 tgmm tiles). `mosaic_vmem_bytes` is the blocks exactly plus an upper
@@ -126,16 +126,12 @@ def _operand_tiles(kernel: str, tiles: tuple[int, int, int]) -> tuple[int, int]:
 def triton_smem_bytes(kernel: str, tiles: tuple[int, int, int], config: Config, dtype) -> int:
     """Shared memory Triton allocates for one program: its pipelined operand buffers.
 
-    `num_stages` buffers of each operand tile; for fp32 gmm, one lhs buffer fewer (fp32 dots
-    run as TF32 and Triton stages the lhs one step shorter). Matches the compiled kernels'
-    launch shared memory exactly (measured on deviceless H100 compiles, see BENCHMARKS.md).
+    `num_stages` buffers of each operand tile. Matches the compiled kernels' launch shared
+    memory exactly (measured on deviceless H100 compiles, see BENCHMARKS.md).
     """
     itemsize = jnp.dtype(dtype).itemsize
     lhs, rhs = _operand_tiles(kernel, tiles)
-    lhs_stages = config.num_stages
-    if itemsize == 4 and kernel != "tgmm":
-        lhs_stages -= 1
-    return (lhs_stages * lhs + config.num_stages * rhs) * itemsize
+    return config.num_stages * (lhs + rhs) * itemsize
 
 
 def mosaic_block_bytes(kernel: str, tiles: tuple[int, int, int], dtype, out_dtype) -> int:
@@ -261,8 +257,13 @@ def default_config(kernel: str, backend: str, dtype, m: int, k: int, n: int, g: 
         if not wide and kernel in ("gmm", "gmm_t"):
             # bf16, measured on one H100 (experiments/tune_kernels.py, BENCHMARKS.md): 64 x 256
             # output tiles run 1.4x faster than 128 x 128 at the Mixtral shape (416-445 vs
-            # 300-309 TFLOP/s) and 1.1-1.4x at the fine-grained one. 128 x 256 is 5-9% faster
-            # still at Mixtral's, but its two fp32 accumulators spill registers.
+            # 300-309 TFLOP/s) and 1.1-1.4x at the fine-grained one; 128 x 256 was 5-9% faster
+            # still at Mixtral's while it spilled. With one accumulator (`triton.gmm`) it spills
+            # nothing (216-245 registers, 3 stages): where groups are large it takes tokamax's
+            # winning Triton ragged-dot tile, 128 x 256 x 64, 8 warps, 3 stages.
+            if tm == 128:
+                return Config(tm=128, tk=64, tn=_divisor_tile(n, 256, 16), num_warps=8,
+                              num_stages=3)  # fmt: skip
             return Config(tm=64, tk=64, tn=_divisor_tile(n, 256, 16), num_warps=8, num_stages=4)
         return Config(tm=tm, tk=32 if wide else 64, tn=_divisor_tile(n, 128, 16),
                       num_warps=8, num_stages=3 if wide else 4)  # fmt: skip

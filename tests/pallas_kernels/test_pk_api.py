@@ -144,7 +144,7 @@ def test_named_shape_patterns():
 def test_shared_memory_model_matches_what_the_h100_compiler_requested():
     """Figures the deviceless H100 compile reported (tests/accelerator checks every default)."""
     smem = config.triton_smem_bytes
-    assert smem("gmm", (128, 128, 128), pk.Config(num_stages=3), jnp.float32) == 327680
+    assert smem("gmm", (128, 128, 128), pk.Config(num_stages=3), jnp.float32) == 393216
     assert smem("tgmm", (128, 128, 128), pk.Config(num_stages=3), jnp.float32) == 393216
     assert smem("gmm", (128, 64, 128), pk.Config(num_stages=4), jnp.bfloat16) == 131072
     assert smem("tgmm", (64, 128, 128), pk.Config(num_stages=3), jnp.bfloat16) == 98304
@@ -159,12 +159,12 @@ def test_config_that_cannot_fit_is_rejected_before_tracing_naming_config_and_lim
             *args
         )
 
-    match = r"Config\(tm=128, tk=128, tn=128.*gmm at float32 on pallas_triton needs 327680 bytes"
+    match = r"Config\(tm=128, tk=128, tn=128.*gmm at float32 on pallas_triton needs 393216 bytes"
     with pytest.raises(ValueError, match=match + r".*limit is 232448"):
         trace("pallas_triton", big)
     with pytest.raises(ValueError, match=r"tk=32 must be a multiple of 128"):
         trace("pallas_tpu", pk.Config(64, 32, 128))
-    with pytest.raises(ValueError, match="pallas_triton needs 327680"):  # "pallas" checks every
+    with pytest.raises(ValueError, match="pallas_triton needs 393216"):  # "pallas" checks every
         trace("pallas", big)  # target it may be compiled for
     trace("pallas_triton", big, interpret=True)  # interpret mode has no shared-memory limit
     assert not pk.fits("gmm", "pallas_triton", big, jnp.float32)
