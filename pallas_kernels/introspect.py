@@ -108,9 +108,12 @@ _COMPILED_CALL = re.compile(
 )
 
 
+_WRAPPED = re.compile(r"\w+\((.*)\)")  # a transformation's scope: jit(f), transpose(jvp(f))
+
+
 def _kernel_name(scope: str) -> str:
-    if scope.startswith("jit(") and scope.endswith(")"):
-        scope = scope[4:-1]
+    while m := _WRAPPED.fullmatch(scope):
+        scope = m.group(1)
     if "=" in scope:  # a scope named after its parameters: keep the name before them
         scope = scope.split("=")[0].rsplit("_block", 1)[0]
     return scope

@@ -239,7 +239,10 @@ def _parse_ptxas(stderr: str) -> dict[int, dict[str, dict]]:
 def _parse_thunks(dump: pathlib.Path, index: int) -> dict[str, dict]:
     """Launch grid, threads and shared memory of each kernel of case `index`."""
     rows = {}
-    for path in dump.glob(f"*jit_case{index}.thunk_sequence_after_thunk_passes.txt"):
+    # XLA writes "thunk_sequence_after_thunk_passes" when its thunk passes changed the
+    # sequence, else only "thunk_sequence": read the last one written.
+    paths = sorted(dump.glob(f"*jit_case{index}.thunk_sequence*.txt"))
+    for path in paths[-1:]:
         for m in _THUNK.finditer(path.read_text()):
             grid = [int(v) for v in m.group(2).split(",")]
             threads = [int(v) for v in m.group(3).split(",")]
