@@ -116,13 +116,11 @@ def moe_apply_sharded(
     expert_config = config if placement is None else physical_config(config, placement)
     check_params(params, config, experts_config=expert_config)
     if wgrad is not None and (is_empty(x) or not _window_inside(strategy, axes)):
-        x, slots = _wgrad.collect(x, wgrad.weights, wgrad.templates)  # around the whole layer
-        y, aux = moe_apply_sharded(
-            params, x, config, mesh, strategy=strategy, implementation=implementation,
-            stagger=stagger, placement=placement,
+        layer = functools.partial(
+            moe_apply_sharded, params, config=config, mesh=mesh, strategy=strategy,
+            implementation=implementation, stagger=stagger, placement=placement,
         )  # fmt: skip
-        y, slots = _wgrad.hold(y, slots)
-        return y, aux, slots
+        return _wgrad.beside(layer, x, wgrad)  # no exchange to bound them by
     if is_empty(x):
         return empty_outputs(params["router"], x, config)
     _check(x, config, strategy, axes)
