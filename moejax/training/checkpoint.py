@@ -77,6 +77,11 @@ class CorruptCheckpoint(CheckpointError):
     """One checkpoint is unreadable or fails its checksums (the fallback skips it)."""
 
 
+class NonFiniteState(CheckpointError):
+    """An intact checkpoint whose arrays hold NaN or Inf (names the first array and the count);
+    restored only with `allow_nonfinite=True`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     """What `Checkpointer.restore_latest` restored.
@@ -149,17 +154,49 @@ def state_checksums(tree) -> dict:
     return out
 
 
-def _mismatches(tree, expected: dict) -> list[str]:
-    """Names of the arrays of `tree` that differ from their `expected` checksums."""
-    got = state_checksums(tree)
-    bad = []
-    for name in sorted(set(got) | set(expected)):
-        want, have = expected.get(name, "<missing>"), got.get(name, "<missing>")
-        if want is None or have is None:  # spans processes (written or restored): not checked
+def check_arrays(tree, expected: dict | None, *, partial: bool = False):
+    """One pass over the arrays of `tree` on the host: `(mismatched, nonfinite)`.
+
+    Args:
+      tree: a pytree of arrays (its leaf names as `leaf_name`).
+      expected: `{name: [crc32, shape, dtype]}` (`state_checksums`), or None (not checked).
+      partial: `tree` holds only some of `expected`'s arrays (e.g. the params of a state):
+        names it lacks are not mismatches.
+
+    Returns:
+      `mismatched`: names whose checksum, shape or dtype differ from `expected` (or that one
+      side lacks); `nonfinite`: `(name, count, size)` of every float array holding NaN or Inf.
+      Arrays that span processes are checked for neither (no host copy on one process).
+    """
+    got, nonfinite = {}, []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = leaf_name(path)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            got[name] = None
             continue
-        if want != have:
-            bad.append(name)
-    return bad
+        host = np.asarray(jax.device_get(leaf))
+        got[name] = [array_checksum(host), list(host.shape), str(host.dtype)]
+        if jax.numpy.issubdtype(host.dtype, jax.numpy.inexact):
+            bad = host.size - int(np.count_nonzero(np.isfinite(host)))
+            if bad:
+                nonfinite.append((name, bad, host.size))
+    mismatched = []
+    if expected is not None:
+        names = set(got) if partial else set(got) | set(expected)
+        for name in sorted(names):
+            want, have = expected.get(name, "<missing>"), got.get(name, "<missing>")
+            if want is None or have is None:  # spans processes (written or restored)
+                continue
+            if want != have:
+                mismatched.append(name)
+    return mismatched, nonfinite
+
+
+def nonfinite_message(where: str, nonfinite: list) -> str:
+    """One line naming the first array holding NaN/Inf, its count, and how many more."""
+    name, bad, size = nonfinite[0]
+    more = f" (and {len(nonfinite) - 1} more arrays)" if len(nonfinite) > 1 else ""
+    return f"{where}: array {name} holds {bad} NaN/Inf values of {size}{more}"
 
 
 class Checkpointer:
@@ -176,6 +213,8 @@ class Checkpointer:
       keep: keep this many most recent checkpoints.
       async_save: write in a background thread (the step loop only waits for the device-to-host
         copy).
+      allow_nonfinite: restore a state holding NaN or Inf (default: a CheckpointError naming
+        the array and the count; such a checkpoint is intact, so it is not skipped).
 
     Raises:
       CheckpointError: the directory holds something else.
@@ -189,8 +228,10 @@ class Checkpointer:
         *,
         keep: int = 3,
         async_save: bool = True,
+        allow_nonfinite: bool = False,
     ):
         self.directory = os.path.abspath(directory)
+        self.allow_nonfinite = allow_nonfinite
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg
         self.keep = keep
@@ -329,7 +370,71 @@ class Checkpointer:
         return None
 
     def _load(self, step: int, target: dict) -> tuple[dict, dict, bool]:
-        """(state dict, meta, verified) of checkpoint `step`; raises CorruptCheckpoint."""
+        """(state dict, meta, verified) of checkpoint `step`; raises CorruptCheckpoint, or
+        CheckpointError for another model or NaN/Inf in the state (unless allowed)."""
+        ocp = self._ocp
+        path = os.path.join(self.directory, str(step))
+
+        def corrupt(why):
+            return CorruptCheckpoint(f"checkpoint {path}: {why}")
+
+        meta, checksums = self._read_meta(step)
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )["state"]
+        except Exception as err:
+            raise corrupt(f"array data cannot be read ({_first_line(err)})") from None
+        self._check_arrays(restored, checksums, path)
+        try:
+            meta["placement"] = _placement_from_meta(meta["placement"])
+        except Exception as err:
+            raise corrupt(f"metadata placement unreadable ({_first_line(err)})") from None
+        return restored, meta, checksums is not None
+
+    def _check_arrays(self, tree, checksums: dict | None, path: str, partial=False) -> None:
+        expected = None if checksums is None else checksums["arrays"]
+        bad, nonfinite = check_arrays(tree, expected, partial=partial)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise CorruptCheckpoint(f"checkpoint {path}: array {bad[0]} fails its checksum{more}")
+        if nonfinite and not self.allow_nonfinite:
+            raise NonFiniteState(nonfinite_message(f"checkpoint {path}", nonfinite))
+
+    def restore_params(self, step: int, target: dict) -> tuple[dict, dict]:
+        """The parameters of checkpoint `step` only (not the optimizer state), verified against
+        their checksums: `(params, meta)`.
+
+        Args:
+          step: a finished step.
+          target: the parameter tree of `jax.ShapeDtypeStruct`s with shardings.
+
+        Raises:
+          CorruptCheckpoint: unreadable, or an array failing its checksum. CheckpointError:
+            another model. NonFiniteState: NaN/Inf in the parameters (unless
+            `allow_nonfinite`).
+        """
+        ocp = self._ocp
+        path = os.path.join(self.directory, str(step))
+        meta, checksums = self._read_meta(step)
+        item = {"params": target}
+        restore = ocp.args.PyTreeRestore(
+            item=item,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True,  # the params only, not the optimizer state
+        )
+        try:
+            params = ocp.PyTreeCheckpointer().restore(os.path.join(path, "state"), args=restore)
+        except Exception as err:
+            raise CorruptCheckpoint(
+                f"checkpoint {path}: array data cannot be read ({_first_line(err)})"
+            ) from None
+        self._check_arrays(params, checksums, path, partial=True)
+        return params["params"], meta
+
+    def _read_meta(self, step: int) -> tuple[dict, dict | None]:
+        """(meta, checksums or None) of checkpoint `step`, checked against each other and the
+        model; raises CorruptCheckpoint, or CheckpointError for another model."""
         ocp = self._ocp
         path = os.path.join(self.directory, str(step))
 
@@ -361,22 +466,7 @@ class Checkpointer:
             why = f"lacks {missing}" if missing else f"says step {meta['step']}"
             raise corrupt(f"metadata {why}")
         self._check_model(meta.get("model", {}), path)
-        try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-            )["state"]
-        except Exception as err:
-            raise corrupt(f"array data cannot be read ({_first_line(err)})") from None
-        if checksums is not None:
-            bad = _mismatches(restored, checksums["arrays"])
-            if bad:
-                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-                raise corrupt(f"array {bad[0]} fails its checksum{more}")
-        try:
-            meta["placement"] = _placement_from_meta(meta["placement"])
-        except Exception as err:
-            raise corrupt(f"metadata placement unreadable ({_first_line(err)})") from None
-        return restored, meta, checksums is not None
+        return meta, checksums
 
     def _check_model(self, saved: dict, path: str) -> None:
         here = _flat_config(self.model_cfg)
