@@ -7,7 +7,8 @@ A checkpoint of step `t` is the orbax step directory `<dir>/<t>/` with three ite
 - `meta`: JSON: `format`, the model config, the data-iterator state (`seed`, `epoch`,
   `position`), the expert placement of every MoE layer (`slot_to_expert [Lm][P]`, `num_devices`,
   `slots_per_device`), the placement controller's state (`PlacementRuntime.checkpoint_state`,
-  None without a controller), the mesh it was written on, and the train config (informational);
+  None without a controller), the mesh it was written on, and the train config (compared on
+  resume: `moejax.training.resume`);
 - `checksums`: JSON: the CRC-32 of every array's bytes (C order, as saved) by its name
   (`params.layers[1].moe.experts.w_up`), with its shape and dtype, and the CRC-32 of `meta`
   (canonical JSON). Computed on the host copy of the state when it is saved; verified after
@@ -26,7 +27,11 @@ newest intact one is restored. Skipped checkpoints newer than it are never delet
 renamed `<t>.corrupt` (so the resumed run can write step `t` again) for inspection. With no
 intact checkpoint, `CheckpointError` names every step tried and why, and nothing is touched.
 A checkpoint written before checksums existed (no `checksums` item) is restored unverified,
-with a warning.
+with a warning. An intact checkpoint for another model (`ResumeMismatch`) or whose arrays hold
+NaN or Inf (`NonFiniteState`, naming the array and the count; unless `allow_nonfinite`) is an
+error, not skipped: the files are fine, the request is not.
+`Checkpointer.restore_params` reads and verifies the parameters alone (`convert_hf.py to-hf
+--checkpoint`).
 
 Rotation (keep the newest `keep`) runs before each save and on `close`, once the previous save
 has finished; it deletes older checkpoints only after the newest one has been verified (read
@@ -44,21 +49,25 @@ and the identity placement of the new mesh is used.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import sys
-import zlib
 
 import jax
 import numpy as np
 
 from moejax.models import LMConfig
 from moejax.training._config import TrainConfig
+from moejax.training.checksums import CHECKSUM_FORMAT as CHECKSUM_FORMAT
+from moejax.training.checksums import array_checksum as array_checksum
+from moejax.training.checksums import check_arrays as check_arrays
+from moejax.training.checksums import leaf_name as leaf_name
+from moejax.training.checksums import meta_checksum as meta_checksum
+from moejax.training.checksums import nonfinite_message as nonfinite_message
+from moejax.training.checksums import state_checksums as state_checksums
 from moejax.training.state import TrainState
 
 FORMAT = "moejax-lm-train/1"
-CHECKSUM_FORMAT = "moejax-checksums/1"
 _ITEMS = ("state", "meta", "checksums")
 # Entries of a checkpoint directory: finished steps, orbax's unfinished saves, and checkpoints
 # set aside by the fallback.
@@ -75,6 +84,19 @@ class CheckpointError(ValueError):
 
 class CorruptCheckpoint(CheckpointError):
     """One checkpoint is unreadable or fails its checksums (the fallback skips it)."""
+
+
+class ResumeMismatch(CheckpointError):
+    """A checkpoint written with other settings than a resume may change (`moejax.training.
+    resume`): another model, batch or seed. Names the field and both values.
+
+    Attributes:
+      field: `"model.d_model"`, `"seed"`, ...; saved, current: its two values.
+    """
+
+    def __init__(self, message: str, *, field: str, saved, current):
+        super().__init__(message)
+        self.field, self.saved, self.current = field, saved, current
 
 
 class NonFiniteState(CheckpointError):
@@ -114,89 +136,6 @@ def _flat_config(cfg) -> dict:
 
 def _state_dict(state: TrainState) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-
-
-def leaf_name(path) -> str:
-    """`params.layers[1].moe.experts.w_up`: a readable name of a pytree key path."""
-    out = ""
-    for key in path:
-        if isinstance(key, jax.tree_util.SequenceKey):
-            out += f"[{key.idx}]"
-        elif isinstance(key, jax.tree_util.DictKey):
-            out += f".{key.key}"
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            out += f".{key.name}"
-        else:
-            out += f".{key}"
-    return out.lstrip(".")
-
-
-def array_checksum(x: np.ndarray) -> int:
-    """CRC-32 of an array's bytes in C order."""
-    x = np.ascontiguousarray(x)
-    return zlib.crc32(x.reshape(-1).view(np.uint8))
-
-
-def meta_checksum(meta: dict) -> int:
-    """CRC-32 of `meta` as canonical JSON (as read back: tuples are lists)."""
-    return zlib.crc32(json.dumps(json.loads(json.dumps(meta)), sort_keys=True).encode())
-
-
-def state_checksums(tree) -> dict:
-    """`{name: [crc32, shape, dtype]}` of every array of `tree` (None where it spans processes)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            out[leaf_name(path)] = None
-            continue
-        host = np.asarray(jax.device_get(leaf))
-        out[leaf_name(path)] = [array_checksum(host), list(host.shape), str(host.dtype)]
-    return out
-
-
-def check_arrays(tree, expected: dict | None, *, partial: bool = False):
-    """One pass over the arrays of `tree` on the host: `(mismatched, nonfinite)`.
-
-    Args:
-      tree: a pytree of arrays (its leaf names as `leaf_name`).
-      expected: `{name: [crc32, shape, dtype]}` (`state_checksums`), or None (not checked).
-      partial: `tree` holds only some of `expected`'s arrays (e.g. the params of a state):
-        names it lacks are not mismatches.
-
-    Returns:
-      `mismatched`: names whose checksum, shape or dtype differ from `expected` (or that one
-      side lacks); `nonfinite`: `(name, count, size)` of every float array holding NaN or Inf.
-      Arrays that span processes are checked for neither (no host copy on one process).
-    """
-    got, nonfinite = {}, []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = leaf_name(path)
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            got[name] = None
-            continue
-        host = np.asarray(jax.device_get(leaf))
-        got[name] = [array_checksum(host), list(host.shape), str(host.dtype)]
-        if jax.numpy.issubdtype(host.dtype, jax.numpy.inexact):
-            bad = host.size - int(np.count_nonzero(np.isfinite(host)))
-            if bad:
-                nonfinite.append((name, bad, host.size))
-    mismatched = []
-    if expected is not None:
-        names = set(got) if partial else set(got) | set(expected)
-        for name in sorted(names):
-            want, have = expected.get(name, "<missing>"), got.get(name, "<missing>")
-            if want is None or have is None:  # spans processes (written or restored)
-                continue
-            if want != have:
-                mismatched.append(name)
-    return mismatched, nonfinite
-
-
-def nonfinite_message(where: str, nonfinite: list) -> str:
-    """One line naming the first array holding NaN/Inf, its count, and how many more."""
-    name, bad, size = nonfinite[0]
-    more = f" (and {len(nonfinite) - 1} more arrays)" if len(nonfinite) > 1 else ""
-    return f"{where}: array {name} holds {bad} NaN/Inf values of {size}{more}"
 
 
 class Checkpointer:
@@ -327,24 +266,28 @@ class Checkpointer:
         state, meta, _ = self._load(step, _state_dict(target))
         return TrainState(**state), meta
 
-    def restore_latest(self, target: TrainState, *, log=None) -> Restored | None:
+    def restore_latest(self, target: TrainState, *, log=None, check=None) -> Restored | None:
         """Restore the newest intact checkpoint (module docstring: fallback); None if none exist.
 
         Args:
           target: as for `restore`.
           log: called with one line per checkpoint skipped (once an intact one is found) or
             restored unverified (default: print to stderr on process 0).
+          check: called as `check(meta, path)` with the metadata of each readable checkpoint
+            before its arrays are read; what it raises propagates, before any newer corrupt
+            checkpoint is moved aside (`moejax.training.resume.check`).
 
         Raises:
           CheckpointError: no checkpoint is intact (names each step tried and why; nothing is
-            touched), or one is for another model.
+            touched); `ResumeMismatch`: one is for another model (or what `check` raises);
+            `NonFiniteState`: the state holds NaN/Inf (unless `allow_nonfinite`).
         """
         log = log or _log
         tried = []
         for step in reversed(self.all_steps()):
             path = os.path.join(self.directory, str(step))
             try:
-                state, meta, verified = self._load(step, _state_dict(target))
+                state, meta, verified = self._load(step, _state_dict(target), check)
             except CorruptCheckpoint as err:
                 tried.append((step, str(err)))
                 continue
@@ -369,7 +312,7 @@ class Checkpointer:
             )
         return None
 
-    def _load(self, step: int, target: dict) -> tuple[dict, dict, bool]:
+    def _load(self, step: int, target: dict, check=None) -> tuple[dict, dict, bool]:
         """(state dict, meta, verified) of checkpoint `step`; raises CorruptCheckpoint, or
         CheckpointError for another model or NaN/Inf in the state (unless allowed)."""
         ocp = self._ocp
@@ -379,6 +322,8 @@ class Checkpointer:
             return CorruptCheckpoint(f"checkpoint {path}: {why}")
 
         meta, checksums = self._read_meta(step)
+        if check is not None:
+            check(meta, path)
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
@@ -477,9 +422,12 @@ class Checkpointer:
                 continue  # a model option added after the checkpoint was written, left off
             a, b = saved.get(key, "<missing>"), here.get(key, "<missing>")
             if a != b and not (isinstance(a, list) and tuple(a) == b):
-                raise CheckpointError(
+                raise ResumeMismatch(
                     f"checkpoint {path} was written for a different model: "
-                    f"{key}={a!r} there, {b!r} here"
+                    f"{key}={a!r} there, {b!r} here",
+                    field=f"model.{key}",
+                    saved=a,
+                    current=b,
                 )
 
     def _set_aside(self, step: int) -> str:
