@@ -78,7 +78,7 @@ def write_converted(
     """
     import orbax.checkpoint as ocp
 
-    from moejax.training.checkpoint import CHECKSUM_FORMAT, state_checksums
+    from moejax.training.checksums import CHECKSUM_FORMAT, state_checksums
 
     with OutputDir(path, kind="converted", overwrite=overwrite, inputs=inputs) as out:
         ckptr = ocp.StandardCheckpointer()
@@ -171,7 +171,7 @@ def restore_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinite: bool
     """
     import orbax.checkpoint as ocp
 
-    from moejax.training.checkpoint import check_arrays, nonfinite_message
+    from moejax.training.checksums import check_arrays, nonfinite_message
 
     path = os.path.abspath(path)
     sums_file = os.path.join(path, CHECKSUMS_JSON)
