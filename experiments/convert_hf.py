@@ -30,6 +30,7 @@ tensor or field) and exits 2, with nothing written.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     to_hf.add_argument("--checkpoint", help="a training checkpoint step dir to take params from")
     to_hf.add_argument("--layout", default="per_expert", choices=("per_expert", "fused"))
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    to_hf.add_argument("--max-shard-gb", type=float, default=5.0)
+    to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="the largest shard, > 0")
     for q in (to_orbax, to_hf):
         q.add_argument(
             "--overwrite", action="store_true", help="replace an earlier output of this script"
@@ -90,6 +91,7 @@ def to_orbax(args) -> str:
 
 
 def to_hf(args) -> str:
+    from moejax.interop.hf import CheckpointError
     from moejax.interop.hf._converted import (
         params_of_train_checkpoint,
         read_converted,
@@ -98,6 +100,8 @@ def to_hf(args) -> str:
     from moejax.interop.hf._model import save_hf_model
     from moejax.interop.hf._outputs import check_output
 
+    if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
+        raise CheckpointError(f"--max-shard-gb={args.max_shard_gb}: need a number > 0")
     inputs = [args.converted] + ([args.checkpoint] if args.checkpoint else [])
     check_output(args.out, overwrite=args.overwrite, inputs=inputs)  # before reading
     cfg, hf_config, _ = read_converted(args.converted)

@@ -8,6 +8,7 @@ directory; config.json files of the wrong types or with counts that no file hold
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -271,3 +272,19 @@ def test_hub_cache_snapshot_symlinks_into_its_blobs_are_read(tmp_path):
     os.symlink("../../blobs/f00d", snapshot / "model.safetensors")
     ckpt = hf.SafetensorsCheckpoint(snapshot)
     np.testing.assert_array_equal(ckpt["b"], [2.0, 3.0])
+
+
+def test_bad_arguments_are_one_line(tmp_path, model_dir, capsys):
+    for args in (
+        ["to-orbax", str(model_dir / "config.json"), str(tmp_path / "a")],  # a file, not a dir
+        ["to-orbax", str(tmp_path / "missing"), str(tmp_path / "b")],
+        ["to-hf", str(model_dir), str(tmp_path / "c"), "--max-shard-gb", "nan"],
+        ["to-hf", str(model_dir), str(tmp_path / "d"), "--max-shard-gb", "0"],
+        ["to-hf", str(model_dir)],  # argparse: one line too
+    ):
+        with pytest.raises(SystemExit) if len(args) == 2 else contextlib.nullcontext():
+            code = convert_hf.main([*args, "--no-progress"])
+            assert code == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert os.listdir(tmp_path) == []

@@ -43,6 +43,7 @@ is the one of the published checkpoints; the fused one is transformers 5's in-me
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable
 from typing import Literal
@@ -406,6 +407,9 @@ def load_hf_model(
         not a float, NaN or Inf, an unsupported config or one whose layer or expert count is
         not what the files hold; the message names the file and the tensor (or the field).
     """
+    if not os.path.isdir(path):
+        what = "missing" if not os.path.lexists(path) else "not a directory"
+        raise CheckpointError(f"{what}; need a Hugging Face checkpoint directory", file=str(path))
     hf_config = read_config(path)
     cfg, family = lm_config_from_hf(hf_config, param_dtype=param_dtype)
     source = SafetensorsCheckpoint(path, allow_nonfinite=allow_nonfinite)
