@@ -14,7 +14,9 @@ says which a family has. `FLOAT_DTYPES` are the tensor dtypes a block's paramete
 - `SafetensorsCheckpoint(path)`: the package's one safetensors reader, a lazy Mapping over a
   checkpoint directory (sharded or not) that validates every header and index on opening and
   refuses NaN/Inf weights (`NonFiniteError`) unless `allow_nonfinite=True`;
-  `CheckpointWriter` / `save_safetensors`: atomic writing (temporary directory, then rename);
+  `CheckpointWriter` / `save_safetensors`: atomic writing (a temporary sibling swapped into
+  place; an existing directory is replaced only if it is an earlier moejax output and
+  `overwrite=True`);
   `read_config(path)`.
 - Whole decoders (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): `lm_config_from_hf(config)` ->
   `LMConfig`; `load_hf_model(path, mesh=...)` streams a checkpoint directory onto a mesh;
