@@ -49,6 +49,7 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 
 import numpy as np
 from tqdm import tqdm
@@ -298,7 +299,11 @@ def print_deepseek(result: dict) -> None:
 
 def _traces(args, num_devices: int, wl: Workload) -> dict[str, np.ndarray]:
     if args.trace:
-        trace = load_trace(args.trace).astype(np.float64)  # [steps, L, E]
+        try:
+            trace = load_trace(args.trace).astype(np.float64)  # [steps, L, E]
+        except (ValueError, OSError) as err:  # an unreadable or empty trace: one line
+            print(f"error: --trace {args.trace}: {err}", file=sys.stderr)
+            sys.exit(2)
         if args.trace_rows == "workload":
             # The recorded run gives the routing distribution; the workload gives the size.
             total = trace.sum(-1, keepdims=True)

@@ -7,7 +7,12 @@ table and the paths of everything written under `--out` (default `runs/<preset>`
 `expert_load.png`, `tuning_events.jsonl`. The parallel strategy is chosen by timing train steps
 within a budget (`--strategy auto`, `moejax.training.tuning`); the summary says which and why.
 Rerunning with the same `--out` resumes from the newest intact checkpoint and says from which
-step (checkpoints are checksummed; a corrupt one is reported in one line and skipped).
+step (checkpoints are checksummed; a corrupt one is reported in one line and skipped). A resume
+with another model (--preset, --init-from), --batch-size, --seq-len or --seed is refused (they
+decide which batches come next); other changed flags (--lr, --steps, ...) are applied from the
+resumed step, listed in one line (`moejax.training.resume`). A run locks its --out
+(`.moejax-run.lock`): a second run there exits 2 naming the first; the lock of a killed run is
+taken over with a message. --out must be new, empty or a run directory.
 
   python experiments/train_lm.py                                   # tiny, 2x4 mesh
   python experiments/train_lm.py --preset small --steps 500 --mesh 2,4
@@ -23,9 +28,12 @@ step (checkpoints are checksummed; a corrupt one is reported in one line and ski
 Exit codes: 0 done (or stopped by SIGTERM / Ctrl-C after saving a checkpoint); 2 an input error,
 one line per mistake, before anything is written (a bad flag value, missing/empty corpus,
 unknown preset, a mesh that does not divide the batch, the experts, the heads or the widths, an
---out that is a file or not writable, a foreign checkpoint directory or one with symlinked
-steps, no intact checkpoint); 3 the run failed (more than --max-skipped-fraction of its steps
-skipped as non-finite); 130 a Ctrl-C outside a training step (a second one aborts the save).
+--out that is a file or not writable, in use by another run or holding files moejax did not
+write, a foreign checkpoint directory or one with symlinked steps, no intact checkpoint, a resume
+with another model, batch or seed, a checkpoint or --init-from model failing its checksums or
+holding NaN/Inf without --allow-nonfinite); 3 the run failed (more than --max-skipped-fraction
+of its steps skipped as non-finite); 130 a Ctrl-C outside a training step (a second one aborts
+the save).
 """
 
 from __future__ import annotations
@@ -172,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--expert-slots",
         type=int,
-        help="expert slots per device of the expert axis (default with --placement: "
-        "E/N + max(1, E/N // 2))",
+        help="expert slots per device of the expert axis, >= 1 (default: none without "
+        "--placement, E/N + max(1, E/N // 2) with it)",
     )
     p.add_argument(
         "--placement-hardware",
@@ -199,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a converted Hugging Face model (experiments/convert_hf.py to-orbax): "
         "its architecture replaces the preset's model, the preset gives the training settings",
     )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="start or resume from weights holding NaN/Inf (--init-from, checkpoints)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     return p
 
@@ -216,6 +229,11 @@ def check_flags(args) -> None:
     if args.max_bytes is not None and args.max_bytes < 1:
         raise InputError(
             f"--max-bytes={args.max_bytes}: must be >= 1 (omit it for the default corpus size)"
+        )
+    if args.expert_slots is not None and args.expert_slots < 1:
+        raise InputError(
+            f"--expert-slots={args.expert_slots}: must be >= 1 (omit it: no placement without "
+            "--placement, the default slots with it)"
         )
     if args.num_processes < 1:
         raise InputError(f"--num-processes={args.num_processes}: must be >= 1")
@@ -514,6 +532,7 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
         outputs=not args.no_outputs,
         controller=_controller(args, model_cfg, train_cfg, mesh),
         init_params=_init_params(args, model_cfg),
+        allow_nonfinite=args.allow_nonfinite,
     )
     if primary and result.interrupted:
         print(
@@ -547,7 +566,9 @@ def _init_params(args, model_cfg):
         return None
     from moejax.interop.hf._converted import restore_params
 
-    return lambda mesh: restore_params(args.init_from, model_cfg, mesh)
+    return lambda mesh: restore_params(
+        args.init_from, model_cfg, mesh, allow_nonfinite=args.allow_nonfinite
+    )
 
 
 def main(argv=None) -> int:
@@ -560,7 +581,8 @@ def main(argv=None) -> int:
         from moejax.training import INPUT_ERRORS
 
         try:  # inside training only the library's input errors are one line; bugs keep tracebacks
-            return run(args, *inputs)
+            with _run_lock(args):  # around the outputs too
+                return run(args, *inputs)
         except INPUT_ERRORS as err:
             return _fail(err, args)
     except KeyboardInterrupt:  # before the training loop, or a second Ctrl-C inside it
@@ -574,11 +596,48 @@ def main(argv=None) -> int:
         return 130
 
 
+def _run_lock(args):
+    """The run directory's lock on process 0 (`moejax.training.rundir`): taken by `train` once
+    its inputs are checked, held until the outputs here are written."""
+    import contextlib
+
+    import jax
+
+    from moejax.training import rundir
+
+    if jax.process_index():
+        return contextlib.nullcontext()
+    run_dir = args.out or os.path.join("runs", args.preset)
+    return rundir.run_lock(run_dir, lazy=True)
+
+
 def _fail(err: ValueError, args) -> int:
     if args.debug:
         raise err
-    print(f"error: {err}", file=sys.stderr)
+    print(f"error: {_flag_prefix(err, args)}{err}{_hint(err)}", file=sys.stderr)
     return 2
+
+
+def _flag_prefix(err, args) -> str:
+    """`--seed: ` for a resume refused over a flag's value, `--out: ` for a busy run dir."""
+    from moejax.training import ResumeMismatch, RunDirError
+
+    if isinstance(err, RunDirError):
+        return "--out: "
+    if not isinstance(err, ResumeMismatch):
+        return ""
+    if err.field.startswith("model."):
+        return "--init-from: " if args.init_from else f"--preset={args.preset}: "
+    flag = _FLAG_OF.get(err.field)
+    return f"{flag}={err.current}: " if flag else ""
+
+
+def _hint(err) -> str:
+    from moejax.interop.hf import NonFiniteError
+    from moejax.training.checkpoint import NonFiniteState
+
+    nonfinite = isinstance(err, NonFiniteError | NonFiniteState)
+    return "; pass --allow-nonfinite to accept it" if nonfinite else ""
 
 
 if __name__ == "__main__":

@@ -418,9 +418,19 @@ class PlacementController:
                 accepted=False,
                 reason=f"min_interval: {step - last} < {cfg.min_interval} steps",
             )
+        perfect = perfect_cost(ema, old.num_devices, hw, wl).total_s
+        if not perfect > 0:  # no rows routed to this layer (yet): nothing to balance
+            self._streak[layer] = 0
+            return Decision(
+                **record,
+                bytes_moved=0,
+                migration_s=0.0,
+                accepted=False,
+                reason="no rows routed to this layer: nothing to balance",
+            )
         imbalance = old.imbalance(ema)
         now = _step_cost(old, ema, hw, wl).total_s
-        over = now / perfect_cost(ema, old.num_devices, hw, wl).total_s
+        over = now / perfect
         floor = self._settled_cost[layer] * (1.0 + cfg.min_relative_gain)
         if over < floor:
             # Cheap trigger: the planner only runs once the modeled step (replica sync
