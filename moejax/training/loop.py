@@ -64,7 +64,7 @@ class RunResult:
     run_dir: str
     step: int  # steps done in total (including earlier runs this one resumed)
     steps_this_run: int
-    final_loss: float | None  # mean train loss of the last 20 steps
+    final_loss: float | None  # mean train loss of the last `final_loss_steps` steps
     eval_loss: float | None  # mean held-out loss (None without eval data)
     unigram_entropy: float
     skipped: int
@@ -83,6 +83,7 @@ class RunResult:
     placement: dict | None = None  # PlacementRuntime.summary: re-placements and their overhead
     placements: tuple = ()  # the final `Placement` of every MoE layer (the state's layout)
     tuning: dict | None = None  # tuning.StepRunner.summary: the strategy chosen and why
+    final_loss_steps: int = 20  # `report.loss_window` of the run's steps
 
 
 class SetupError(ValueError):
@@ -515,7 +516,8 @@ def _evaluate(
 
 def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, interrupted):
     step = int(jax.device_get(state.step))
-    finite = [r["loss"] for r in records[-20:] if r["loss"] is not None]
+    window = report.loss_window(len(records))
+    finite = [r["loss"] for r in records[-window:] if r["loss"] is not None]
     timed = records[1:] if len(records) > 1 else records  # the first includes compilation
 
     def median(key):
@@ -541,6 +543,7 @@ def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, i
         wall_s=wall,
         interrupted=interrupted,
         records=records,
+        final_loss_steps=window,
     )
 
 
