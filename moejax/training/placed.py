@@ -210,9 +210,9 @@ def to_logical(state, placements, model_cfg, train_cfg, mesh=None):
 # router is untrained at step 0 and its routing moves fastest in the first steps; on the tiny LM
 # a re-placement decided on the first two steps' counts measured a rise of the imbalance, and
 # the first ones, forecast before any candidate was measured, measured falls far below their
-# forecasts. Replayed on two tiny-LM traces with measured CPU figures, this warm-up cut the
-# modeled MoE time of the run (replica sync and migrations included) by 0.6-2.4% against no
-# warm-up (BENCHMARKS.md, "Placement in training").
+# forecasts. Replayed on three tiny-LM traces with the CPU figures measured for one of them, the
+# modeled MoE time (replica sync and migrations included) was 1.8-2.2% below the same controller
+# without the warm-up (BENCHMARKS.md, "Placement in training").
 TRAINING_CONTROLLER = ControllerConfig(warmup_steps=10, min_calibration=1)
 
 # The datasheet figures `hardware="auto"` prices with on each accelerator platform.
