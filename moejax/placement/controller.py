@@ -339,8 +339,8 @@ class PlacementController:
     @property
     def realized_ratio(self) -> float:
         """Measured over in-sample imbalance fall of the last ``calibration_events``
-        re-placements measured to the end of their window (``FallTracker.ratio``; 1.0 before
-        the first)."""
+        candidates (applied or not) measured to the end of their window
+        (``FallTracker.ratio``; 1.0 before the first)."""
         return self.realized.ratio
 
     def forecast(self, layer: int, old: Placement, new: Placement) -> tuple[float, float]:
@@ -349,8 +349,8 @@ class PlacementController:
 
         ``before`` is ``old``'s mean per-step imbalance over the last ``forecast_window``
         steps; the in-sample fall ``before - per_step_imbalance(layer, new)`` is scaled by
-        ``realized_ratio``, the share of such falls that this run's last re-placements
-        measured on the steps after them (routing drifts away from the steps a plan fitted).
+        ``realized_ratio``, the share of such falls that this run's last candidates measured
+        on the steps after them (routing drifts away from the steps a plan fitted).
         """
         before, after = self.per_step_imbalance(layer, old), self.per_step_imbalance(layer, new)
         # after + (1 - r) fall, not before - r fall: exactly the in-sample figure while r = 1.
@@ -368,11 +368,12 @@ class PlacementController:
         rises, and a balance gain that the run's last candidates did not measure does not pay.
         """
         hw, wl = self.hardware, self.workload
-        routed = [
-            [(c.compute_s + c.all_to_all_s) for c in (_step_cost(p, n, hw, wl) for p in (old, new))]
-            for n in self._window(layer)
-        ]
-        balance = float(np.mean([a - b for a, b in routed]))
+
+        def routed(placement, counts):
+            cost = _step_cost(placement, counts, hw, wl)
+            return cost.compute_s + cost.all_to_all_s
+
+        balance = float(np.mean([routed(old, n) - routed(new, n) for n in self._window(layer)]))
         sync = replica_sync_s(old, hw, wl) - replica_sync_s(new, hw, wl)
         return self.realized_ratio * balance + (1.0 - wl.replica_sync_overlap) * sync
 
