@@ -249,15 +249,31 @@ def _params(kind: str):
             continue
         slow = plan.slow or (kind == "run" and plan.how == "flags")
         marks = [pytest.mark.slow] if slow else []
-        out.append(pytest.param(c, id=f"line{c.line}", marks=marks))
+        out.append(pytest.param(c, id=f"line{c.line}-{_slug(c.text)}", marks=marks))
     return out
+
+
+def _slug(command: str) -> str:
+    """`python experiments/train_lm.py ...` -> `train_lm`, `jupyter nbconvert ...` -> `jupyter`."""
+    tokens = command.split()
+    script = tokens[1] if tokens[0].startswith("python") and len(tokens) > 1 else tokens[0]
+    return os.path.splitext(os.path.basename(script))[0]
 
 
 def _prepare(tmp_path, setups) -> None:
     """The scratch directory stands for the repository root: its scripts, and what a command
     expects to find (a run it reads, your text files)."""
-    for name in ("experiments", "tests", "pallas_kernels", "moejax"):
+    for name in ("tests", "pallas_kernels", "moejax"):
         (tmp_path / name).symlink_to(os.path.join(ROOT, name))
+    # experiments/ itself a directory: Jupyter runs a notebook in its own folder, which must
+    # lie under the scratch root for the notebook to write to the scratch runs/ (os.getcwd()
+    # resolves links).
+    (tmp_path / "experiments").mkdir()
+    for entry in os.scandir(os.path.join(ROOT, "experiments")):
+        if entry.name == "notebooks":
+            shutil.copytree(entry.path, tmp_path / "experiments" / entry.name)
+        elif entry.name != "__pycache__":
+            (tmp_path / "experiments" / entry.name).symlink_to(entry.path)
     fixture = os.path.join(ROOT, "tests", "placement", "fixtures", "tiny_lm_routing_100.npy")
     if "tiny_trace" in setups:
         (tmp_path / "runs" / "tiny").mkdir(parents=True)
