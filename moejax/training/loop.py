@@ -244,8 +244,9 @@ def train(
         step's expert counts one step late (`observe(step, counts [Lm, E])`) and returns
         accepted `moejax.placement.Decision`s, which the loop applies between steps (a jitted
         gather of the expert parameters and moments, compiled in the background at start).
-        Events go to `placement_events.jsonl` and are marked in `loss.png`. None: the placement
-        stays as initialised (or as resumed).
+        Events go to `placement_events.jsonl` and are marked in `loss.png`; every check of a
+        controller with a `log` (accepted or declined, with its reason) goes to
+        `placement_decisions.jsonl`. None: the placement stays as initialised (or as resumed).
       init_params: None, or `mesh -> params` (logical expert order, on `mesh`'s parameter
         shardings): a fresh run starts from these parameters instead of the initialiser's,
         e.g. a converted Hugging Face model (`moejax.interop.hf`); a resumed run ignores it.
