@@ -45,18 +45,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     to_orbax = sub.add_parser("to-orbax", help="Hugging Face directory -> converted directory")
-    to_orbax.add_argument("hf_dir")
-    to_orbax.add_argument("out")
+    to_orbax.add_argument(
+        "hf_dir", help="Hugging Face model directory: config.json and *.safetensors (or shards)"
+    )
+    to_orbax.add_argument(
+        "out", help="converted directory to write (orbax params, model.json, hf_config.json)"
+    )
     to_orbax.add_argument(
         "--param-dtype", default="float32", choices=("float32", "bfloat16"), help="stored params"
     )
     to_hf = sub.add_parser("to-hf", help="converted directory -> Hugging Face directory")
-    to_hf.add_argument("converted")
-    to_hf.add_argument("out")
+    to_hf.add_argument("converted", help="a directory written by to-orbax")
+    to_hf.add_argument(
+        "out", help="Hugging Face directory to write (config.json and safetensors shards)"
+    )
     to_hf.add_argument("--checkpoint", help="a training checkpoint step dir to take params from")
-    to_hf.add_argument("--layout", default="per_expert", choices=("per_expert", "fused"))
-    to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="the largest shard, > 0")
+    to_hf.add_argument(
+        "--layout",
+        default="per_expert",
+        choices=("per_expert", "fused"),
+        help="expert tensors one per expert (as published) or fused (transformers 5); "
+        "default per_expert",
+    )
+    to_hf.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="tensor dtype written (default: config.json's torch_dtype, else float32)",
+    )
+    to_hf.add_argument(
+        "--max-shard-gb", type=float, default=5.0, help="largest safetensors shard, > 0 (default 5)"
+    )
     for q in (to_orbax, to_hf):
         q.add_argument(
             "--overwrite", action="store_true", help="replace an earlier output of this script"

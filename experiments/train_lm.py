@@ -185,10 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--placement-hardware",
-        default="h100-nvlink",
-        choices=("h100-nvlink", "h100-ib", "tpu-v5p-ici", "measured"),
-        help="hardware figures the placement controller's cost model decides with: datasheet "
-        "figures, or 'measured' on this mesh at start (a matmul and an all-to-all)",
+        default="auto",
+        choices=("auto", "measured", "h100-nvlink", "h100-ib", "tpu-v5p-ici"),
+        help="hardware figures the placement controller's cost model decides with (and prices "
+        "migrations at): 'measured' on this mesh at start (a matmul and an all-to-all), or "
+        "datasheet figures; 'auto': measured on CPU, the platform's datasheet figures on GPU "
+        "(h100-nvlink) and TPU (tpu-v5p-ici); the summary names the figures used",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-outputs", action="store_true", help="skip plots and summary")
@@ -452,6 +454,9 @@ def _setup(args):
     if args.placement and not train_cfg.expert_slots_per_device:
         g = model_cfg.moe.num_experts // max(1, dict(mesh.shape).get("expert", 1))
         train_cfg = train_cfg.replace(expert_slots_per_device=g + max(1, g // 2))
+    from moejax.training import loop
+
+    loop.check_setup(model_cfg, train_cfg, mesh)  # before the banner: one line per mistake
     if jax.default_backend() == "cpu" and jax.process_index() == 0:
         warning = _cpu_warning(model_cfg, train_cfg, args)
         if warning:
@@ -508,6 +513,7 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
     # Default cache only for single-process runs: processes sharing one cache directory were
     # seen to hang at shutdown in the 2-process test, so multi-process runs opt in explicitly.
     default_cache = args.num_processes == 1 and not jax.config.jax_compilation_cache_dir
+    cache = None
     if args.jax_cache != "none" and (args.jax_cache or default_cache):
         cache = args.jax_cache or os.path.join(run_dir, "jax_cache")
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
@@ -542,15 +548,7 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
         )
     if primary and not args.no_outputs:
         print(report.summary_table(result))
-        events = ", placement_events.jsonl" if args.placement else ""
-        if result.tuning and result.tuning["kind"] != "fixed":
-            events += ", tuning_events.jsonl"
-        if result.placement and result.placement["replacements"]:
-            events += ", placement_forecast.png"
-        print(
-            f"outputs: {run_dir}/{{metrics.jsonl, tensorboard/, checkpoints/, "
-            f"routing_trace.npy, loss.png, expert_load.png{events}}}"
-        )
+        print(_outputs_line(run_dir, args, result, cache))
     if args.num_processes > 1:
         jax.distributed.shutdown()
     if result.failure:
@@ -558,6 +556,25 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
             print(f"error: run failed: {result.failure}", file=sys.stderr, flush=True)
         return 3
     return 0
+
+
+def _outputs_line(run_dir, args, result, cache) -> str:
+    """The `outputs:` line: every file and directory the run wrote under `run_dir`."""
+    names = ["metrics.jsonl", "tensorboard/", "checkpoints/", "routing_trace.npy", "loss.png"]
+    names.append("expert_load.png")
+    if args.placement:
+        names += ["placement_events.jsonl", "placement_decisions.jsonl"]
+        names.append("placement_controller.json")
+    if result.placement and result.placement["replacements"]:
+        names.append("placement_forecast.png")
+    if result.tuning and result.tuning["kind"] != "fixed":
+        names.append("tuning_events.jsonl")
+    names = [n for n in names if os.path.exists(os.path.join(run_dir, n))]
+    line = f"outputs: {run_dir}/{{{', '.join(names)}}}"
+    if cache is not None:
+        inside = os.path.abspath(cache).startswith(os.path.abspath(run_dir) + os.sep)
+        line += f"; compilation cache: {cache}" + (" (reused by reruns)" if inside else "")
+    return line
 
 
 def _init_params(args, model_cfg):

@@ -123,7 +123,7 @@ def moe_apply_sharded(
         return _wgrad.beside(layer, x, wgrad)  # no exchange to bound them by
     if is_empty(x):
         return empty_outputs(params["router"], x, config)
-    _check(x, config, strategy, axes)
+    _check(x, config, strategy, axes, mesh)
     static = dict(
         config=config,
         expert_config=expert_config,
@@ -200,10 +200,9 @@ def physical_config(config: MoEConfig, placement: SlotTable) -> MoEConfig:
     return config.replace(num_experts=placement.num_slots, num_groups=1, topk_groups=1)
 
 
-def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes) -> None:
+def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes, mesh) -> None:
     """Sharding constraints on a non-empty `x` (its dtype, rank and `D` are checked first)."""
-    if x.shape[0] % axes.token_shards:
-        raise ValueError(f"x.shape[0]={x.shape[0]}: not divisible by {axes.token_shards} shards")
+    mesh_lib.check_batch(x.shape, mesh)
     per_sequence = config.dispatch == "capacity" or config.router == "expert_choice"
     if per_sequence and x.ndim == 2 and axes.token_shards > 1:
         raise ValueError(

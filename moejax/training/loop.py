@@ -65,7 +65,7 @@ class RunResult:
     run_dir: str
     step: int  # steps done in total (including earlier runs this one resumed)
     steps_this_run: int
-    final_loss: float | None  # mean train loss of the last 20 steps
+    final_loss: float | None  # mean train loss of the last `final_loss_steps` steps
     eval_loss: float | None  # mean held-out loss (None without eval data)
     unigram_entropy: float
     skipped: int
@@ -84,6 +84,7 @@ class RunResult:
     placement: dict | None = None  # PlacementRuntime.summary: re-placements and their overhead
     placements: tuple = ()  # the final `Placement` of every MoE layer (the state's layout)
     tuning: dict | None = None  # tuning.StepRunner.summary: the strategy chosen and why
+    final_loss_steps: int = 20  # `report.loss_window` of the run's steps
 
 
 class SetupError(ValueError):
@@ -245,8 +246,9 @@ def train(
         step's expert counts one step late (`observe(step, counts [Lm, E])`) and returns
         accepted `moejax.placement.Decision`s, which the loop applies between steps (a jitted
         gather of the expert parameters and moments, compiled in the background at start).
-        Events go to `placement_events.jsonl` and are marked in `loss.png`. None: the placement
-        stays as initialised (or as resumed).
+        Events go to `placement_events.jsonl` and are marked in `loss.png`; every check of a
+        controller with a `log` (accepted or declined, with its reason) goes to
+        `placement_decisions.jsonl`. None: the placement stays as initialised (or as resumed).
       init_params: None, or `mesh -> params` (logical expert order, on `mesh`'s parameter
         shardings): a fresh run starts from these parameters instead of the initialiser's,
         e.g. a converted Hugging Face model (`moejax.interop.hf`); a resumed run ignores it.
@@ -543,7 +545,8 @@ def _evaluate(
 
 def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, interrupted):
     step = int(jax.device_get(state.step))
-    finite = [r["loss"] for r in records[-20:] if r["loss"] is not None]
+    window = report.loss_window(len(records))
+    finite = [r["loss"] for r in records[-window:] if r["loss"] is not None]
     timed = records[1:] if len(records) > 1 else records  # the first includes compilation
 
     def median(key):
@@ -569,6 +572,7 @@ def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, i
         wall_s=wall,
         interrupted=interrupted,
         records=records,
+        final_loss_steps=window,
     )
 
 
