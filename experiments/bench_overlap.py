@@ -11,20 +11,32 @@ covers the load), and how many of the weight-gradient GEMMs (experts' and attent
 `moejax.parallel.gpu_hlo.weight_gradient_kernels`) sit inside an all-to-all window. Prints one
 Markdown row per program (the BENCHMARKS.md table).
 
-    JAX_PLATFORMS=cpu python experiments/bench_overlap.py --preset tiny --batch 256 \\
+    python experiments/bench_overlap.py --preset tiny --batch 256 \\
         --batch-split 1 2 4 --dispatcher capacity dropless --chunks 1 2
+
+Each row is one deviceless compile of the train step (its seconds in the last column).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import pathlib
+import sys
 import time
+
+# Deviceless: compiled for H100 from the CPU backend, whatever JAX_PLATFORMS says (with the CUDA
+# plugin installed and no GPU, jax fails to start it: "Unable to load cuDNN", then "topology not
+# implemented for cuda").
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from moejax import aot, parallel, schedule_model, training
 from moejax.models import presets
 from moejax.parallel import gpu_hlo
 from moejax.training import presets as train_presets
+from pallas_kernels import targets
 
 
 def parse_args(argv=None):
@@ -100,6 +112,9 @@ def row(model, args, k, dispatcher, chunks) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if (why := targets.missing("cuda")) is not None:
+        print(f"error: cannot compile for H100: {why}", file=sys.stderr)
+        return 2
     model = presets.get(args.preset)
     print(
         "| preset | H100 mesh | batch | batch split | dispatcher | chunks | compute ms "

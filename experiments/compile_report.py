@@ -4,7 +4,12 @@ compilers say: per kernel registers, spills, grid and shared memory (H100) or sc
 and memory per device.
 
 Run: python -m pallas_kernels.targets --install   (once: CUDA plugin, ptxas, libtpu; ~1.3 GB)
-     python experiments/compile_report.py          (~2 min on 2 cores; markdown on stdout)
+     python experiments/compile_report.py > compile_report.md
+
+Markdown on stdout; progress on stderr, one line per compile job (18: three kernel reports,
+each a subprocess compiling every kernel case, 12 sharded layers, 3 train steps) with its time
+and the time so far. Its time is the sum of XLA compiles, all on the CPU: it grows with the
+cores taken by other work and with the jax version; see the README for measured times.
 
 The tables go to BENCHMARKS.md ("Deviceless accelerator compiles"). Nothing here runs a kernel:
 speed needs the hardware (experiments/bench_kernels.py on a GPU).
@@ -18,8 +23,11 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Deviceless: compiled for H100 and TPU from the CPU backend, whatever JAX_PLATFORMS says (with
+# a GPU plugin installed and no GPU, jax would fail to start it and the compiles would fail).
+os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
@@ -40,7 +48,32 @@ def _kernels(counts: dict) -> str:
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
 
 
-def layer_rows() -> list[str]:
+class Progress:
+    """One stderr line per finished job: `[k/total] what: s (elapsed m:ss)`."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+    def __call__(self, what: str, fn):
+        t0 = time.perf_counter()
+        print(f"[{self.done + 1}/{self.total}] {what} ...", file=sys.stderr, flush=True)
+        out = fn()
+        self.done += 1
+        now = time.perf_counter()
+        elapsed = f"{int(now - self.start) // 60}:{int(now - self.start) % 60:02d}"
+        print(
+            f"[{self.done}/{self.total}] {what}: {now - t0:.0f} s (elapsed {elapsed})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return out
+
+
+TRAIN_TARGETS = (*TARGETS, ("tpu", {"generation": "v5p"}, "TPU v5p 2x2x2"))
+JOBS = 3 + len(TARGETS) * len(STRATEGIES) + len(TRAIN_TARGETS)
+
+
+def layer_rows(progress: Progress) -> list[str]:
     head = "| target | strategy | kernels in the program | compile s | bytes per device |"
     rows = [head, "|---|---|---|---|---|"]
     for platform, kw, label in TARGETS:
@@ -48,7 +81,9 @@ def layer_rows() -> list[str]:
         for strategy in STRATEGIES:
             cfg = LAYER.replace(dispatch="capacity") if strategy.dispatcher == "capacity" else LAYER
             fn, args = aot.layer_program(cfg, mesh, strategy, tokens=16384, dtype=jnp.bfloat16)
-            out = aot.compile_program(fn, args)
+            what = f"sharded layer, {label}, {strategy.mode}/{strategy.dispatcher}"
+            what += f", chunks {strategy.chunks}"
+            out = progress(what, lambda fn=fn, args=args: aot.compile_program(fn, args))
             rows.append(
                 f"| {label} | {strategy.mode}/{strategy.dispatcher}, chunks {strategy.chunks} | "
                 f"{_kernels(out.kernels)} | {out.seconds:.1f} | {out.peak_bytes / 2**20:.0f} MiB |"
@@ -56,15 +91,16 @@ def layer_rows() -> list[str]:
     return rows
 
 
-def train_step_rows() -> list[str]:
+def train_step_rows(progress: Progress) -> list[str]:
     rows = [
         "| target | kernels in the program | compile s | per-device bytes |",
         "|---|---|---|---|",
     ]
     model_cfg, train_cfg = presets.get("tiny"), train_presets.get("tiny")
-    for platform, kw, label in (*TARGETS, ("tpu", {"generation": "v5p"}, "TPU v5p 2x2x2")):
+    for platform, kw, label in TRAIN_TARGETS:
         mesh = aot.mesh(platform, (2, 4), ("data", "expert"), **kw)
-        out = aot.compile_program(*aot.train_step_program(model_cfg, train_cfg, mesh))
+        program = aot.train_step_program(model_cfg, train_cfg, mesh)
+        out = progress(f"tiny LM train step, {label}", lambda p=program: aot.compile_program(*p))
         rows.append(
             f"| {label} | {_kernels(out.kernels)} | {out.seconds:.1f} | "
             f"{out.peak_bytes / 2**20:.0f} MiB |"
@@ -78,19 +114,29 @@ def main() -> None:
     for platform in ("cuda", "tpu"):
         if (why := targets.missing(platform)) is not None:
             raise SystemExit(f"cannot compile for {platform}: {why}")
+    # libtpu prints a warning to stderr when it first loads: before the Markdown starts.
+    aot.mesh("tpu", (2, 4), ("data", "expert"), generation="v5e")
+    progress = Progress(JOBS)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     print(f"# compile_report {datetime.date.today()} jax {jax.__version__} commit {commit}\n")
     print("## Kernels, forward + VJP, H100 (ptxas -v, XLA thunk sequence)\n")
-    print(resources.markdown(resources.report("cuda")))
+    cases = len(resources.default_cases("cuda"))
+    report = progress(f"kernels ({cases} cases), H100", lambda: resources.report("cuda"))
+    print(resources.markdown(report), flush=True)
     for generation in ("v5e", "v5p"):
         print(f"\n## Kernels, forward + VJP, TPU {generation} (Mosaic scoped VMEM)\n")
-        print(resources.markdown(resources.report("tpu", generation=generation)))
+        cases = len(resources.default_cases("tpu"))
+        report = progress(
+            f"kernels ({cases} cases), TPU {generation}",
+            lambda g=generation: resources.report("tpu", generation=g),
+        )
+        print(resources.markdown(report), flush=True)
     print("\n## Sharded layer fwd+bwd, D=1024 F=2048 E=8 top-2 bf16, 16384 tokens, 2x4 mesh\n")
-    print("\n".join(layer_rows()))
+    print("\n".join(layer_rows(progress)), flush=True)
     print("\n## Tiny LM train step, 2x4 data x expert mesh\n")
-    print("\n".join(train_step_rows()))
+    print("\n".join(train_step_rows(progress)))
 
 
 if __name__ == "__main__":

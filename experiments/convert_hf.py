@@ -14,35 +14,74 @@ tensors are read one at a time, with a progress bar.
       --checkpoint runs/tiny/checkpoints/200
 
 Round trip: `to-orbax` then `to-hf` writes every tensor bit-identical to the original (same
-names, dtype from `config.json`'s `torch_dtype`). Errors in the input (a missing shard, a tensor
-of the wrong shape or dtype, an unsupported architecture) print one line naming the file and the
-tensor and exit 2; nothing is left half-written (outputs are written to a temporary directory
-and renamed).
+names, dtype from `config.json`'s `torch_dtype`).
+
+Safety: OUT must be absent or empty; an earlier output of this script (it carries a
+`.moejax-output.json` marker) is replaced only with `--overwrite`, and a directory holding
+anything else is never touched. OUT may not be, lie inside, or contain an input. Outputs are
+written to a temporary sibling and swapped into place in one atomic rename, so an error or a kill
+leaves the old OUT or the new one, never half. Inputs are verified: safetensors headers and
+indexes (`moejax.interop.hf.SafetensorsCheckpoint`), the checksums of a converted directory and
+of a training checkpoint (`--checkpoint`), and weights holding NaN/Inf are refused (named, with
+the count) unless `--allow-nonfinite`. Every input error prints one line naming the file (and the
+tensor or field) and exits 2, with nothing written.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose own errors (a missing argument, an unknown flag) are one line."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = _Parser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     to_orbax = sub.add_parser("to-orbax", help="Hugging Face directory -> converted directory")
-    to_orbax.add_argument("hf_dir")
-    to_orbax.add_argument("out")
+    to_orbax.add_argument(
+        "hf_dir", help="Hugging Face model directory: config.json and *.safetensors (or shards)"
+    )
+    to_orbax.add_argument(
+        "out", help="converted directory to write (orbax params, model.json, hf_config.json)"
+    )
     to_orbax.add_argument(
         "--param-dtype", default="float32", choices=("float32", "bfloat16"), help="stored params"
     )
     to_hf = sub.add_parser("to-hf", help="converted directory -> Hugging Face directory")
-    to_hf.add_argument("converted")
-    to_hf.add_argument("out")
+    to_hf.add_argument("converted", help="a directory written by to-orbax")
+    to_hf.add_argument(
+        "out", help="Hugging Face directory to write (config.json and safetensors shards)"
+    )
     to_hf.add_argument("--checkpoint", help="a training checkpoint step dir to take params from")
-    to_hf.add_argument("--layout", default="per_expert", choices=("per_expert", "fused"))
-    to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    to_hf.add_argument("--max-shard-gb", type=float, default=5.0)
+    to_hf.add_argument(
+        "--layout",
+        default="per_expert",
+        choices=("per_expert", "fused"),
+        help="expert tensors one per expert (as published) or fused (transformers 5); "
+        "default per_expert",
+    )
+    to_hf.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="tensor dtype written (default: config.json's torch_dtype, else float32)",
+    )
+    to_hf.add_argument(
+        "--max-shard-gb", type=float, default=5.0, help="largest safetensors shard, > 0 (default 5)"
+    )
     for q in (to_orbax, to_hf):
+        q.add_argument(
+            "--overwrite", action="store_true", help="replace an earlier output of this script"
+        )
+        q.add_argument(
+            "--allow-nonfinite", action="store_true", help="convert weights holding NaN or Inf"
+        )
         q.add_argument("--no-progress", action="store_true", help="no progress bar")
         q.add_argument("--debug", action="store_true", help="tracebacks for input errors")
     return p.parse_args(argv)
@@ -52,28 +91,44 @@ def to_orbax(args) -> str:
     from moejax.interop.hf._converted import write_converted
     from moejax.interop.hf._model import load_hf_model
     from moejax.interop.hf._model_config import family_of
+    from moejax.interop.hf._outputs import check_output
 
+    check_output(args.out, overwrite=args.overwrite, inputs=[args.hf_dir])  # before reading
     cfg, params, hf_config = load_hf_model(
-        args.hf_dir, param_dtype=args.param_dtype, progress=not args.no_progress
+        args.hf_dir,
+        param_dtype=args.param_dtype,
+        progress=not args.no_progress,
+        allow_nonfinite=args.allow_nonfinite,
     )
-    write_converted(args.out, cfg, params, hf_config, family_of(hf_config))
-    return f"wrote {args.out}: {family_of(hf_config)}, {cfg.num_layers} layers, " \
+    family = family_of(hf_config)
+    write_converted(
+        args.out, cfg, params, hf_config, family, overwrite=args.overwrite, inputs=[args.hf_dir]
+    )
+    return f"wrote {args.out}: {family}, {cfg.num_layers} layers, " \
         f"{cfg.moe.num_experts} experts (train with --init-from {args.out})"  # fmt: skip
 
 
 def to_hf(args) -> str:
+    from moejax.interop.hf import CheckpointError
     from moejax.interop.hf._converted import (
         params_of_train_checkpoint,
         read_converted,
         restore_params,
     )
     from moejax.interop.hf._model import save_hf_model
+    from moejax.interop.hf._outputs import check_output
 
+    if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
+        raise CheckpointError(f"--max-shard-gb={args.max_shard_gb}: need a number > 0")
+    inputs = [args.converted] + ([args.checkpoint] if args.checkpoint else [])
+    check_output(args.out, overwrite=args.overwrite, inputs=inputs)  # before reading
     cfg, hf_config, _ = read_converted(args.converted)
     if args.checkpoint:
-        params = params_of_train_checkpoint(args.checkpoint, cfg)
+        params = params_of_train_checkpoint(
+            args.checkpoint, cfg, allow_nonfinite=args.allow_nonfinite
+        )
     else:
-        params = restore_params(args.converted, cfg)
+        params = restore_params(args.converted, cfg, allow_nonfinite=args.allow_nonfinite)
     save_hf_model(
         args.out,
         params,
@@ -83,21 +138,26 @@ def to_hf(args) -> str:
         dtype=args.dtype,
         max_shard_bytes=int(args.max_shard_gb * 2**30),
         progress=not args.no_progress,
+        overwrite=args.overwrite,
+        inputs=inputs,
     )
     return f"wrote {args.out}"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from moejax.interop.hf._converted import ConvertedDirError
-    from moejax.interop.hf._files import CheckpointFormatError
+    from moejax.interop.hf import CheckpointError, NonFiniteError
+    from moejax.training import CheckpointError as TrainCheckpointError
+    from moejax.training.checkpoint import NonFiniteState
 
     try:
         message = (to_orbax if args.command == "to-orbax" else to_hf)(args)
-    except (CheckpointFormatError, ConvertedDirError) as err:  # name the file and the tensor
+    except (CheckpointError, TrainCheckpointError, OSError) as err:  # names the file (+ tensor)
         if args.debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        nonfinite = isinstance(err, NonFiniteError | NonFiniteState)
+        hint = "; pass --allow-nonfinite to convert it anyway" if nonfinite else ""
+        print(f"error: {err}{hint}", file=sys.stderr)
         return 2
     print(message)
     return 0

@@ -20,6 +20,7 @@ Run (seconds; numpy only after the imports):
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -98,6 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         f"static {result.static_imbalance.mean():.3f}; re-placements {len(result.events)}, "
         f"host decision time {controller.decision_wall_s:.2f} s"
     )
+    checks = collections.Counter(d.outcome for d in controller.log)
+    print(
+        f"checks: {len(controller.log)}: "
+        + ", ".join(f"{k} {v}" for k, v in checks.most_common())
+        + " (moejax.placement.controller.OUTCOMES)"
+    )
+    moved = {e["layer"] for e in result.events}
+    for layer in range(trace.shape[1]):
+        last = [d for d in controller.log if d.layer == layer]
+        if layer not in moved and last:
+            d = last[-1]
+            print(f"MoE {layer} never re-placed; last check, step {d.step}: {d.reason}")
     return 0
 
 

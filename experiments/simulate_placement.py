@@ -49,6 +49,7 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 
 import numpy as np
 from tqdm import tqdm
@@ -298,7 +299,11 @@ def print_deepseek(result: dict) -> None:
 
 def _traces(args, num_devices: int, wl: Workload) -> dict[str, np.ndarray]:
     if args.trace:
-        trace = load_trace(args.trace).astype(np.float64)  # [steps, L, E]
+        try:
+            trace = load_trace(args.trace).astype(np.float64)  # [steps, L, E]
+        except (ValueError, OSError) as err:  # an unreadable or empty trace: one line
+            print(f"error: --trace {args.trace}: {err}", file=sys.stderr)
+            sys.exit(2)
         if args.trace_rows == "workload":
             # The recorded run gives the routing distribution; the workload gives the size.
             total = trace.sum(-1, keepdims=True)
@@ -334,13 +339,17 @@ def _plot(path: str, rows: list[dict], series: dict) -> None:
             ]
             left.plot(*zip(*pts, strict=True), style, marker="o", label=f"{method}, {trace}")
     left.set_xscale("log", base=2)
-    left.set_xlabel("devices N (E = 2N)")
+    experts = sorted({r["experts"] for r in rows})
+    synthetic = all(r["experts"] == 2 * r["devices"] for r in rows)
+    # A recorded trace keeps its own E at every N; the synthetic ones have two experts per device.
+    left.set_xlabel("devices N (E = 2N)" if synthetic else f"devices N (E = {experts[0]})")
     left.set_ylabel("modeled speedup vs static")
     left.legend(fontsize=7)
     left.grid(alpha=0.3)
     title, results = series
     for name, result in results.items():
-        right.plot(1e3 * result.step_s, label=name, lw=1)
+        steps = np.arange(1, len(result.step_s) + 1)  # trace row i is step i + 1, as trained
+        right.plot(steps, 1e3 * result.step_s, label=name, lw=1)
     right.set_xlabel("step")
     right.set_ylabel("modeled MoE-layer step time (ms)")
     right.set_title(title, fontsize=9)
@@ -395,7 +404,11 @@ def main() -> None:
         help="override a ControllerConfig field (JSON value), e.g. react_urgent=1.0; repeatable",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/placement")
+    parser.add_argument(
+        "--out",
+        help="where placement.png and placement.json go (default: runs/placement/synthetic, or "
+        "runs/placement/<trace's run directory> with --trace)",
+    )
     parser.add_argument(
         "--case",
         action="append",
@@ -413,6 +426,13 @@ def main() -> None:
                 print_reference(reference_case(name, args.seed))
         return
 
+    if args.out is None:
+        # One directory per trace: a second simulation does not overwrite the first one's.
+        name = "synthetic"
+        if args.trace:
+            parent = os.path.basename(os.path.dirname(os.path.abspath(args.trace)))
+            name = parent or os.path.splitext(os.path.basename(args.trace))[0]
+        args.out = os.path.join("runs", "placement", name)
     hw, wl = HARDWARE[args.hardware], Workload()
     print(_models_line(hw, wl))
     try:

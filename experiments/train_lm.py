@@ -7,7 +7,12 @@ table and the paths of everything written under `--out` (default `runs/<preset>`
 `expert_load.png`, `tuning_events.jsonl`. The parallel strategy is chosen by timing train steps
 within a budget (`--strategy auto`, `moejax.training.tuning`); the summary says which and why.
 Rerunning with the same `--out` resumes from the newest intact checkpoint and says from which
-step (checkpoints are checksummed; a corrupt one is reported in one line and skipped).
+step (checkpoints are checksummed; a corrupt one is reported in one line and skipped). A resume
+with another model (--preset, --init-from), --batch-size, --seq-len or --seed is refused (they
+decide which batches come next); other changed flags (--lr, --steps, ...) are applied from the
+resumed step, listed in one line (`moejax.training.resume`). A run locks its --out
+(`.moejax-run.lock`): a second run there exits 2 naming the first; the lock of a killed run is
+taken over with a message. --out must be new, empty or a run directory.
 
   python experiments/train_lm.py                                   # tiny, 2x4 mesh
   python experiments/train_lm.py --preset small --steps 500 --mesh 2,4
@@ -23,9 +28,12 @@ step (checkpoints are checksummed; a corrupt one is reported in one line and ski
 Exit codes: 0 done (or stopped by SIGTERM / Ctrl-C after saving a checkpoint); 2 an input error,
 one line per mistake, before anything is written (a bad flag value, missing/empty corpus,
 unknown preset, a mesh that does not divide the batch, the experts, the heads or the widths, an
---out that is a file or not writable, a foreign checkpoint directory or one with symlinked
-steps, no intact checkpoint); 3 the run failed (more than --max-skipped-fraction of its steps
-skipped as non-finite); 130 a Ctrl-C outside a training step (a second one aborts the save).
+--out that is a file or not writable, in use by another run or holding files moejax did not
+write, a foreign checkpoint directory or one with symlinked steps, no intact checkpoint, a resume
+with another model, batch or seed, a checkpoint or --init-from model failing its checksums or
+holding NaN/Inf without --allow-nonfinite); 3 the run failed (more than --max-skipped-fraction
+of its steps skipped as non-finite); 130 a Ctrl-C outside a training step (a second one aborts
+the save).
 """
 
 from __future__ import annotations
@@ -172,15 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--expert-slots",
         type=int,
-        help="expert slots per device of the expert axis (default with --placement: "
-        "E/N + max(1, E/N // 2))",
+        help="expert slots per device of the expert axis, >= 1 (default: none without "
+        "--placement, E/N + max(1, E/N // 2) with it)",
     )
     p.add_argument(
         "--placement-hardware",
-        default="h100-nvlink",
-        choices=("h100-nvlink", "h100-ib", "tpu-v5p-ici", "measured"),
-        help="hardware figures the placement controller's cost model decides with: datasheet "
-        "figures, or 'measured' on this mesh at start (a matmul and an all-to-all)",
+        default="auto",
+        choices=("auto", "measured", "h100-nvlink", "h100-ib", "tpu-v5p-ici"),
+        help="hardware figures the placement controller's cost model decides with (and prices "
+        "migrations at): 'measured' on this mesh at start (a matmul and an all-to-all), or "
+        "datasheet figures; 'auto': measured on CPU, the platform's datasheet figures on GPU "
+        "(h100-nvlink) and TPU (tpu-v5p-ici); the summary names the figures used",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-outputs", action="store_true", help="skip plots and summary")
@@ -199,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a converted Hugging Face model (experiments/convert_hf.py to-orbax): "
         "its architecture replaces the preset's model, the preset gives the training settings",
     )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="start or resume from weights holding NaN/Inf (--init-from, checkpoints)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     return p
 
@@ -216,6 +231,11 @@ def check_flags(args) -> None:
     if args.max_bytes is not None and args.max_bytes < 1:
         raise InputError(
             f"--max-bytes={args.max_bytes}: must be >= 1 (omit it for the default corpus size)"
+        )
+    if args.expert_slots is not None and args.expert_slots < 1:
+        raise InputError(
+            f"--expert-slots={args.expert_slots}: must be >= 1 (omit it: no placement without "
+            "--placement, the default slots with it)"
         )
     if args.num_processes < 1:
         raise InputError(f"--num-processes={args.num_processes}: must be >= 1")
@@ -434,6 +454,9 @@ def _setup(args):
     if args.placement and not train_cfg.expert_slots_per_device:
         g = model_cfg.moe.num_experts // max(1, dict(mesh.shape).get("expert", 1))
         train_cfg = train_cfg.replace(expert_slots_per_device=g + max(1, g // 2))
+    from moejax.training import loop
+
+    loop.check_setup(model_cfg, train_cfg, mesh)  # before the banner: one line per mistake
     if jax.default_backend() == "cpu" and jax.process_index() == 0:
         warning = _cpu_warning(model_cfg, train_cfg, args)
         if warning:
@@ -490,6 +513,7 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
     # Default cache only for single-process runs: processes sharing one cache directory were
     # seen to hang at shutdown in the 2-process test, so multi-process runs opt in explicitly.
     default_cache = args.num_processes == 1 and not jax.config.jax_compilation_cache_dir
+    cache = None
     if args.jax_cache != "none" and (args.jax_cache or default_cache):
         cache = args.jax_cache or os.path.join(run_dir, "jax_cache")
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
@@ -514,6 +538,7 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
         outputs=not args.no_outputs,
         controller=_controller(args, model_cfg, train_cfg, mesh),
         init_params=_init_params(args, model_cfg),
+        allow_nonfinite=args.allow_nonfinite,
     )
     if primary and result.interrupted:
         print(
@@ -523,15 +548,7 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
         )
     if primary and not args.no_outputs:
         print(report.summary_table(result))
-        events = ", placement_events.jsonl" if args.placement else ""
-        if result.tuning and result.tuning["kind"] != "fixed":
-            events += ", tuning_events.jsonl"
-        if result.placement and result.placement["replacements"]:
-            events += ", placement_forecast.png"
-        print(
-            f"outputs: {run_dir}/{{metrics.jsonl, tensorboard/, checkpoints/, "
-            f"routing_trace.npy, loss.png, expert_load.png{events}}}"
-        )
+        print(_outputs_line(run_dir, args, result, cache))
     if args.num_processes > 1:
         jax.distributed.shutdown()
     if result.failure:
@@ -541,13 +558,34 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
     return 0
 
 
+def _outputs_line(run_dir, args, result, cache) -> str:
+    """The `outputs:` line: every file and directory the run wrote under `run_dir`."""
+    names = ["metrics.jsonl", "tensorboard/", "checkpoints/", "routing_trace.npy", "loss.png"]
+    names.append("expert_load.png")
+    if args.placement:
+        names += ["placement_events.jsonl", "placement_decisions.jsonl"]
+        names.append("placement_controller.json")
+    if result.placement and result.placement["replacements"]:
+        names.append("placement_forecast.png")
+    if result.tuning and result.tuning["kind"] != "fixed":
+        names.append("tuning_events.jsonl")
+    names = [n for n in names if os.path.exists(os.path.join(run_dir, n))]
+    line = f"outputs: {run_dir}/{{{', '.join(names)}}}"
+    if cache is not None:
+        inside = os.path.abspath(cache).startswith(os.path.abspath(run_dir) + os.sep)
+        line += f"; compilation cache: {cache}" + (" (reused by reruns)" if inside else "")
+    return line
+
+
 def _init_params(args, model_cfg):
     """`mesh -> params` of `--init-from` (None without it)."""
     if not args.init_from:
         return None
     from moejax.interop.hf._converted import restore_params
 
-    return lambda mesh: restore_params(args.init_from, model_cfg, mesh)
+    return lambda mesh: restore_params(
+        args.init_from, model_cfg, mesh, allow_nonfinite=args.allow_nonfinite
+    )
 
 
 def main(argv=None) -> int:
@@ -560,7 +598,8 @@ def main(argv=None) -> int:
         from moejax.training import INPUT_ERRORS
 
         try:  # inside training only the library's input errors are one line; bugs keep tracebacks
-            return run(args, *inputs)
+            with _run_lock(args):  # around the outputs too
+                return run(args, *inputs)
         except INPUT_ERRORS as err:
             return _fail(err, args)
     except KeyboardInterrupt:  # before the training loop, or a second Ctrl-C inside it
@@ -574,11 +613,48 @@ def main(argv=None) -> int:
         return 130
 
 
+def _run_lock(args):
+    """The run directory's lock on process 0 (`moejax.training.rundir`): taken by `train` once
+    its inputs are checked, held until the outputs here are written."""
+    import contextlib
+
+    import jax
+
+    from moejax.training import rundir
+
+    if jax.process_index():
+        return contextlib.nullcontext()
+    run_dir = args.out or os.path.join("runs", args.preset)
+    return rundir.run_lock(run_dir, lazy=True)
+
+
 def _fail(err: ValueError, args) -> int:
     if args.debug:
         raise err
-    print(f"error: {err}", file=sys.stderr)
+    print(f"error: {_flag_prefix(err, args)}{err}{_hint(err)}", file=sys.stderr)
     return 2
+
+
+def _flag_prefix(err, args) -> str:
+    """`--seed: ` for a resume refused over a flag's value, `--out: ` for a busy run dir."""
+    from moejax.training import ResumeMismatch, RunDirError
+
+    if isinstance(err, RunDirError):
+        return "--out: "
+    if not isinstance(err, ResumeMismatch):
+        return ""
+    if err.field.startswith("model."):
+        return "--init-from: " if args.init_from else f"--preset={args.preset}: "
+    flag = _FLAG_OF.get(err.field)
+    return f"{flag}={err.current}: " if flag else ""
+
+
+def _hint(err) -> str:
+    from moejax.interop.hf import NonFiniteError
+    from moejax.training.checkpoint import NonFiniteState
+
+    nonfinite = isinstance(err, NonFiniteError | NonFiniteState)
+    return "; pass --allow-nonfinite to accept it" if nonfinite else ""
 
 
 if __name__ == "__main__":

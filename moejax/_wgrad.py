@@ -22,8 +22,8 @@ transposes, only elsewhere):
 `around(exchange, x, side)` puts the three together. Inside the MoE layer's `shard_map`
 (`moejax.parallel.moe_apply_sharded(..., wgrad=side)`) the exchange is the return all-to-all,
 and each device computes its own tokens' part of `dW` (the caller's `jit` sums the parts, as it
-sums any replicated weight's gradient). Where the layer has no all-to-all to bound them by, the
-bounds go around the whole layer.
+sums any replicated weight's gradient). Where the layer has no all-to-all to bound them by,
+`beside` hands the same slots over without bounds.
 """
 
 from __future__ import annotations
@@ -138,10 +138,30 @@ def _einsum_vjp(spec: str, x, w, dy, wrt: str):
     return vjp(dy)[0]
 
 
-def _bounded(a, b):
+def beside(layer: Callable, x: jax.Array, side: Delayed | None):
+    """`(*layer(x), slots)`, for a `layer` returning `(y, *others)`, where the layer has no
+    exchange to bound `side`'s weight gradients by (no expert all-to-all, a `model` split, one
+    device): the slots work as with `around`, without the barriers.
+
+    Bounding them around a whole layer would only move the GEMMs next to the layer's backward,
+    with nothing to overlap them with; and the barrier on the input's gradient changes where
+    XLA's partitioner sums that gradient's partial sums (from jax 0.11; measured with a `model`
+    split under FSDP), so its last bits would differ from the undelayed step's. Unbounded, the
+    gradients are bit-identical to the undelayed ones.
+    """
+    if side is None:
+        return (*layer(x), None)
+    x, slots = collect(x, side.weights, side.templates, False)
+    y, *others = layer(x)
+    y, slots = hold(y, slots, False)
+    return (y, *others, slots)
+
+
+def _bounded(a, b, bound: bool = True):
     """`(a, b)` through one `optimization_barrier` where they vary over the same manual axes
-    (a barrier would make them alike, changing a cotangent's type); unchanged otherwise."""
-    if vma(a) != vma(b):
+    (a barrier would make them alike, changing a cotangent's type) and `bound`; unchanged
+    otherwise."""
+    if not bound or vma(a) != vma(b):
         return a, b
     return jax.lax.optimization_barrier((a, b))
 
@@ -168,28 +188,29 @@ def _project_bwd(spec, hands_back_x, res, dy):
 project.defvjp(_project_fwd, _project_bwd)
 
 
-@jax.custom_vjp
-def hold(y, slots: dict):
-    """`(y, slots)` unchanged; see the module docstring for the backward."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def hold(y, slots: dict, bound: bool = True):
+    """`(y, slots)` unchanged; see the module docstring for the backward (`bound=False`: no
+    barrier, `beside`)."""
     return y, slots
 
 
-def _hold_fwd(y, slots):
+def _hold_fwd(y, slots, bound):
     return (y, slots), None
 
 
-def _hold_bwd(_, cotangents):
+def _hold_bwd(bound, _, cotangents):
     d_y, d_slots = cotangents
-    return _bounded(d_y, d_slots)
+    return _bounded(d_y, d_slots, bound)
 
 
 hold.defvjp(_hold_fwd, _hold_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def collect(h, weights: dict, templates: tuple[Template, ...]):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def collect(h, weights: dict, templates: tuple[Template, ...], bound: bool = True):
     """`(h, slots)`: `h` unchanged and one zero `(x, y)` pair per template, varying like the
-    weights; see the module docstring for the backward."""
+    weights; see the module docstring for the backward (`bound=False`: no barrier, `beside`)."""
     return h, _zero_slots(weights, templates)
 
 
@@ -199,18 +220,18 @@ def _zero_slots(weights, templates):
     return jax.tree.map(zeros, slot_shapes(templates), is_leaf=is_shape)
 
 
-def _collect_fwd(h, weights, templates):
+def _collect_fwd(h, weights, templates, bound):
     return (h, _zero_slots(weights, templates)), weights
 
 
-def _collect_bwd(templates, weights, cotangents):
+def _collect_bwd(templates, bound, weights, cotangents):
     d_h, d_slots = cotangents
     d_weights = {}
     for t in templates:
         x, dy = d_slots["x"][t.x_name], d_slots["dy"][t.name]
         w = weights[t.name]
         d_weights[t.name] = match_vma(_einsum_vjp(t.spec, x, w, dy, wrt="w"), w)
-    return _bounded(d_h, d_weights)
+    return _bounded(d_h, d_weights, bound)
 
 
 collect.defvjp(_collect_fwd, _collect_bwd)

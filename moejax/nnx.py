@@ -16,10 +16,21 @@ class CorrectionBias(nnx.Variable):
 
 
 class MoE(nnx.Module):
-    """An MoE feed-forward layer (Flax NNX).
+    """An MoE feed-forward layer (Flax NNX), on one device or a device mesh.
 
     Attributes `router`, `experts`, `shared` are `nnx.Dict`s whose leaves follow the tree of
     `moejax.init_moe_params` (same names, shapes and, for the same key, values).
+
+    Args:
+      config: the layer config.
+      rngs: the parameters' initialisation keys (`rngs.params()`).
+      implementation: as `moejax.moe_apply`'s.
+      mesh: None (one device: `moejax.moe_apply`), or a `moejax.parallel.make_mesh` mesh: the
+        parameters are stored in its layout (`parallel.shard_params`: experts over `expert`,
+        `F` over `model`) and a call runs `parallel.moe_apply_sharded` on it (tokens over
+        `data`, `fsdp` and `expert`; the batch must divide over them).
+      strategy: with a mesh, `moe_apply_sharded`'s `strategy` (a `parallel.Strategy` or
+        `"auto"`).
 
     >>> import jax.numpy as jnp, moejax
     >>> from flax import nnx
@@ -30,11 +41,22 @@ class MoE(nnx.Module):
     """
 
     def __init__(
-        self, config: MoEConfig, *, rngs: nnx.Rngs, implementation: Implementation = "auto"
+        self,
+        config: MoEConfig,
+        *,
+        rngs: nnx.Rngs,
+        implementation: Implementation = "auto",
+        mesh=None,
+        strategy="auto",
     ):
         self.config = config
         self.implementation = implementation
+        self.mesh, self.strategy = mesh, strategy
         tree = init_moe_params(config, rngs.params())
+        if mesh is not None:
+            from moejax import parallel  # the single-device layer does not need it
+
+            tree = parallel.shard_params(tree, config, mesh)
         for group, leaves in tree.items():
             wrapped = {
                 name: (CorrectionBias if name == "score_correction_bias" else nnx.Param)(value)
@@ -49,4 +71,15 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array):
         """`x [..., D]` -> `(y [..., D], MoEAux)`."""
-        return moe_apply(self.params_tree(), x, self.config, implementation=self.implementation)
+        if self.mesh is None:
+            return moe_apply(self.params_tree(), x, self.config, implementation=self.implementation)
+        from moejax import parallel
+
+        return parallel.moe_apply_sharded(
+            self.params_tree(),
+            x,
+            self.config,
+            self.mesh,
+            strategy=self.strategy,
+            implementation=self.implementation,
+        )

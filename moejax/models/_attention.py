@@ -57,6 +57,7 @@ import functools
 import importlib.util
 import math
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -215,7 +216,14 @@ def _private_copy(name: str):
     spec = importlib.util.spec_from_file_location(private, origin)
     module = importlib.util.module_from_spec(spec)
     sys.modules[private] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
+    with warnings.catch_warnings():
+        # jax 0.11 deprecated its Triton attention module (pointing to tokamax); it stays our
+        # flash-attention fallback on GPU while jax ships it. Its kernels' lowering warns too
+        # (Pallas-Triton; filtered in pallas_kernels.triton).
+        warnings.filterwarnings(
+            "ignore", message=r"jax\.experimental\.pallas\.ops\.gpu\.attention is deprecated"
+        )
+        spec.loader.exec_module(module)
     module.pl = _KernelPallas(module.pl)
     return module
 

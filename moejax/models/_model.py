@@ -56,13 +56,10 @@ def _router_entropy(logits: jax.Array) -> jax.Array:
 def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, placement, wgrad=None):
     """`(y, MoEAux, slots)`: the MoE layer, and with `wgrad` (a `_wgrad.Delayed`) the slots of
     the weight gradients it computes in its backward (None without)."""
-    if mesh is None:
-        if wgrad is None:
-            return (*moejax.moe_apply(p, h, cfg.moe, implementation=implementation), None)
-        h, slots = _wgrad.collect(h, wgrad.weights, wgrad.templates)  # around the whole layer
-        y, aux = moejax.moe_apply(p, h, cfg.moe, implementation=implementation)
-        y, slots = _wgrad.hold(y, slots)
-        return y, aux, slots
+    if mesh is None:  # no exchange to bound the delayed weight gradients by
+        return _wgrad.beside(
+            lambda h: moejax.moe_apply(p, h, cfg.moe, implementation=implementation), h, wgrad
+        )
     from moejax import parallel
 
     out = parallel.moe_apply_sharded(

@@ -23,8 +23,15 @@ def gpu_mesh(shape, axis_names, topology: str = "1x1x8"):
 
 def _windows(hlo_text: str, collective: str) -> list[tuple[str, list[tuple[str, str]]]]:
     """`(start name, [(name, line) of each instruction between the start and its done])` for
-    each async `<collective>` window of the ENTRY computation, in schedule order."""
+    each `<collective>` of the ENTRY computation, in schedule order.
+
+    A synchronous `<collective>(` is a window with nothing inside: from jax 0.11, XLA:GPU turns
+    an async pair with nothing scheduled between its start and done back into one synchronous
+    op, so counting only `-start`s would count fewer exchanges on newer jax for the same
+    program.
+    """
     entry = hlo_text[hlo_text.index("ENTRY") :]
+    sync = re.compile(rf"\s{re.escape(collective)}\(")
     open_: dict[str, list[tuple[str, str]]] = {}
     out = []
     for line in entry.splitlines():
@@ -32,7 +39,11 @@ def _windows(hlo_text: str, collective: str) -> list[tuple[str, list[tuple[str, 
         if not m:
             continue
         name = m.group(1)
-        if name.startswith(f"{collective}-start"):
+        if sync.search(line.split("=", 1)[1]):
+            for inside in open_.values():
+                inside.append((name, line))
+            out.append((name, []))
+        elif name.startswith(f"{collective}-start"):
             open_[name] = []
         elif name.startswith(f"{collective}-done"):
             started = re.search(rf"%({collective}-start[\w.\-]*)", line)
@@ -49,13 +60,15 @@ def windows(
     hlo_text: str, collective: str = "all-to-all"
 ) -> list[tuple[str, list[tuple[str, str]]]]:
     """`(start name, [(name, line) of every instruction between the start and its done])` for
-    each async `<collective>` window of the ENTRY computation, in schedule order. Any scheduled
-    HLO text will do: XLA:GPU's, or libtpu's with async all-to-all."""
+    each `<collective>` of the ENTRY computation, in schedule order (a synchronous one is an
+    empty window: see `_windows`). Any scheduled HLO text will do: XLA:GPU's, or libtpu's with
+    async all-to-all."""
     return _windows(hlo_text, collective)
 
 
 def overlap(hlo_text: str, collective: str = "all-to-all") -> list[tuple[str, int]]:
-    """GEMMs scheduled inside each async `<collective>` window of the ENTRY computation.
+    """GEMMs scheduled inside each `<collective>` window of the ENTRY computation (0 for a
+    synchronous one).
 
     Returns `(start name, GEMM instructions between the start and its done)` in schedule order.
     GEMMs are instructions whose name contains `gemm` (XLA:GPU names its cuBLAS and Triton GEMM

@@ -116,16 +116,14 @@ def moe_apply_sharded(
     expert_config = config if placement is None else physical_config(config, placement)
     check_params(params, config, experts_config=expert_config)
     if wgrad is not None and (is_empty(x) or not _window_inside(strategy, axes)):
-        x, slots = _wgrad.collect(x, wgrad.weights, wgrad.templates)  # around the whole layer
-        y, aux = moe_apply_sharded(
-            params, x, config, mesh, strategy=strategy, implementation=implementation,
-            stagger=stagger, placement=placement,
+        layer = functools.partial(
+            moe_apply_sharded, params, config=config, mesh=mesh, strategy=strategy,
+            implementation=implementation, stagger=stagger, placement=placement,
         )  # fmt: skip
-        y, slots = _wgrad.hold(y, slots)
-        return y, aux, slots
+        return _wgrad.beside(layer, x, wgrad)  # no exchange to bound them by
     if is_empty(x):
         return empty_outputs(params["router"], x, config)
-    _check(x, config, strategy, axes)
+    _check(x, config, strategy, axes, mesh)
     static = dict(
         config=config,
         expert_config=expert_config,
@@ -202,10 +200,9 @@ def physical_config(config: MoEConfig, placement: SlotTable) -> MoEConfig:
     return config.replace(num_experts=placement.num_slots, num_groups=1, topk_groups=1)
 
 
-def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes) -> None:
+def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes, mesh) -> None:
     """Sharding constraints on a non-empty `x` (its dtype, rank and `D` are checked first)."""
-    if x.shape[0] % axes.token_shards:
-        raise ValueError(f"x.shape[0]={x.shape[0]}: not divisible by {axes.token_shards} shards")
+    mesh_lib.check_batch(x.shape, mesh)
     per_sequence = config.dispatch == "capacity" or config.router == "expert_choice"
     if per_sequence and x.ndim == 2 and axes.token_shards > 1:
         raise ValueError(

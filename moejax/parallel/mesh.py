@@ -39,6 +39,8 @@ P(('data', 'expert'), None, None)
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -76,8 +78,24 @@ def make_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...] | None = None,
             raise ValueError(f"axis_names={names!r}: {name!r} is not one of {AXES}")
     if len(set(names)) != len(names):
         raise ValueError(f"axis_names={names!r}: repeated axis")
+    need, have = math.prod(shape), len(devices) if devices is not None else jax.device_count()
+    if need > have:
+        raise ValueError(_too_few_devices(shape, need, have, devices is None))
     kw = {} if devices is None else {"devices": devices}
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), **kw)
+
+
+def _too_few_devices(shape, need: int, have: int, all_devices: bool) -> str:
+    """The error for a mesh of more devices than there are, with what to do about it."""
+    msg = f"mesh shape {shape} needs {need} devices, "
+    msg += f"{have} are available" if all_devices else f"devices= holds {have}"
+    if all_devices and jax.default_backend() == "cpu":
+        msg += (
+            f"; on a CPU, simulate them: jax.config.update('jax_num_cpu_devices', {need}) right "
+            f"after `import jax`, before any computation (or XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={need} before jax is imported)"
+        )
+    return msg
 
 
 def axis_size(mesh, name: str) -> int:
@@ -141,5 +159,22 @@ def shard_params(params: dict, config: MoEConfig, mesh) -> dict:
 
 
 def shard_activations(x: jax.Array, mesh) -> jax.Array:
-    """`x` placed with its leading axis over the token axes."""
+    """`x` placed with its leading axis over the token axes.
+
+    Raises:
+      ValueError: the leading axis does not divide over the token shards.
+    """
+    check_batch(x.shape, mesh)
     return jax.device_put(x, NamedSharding(mesh, activation_spec(mesh, x.ndim)))
+
+
+def check_batch(shape: tuple[int, ...], mesh) -> None:
+    """ValueError unless the leading axis of an activation of `shape` divides over the token
+    shards (`token_shards`: the product of the `data`, `fsdp` and `expert` axes)."""
+    shards = token_shards(mesh)
+    if shape and shape[0] % shards:
+        axes = " x ".join(f"{a}={axis_size(mesh, a)}" for a in token_axes(mesh))
+        raise ValueError(
+            f"x.shape[0]={shape[0]}: does not divide over the {shards} token shards of the mesh "
+            f"({axes}); give a batch that is a multiple of {shards}"
+        )

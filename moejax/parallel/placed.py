@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from moejax.parallel import _collectives as col
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +178,7 @@ def _sync(size: int, g: jax.Array, local: jax.Array, row: jax.Array, axis: str |
     if size == 0:
         return local
     packed = jnp.zeros((size,) + g.shape[1:], g.dtype).at[row].add(g, mode="drop")
-    total = jax.lax.psum(packed, axis)
+    total = col.psum(packed, axis)
     synced = (row < size).reshape((-1,) + (1,) * (g.ndim - 1))
     return jnp.where(synced, jnp.take(total, jnp.minimum(row, size - 1), axis=0), local)
 

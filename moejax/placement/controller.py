@@ -22,21 +22,33 @@ A candidate is accepted only when
 * the predicted per-step gain (cost model, on the EMA counts) is at least
   ``min_relative_gain`` of the current predicted step time,
 * the gain summed over ``horizon_steps`` exceeds the modeled migration time,
-* both held for ``patience`` consecutive checks (hysteresis; skipped when the gain is at least
-  ``urgent_gain`` of the step time), and
+* the calibrated forecast (below) says it pays: its forecast gain per step
+  (``forecast_gain``: the in-sample gain on each step of the forecast window, the part that
+  depends on the routing scaled by ``realized_ratio`` as the forecast imbalance fall is) is
+  positive and repays the migration over ``horizon_steps``,
+* at least ``warmup_steps`` steps have been observed and ``min_calibration`` candidates
+  measured (the forecast calibrated on the run's own routing; both 0 by default, training's
+  controller sets 10 and 1),
+* all of it held for ``patience`` consecutive checks (hysteresis; skipped when the gain is at
+  least ``urgent_gain`` of the step time), and
 * at least ``min_interval`` steps passed since this layer's last re-placement.
 
-Every check is logged as a ``Decision`` (accepted or not, with the reason). Accepted decisions
-are returned by ``observe``; the training loop applies them.
+Every check is logged as a ``Decision`` (accepted or declined, with the reason and, for a
+candidate the forecast judged, its forecast). Accepted decisions are returned by ``observe``;
+the training loop applies them and logs every check (``placement_decisions.jsonl``).
 
 Forecasts (``forecast``): the imbalance a re-placement will measure step by step. The planner's
 candidate is scored on the steps it was planned on, which overstates its fall when routing drifts
 (on the tiny LM, about 2x: BENCHMARKS.md, "Placement in training"). So the controller follows
-every accepted re-placement over the ``forecast_window`` steps it runs (from ``apply_lag`` steps
-after its last counts), measures its fall as the logs will (the old table's per-step imbalance
-before against the new one's after), and scales new forecasts by the measured over the
-in-sample fall of the ``calibration_events`` last measured re-placements (``realized_ratio``):
-an online calibration from the run's own routing, with nothing fitted offline.
+every candidate the forecast judged, applied or not, over the ``forecast_window``
+steps it runs or would have run (from ``apply_lag`` steps after its last counts), measures its
+fall as the logs will (the old table's per-step imbalance before against the new one's after),
+and scales new forecasts by the measured over the in-sample fall of the ``calibration_events``
+last measured candidates (``realized_ratio``): an online calibration from the run's own
+routing, with nothing fitted offline. A declined candidate is measured exactly as if it had run:
+a layout's device loads on a step are a function of that step's counts, and the routing does not
+depend on the layout. Following the declined ones too keeps the calibration learning while the
+forecast declines everything (a ratio that turned negative would otherwise never recover).
 
 Applying a decision (done by the JAX side): the physical expert weights of a layer are
 ``w_phys = w[new.slot_to_expert]`` with shape ``[P, ...]``, slot ``p`` on device ``p // S``;
@@ -66,6 +78,7 @@ from moejax.placement.cost_model import (
     migration_bytes,
     migration_s,
     perfect_cost,
+    replica_sync_s,
 )
 from moejax.placement.cost_model import step_cost as _step_cost
 from moejax.placement.detector import ChangeDetector
@@ -110,8 +123,17 @@ class ControllerConfig:
         layout; the training loop reads counts one step late and migrates after the next step
         (2). Only where the controller follows a re-placement's measured fall
         (``realized_ratio``) depends on it.
-      calibration_events: the most recent measured re-placements whose falls calibrate the
-        forecast (``realized_ratio``, ``realized.FallTracker``); decisions do not depend on it.
+      calibration_events: the most recent measured candidates whose falls calibrate the
+        forecast (``realized_ratio``, ``realized.FallTracker``), which gates decisions.
+      warmup_steps: observed steps in which checks accept nothing; they still plan, forecast
+        and follow their candidates, so the calibration learns from the first steps (training
+        sets 10: an untrained router's routing moves fastest in the first steps, and on the tiny
+        LM a re-placement decided on the first two steps' counts measured a rise of the
+        imbalance).
+      min_calibration: candidates that must have been measured (``realized.matured``) before a
+        check may accept; 0: the first decisions may rest on the uncalibrated forecast
+        (``realized_ratio`` 1.0). Training sets 1: never apply a layout on a forecast the run's
+        own routing has not calibrated.
     """
 
     decide_every: int = 5
@@ -128,14 +150,17 @@ class ControllerConfig:
     react_urgent: float | None = None
     calibration_events: int = 5
     apply_lag: int = 2
+    warmup_steps: int = 0
+    min_calibration: int = 0
 
     def __post_init__(self):
         names = ("decide_every", "horizon_steps", "patience", "forecast_window", "react_steps")
         for name in (*names, "apply_lag", "calibration_events"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.min_interval < 0:
-            raise ValueError(f"min_interval must be >= 0, got {self.min_interval!r}")
+        for name in ("min_interval", "warmup_steps", "min_calibration"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must lie in [0, 1), got {self.ema_decay!r}")
         if self.urgent_gain < self.min_relative_gain:
@@ -168,6 +193,12 @@ class Decision:
       migration_s: modeled migration time (seconds).
       accepted: whether the training loop should switch to ``new``.
       reason: why it was accepted or not.
+      forecast_before, forecast_after: ``PlacementController.forecast`` of the candidate (per-step
+        imbalance of ``old`` and, calibrated, of ``new``); None when the check stopped before
+        the forecast (no candidate, or one the in-sample checks already declined).
+      forecast_gain_s: ``PlacementController.forecast_gain``: the per-step gain the migration
+        is weighed against (accepted only when > 0 and repaying it); None as the forecast.
+      outcome: which rule decided, one of ``OUTCOMES`` (None from other controllers).
     """
 
     step: int
@@ -179,6 +210,26 @@ class Decision:
     migration_s: float
     accepted: bool
     reason: str
+    forecast_before: float | None = None
+    forecast_after: float | None = None
+    forecast_gain_s: float | None = None
+    outcome: str | None = None
+
+
+# `Decision.outcome`, in the order `PlacementController` checks them: accepted, or the rule that
+# declined (min_interval, the re-plan trigger, no candidate, a gain below min_relative_gain, a
+# gain not repaying the migration in sample, the forecast, the warm-up, patience).
+OUTCOMES = (
+    "accepted",
+    "min_interval",
+    "trigger",
+    "no_candidate",
+    "small_gain",
+    "migration",
+    "forecast",
+    "warmup",
+    "patience",
+)
 
 
 class PlacementController:
@@ -230,6 +281,10 @@ class PlacementController:
         self._ema: np.ndarray | None = None  # [L, E] float64
         self._recent = collections.deque(maxlen=config.forecast_window)  # of [L, E] raw counts
         self._since_check = 0
+        self._observed = 0  # steps observed (warmup_steps)
+        # Per layer, the observed steps before this many are not in its forecast window: the
+        # routing changed then (the change detector).
+        self._window_start = [0] * num_layers
         self._streak = [0] * num_layers
         self._last_change = [None] * num_layers
         self._settled = [1.0] * num_layers  # imbalance left by the last plan of each layer
@@ -258,6 +313,9 @@ class PlacementController:
         """Predicted per-step imbalance of ``placement`` for ``layer``: the mean, over the last
         ``forecast_window`` observed steps, of its imbalance on each step's own counts.
 
+        After a routing change the change detector confirmed, the window holds the steps since
+        the change only (as the EMA is re-seeded from them).
+
         Decisions use the EMA, which smooths per-step noise away; every real step sees that
         noise, and the busiest device is a maximum, so a step's imbalance is on average above
         the imbalance of the averaged counts. This is the figure to compare with the
@@ -268,15 +326,21 @@ class PlacementController:
         revert): on the tiny LM's training runs this in-sample fall was about twice the
         measured one (BENCHMARKS.md, "Placement in training"); ``forecast`` calibrates it.
         """
+        return float(np.mean([placement.imbalance(c) for c in self._window(layer)]))
+
+    def _window(self, layer: int) -> list[np.ndarray]:
+        """``layer``'s ``[E]`` counts of the steps its forecasts rest on, oldest first."""
         if not self._recent:
             raise ValueError("per_step_imbalance needs at least one observed step")
-        return float(np.mean([placement.imbalance(c[layer]) for c in self._recent]))
+        # After a confirmed routing change, only the steps since (at least one is kept).
+        keep = max(1, min(len(self._recent), self._observed - self._window_start[layer]))
+        return [c[layer] for c in list(self._recent)[-keep:]]
 
     @property
     def realized_ratio(self) -> float:
         """Measured over in-sample imbalance fall of the last ``calibration_events``
-        re-placements measured to the end of their window (``FallTracker.ratio``; 1.0 before
-        the first)."""
+        candidates (applied or not) measured to the end of their window
+        (``FallTracker.ratio``; 1.0 before the first)."""
         return self.realized.ratio
 
     def forecast(self, layer: int, old: Placement, new: Placement) -> tuple[float, float]:
@@ -285,12 +349,33 @@ class PlacementController:
 
         ``before`` is ``old``'s mean per-step imbalance over the last ``forecast_window``
         steps; the in-sample fall ``before - per_step_imbalance(layer, new)`` is scaled by
-        ``realized_ratio``, the share of such falls that this run's last re-placements
-        measured on the steps after them (routing drifts away from the steps a plan fitted).
+        ``realized_ratio``, the share of such falls that this run's last candidates measured
+        on the steps after them (routing drifts away from the steps a plan fitted).
         """
         before, after = self.per_step_imbalance(layer, old), self.per_step_imbalance(layer, new)
         # after + (1 - r) fall, not before - r fall: exactly the in-sample figure while r = 1.
         return before, after + (1.0 - self.realized_ratio) * (before - after)
+
+    def forecast_gain(self, layer: int, old: Placement, new: Placement) -> float:
+        """Forecast modeled seconds per step that replacing ``old`` by ``new`` saves on
+        ``layer``: what the acceptance of a candidate is weighed on.
+
+        The part that depends on the routing (compute of the busiest device and all-to-all,
+        ``step_cost`` on each step of the forecast window, in sample) is scaled by
+        ``realized_ratio``, as ``forecast`` scales the imbalance fall; the replica gradient sync
+        a layout pays does not depend on the routing and counts in full. So a layout that drops
+        replicas whose sync costs more than the balance they buy can pay although its imbalance
+        rises, and a balance gain that the run's last candidates did not measure does not pay.
+        """
+        hw, wl = self.hardware, self.workload
+
+        def routed(placement, counts):
+            cost = _step_cost(placement, counts, hw, wl)
+            return cost.compute_s + cost.all_to_all_s
+
+        balance = float(np.mean([routed(old, n) - routed(new, n) for n in self._window(layer)]))
+        sync = replica_sync_s(old, hw, wl) - replica_sync_s(new, hw, wl)
+        return self.realized_ratio * balance + (1.0 - wl.replica_sync_overlap) * sync
 
     def observe(self, step: int, counts: np.ndarray) -> list[Decision]:
         """Feeds the expert counts of ``step``; returns the decisions accepted now.
@@ -313,15 +398,18 @@ class PlacementController:
         if not np.all(np.isfinite(counts)) or np.any(counts < 0):
             raise ValueError("counts must be finite and >= 0")
         self._recent.append(counts)
+        self._observed += 1
         start = time.perf_counter()
         self.realized.observe(step, counts)
-        # {layer: EMA seed}, against the EMA so far
-        seeds = self._detector.update(self.placements, counts, self._ema, self._settled)
+        # {layer: the confirmed streak's counts [n, E]}, against the EMA so far
+        shifts = self._detector.update(self.placements, counts, self._ema, self._settled)
         decay = self.config.ema_decay
         self._ema = counts.copy() if self._ema is None else decay * self._ema + (1 - decay) * counts
-        for layer, seed in seeds.items():
-            self._ema[layer] = seed
-        layers = list(seeds)  # checked now, off schedule
+        for layer, streak in shifts.items():
+            # The routing changed: the EMA and the forecast window start with the streak.
+            self._ema[layer] = streak.mean(axis=0)
+            self._window_start[layer] = self._observed - len(streak)
+        layers = list(shifts)  # checked now, off schedule
         self._since_check += 1
         if self._since_check >= self.config.decide_every:
             self._since_check = 0
@@ -332,6 +420,15 @@ class PlacementController:
         decisions = [self._check(step, layer) for layer in layers]
         self.decision_wall_s += time.perf_counter() - start
         self.log.extend(decisions)
+        for d in decisions:
+            if d.forecast_before is not None:  # judged by the forecast: measured, run or not
+                first = step + self.config.apply_lag
+                before = self.per_step_imbalance(d.layer, d.old)
+                fall = before - self.per_step_imbalance(d.layer, d.new)
+                last = first + self.config.forecast_window - 1
+                self.realized.follow(
+                    d.layer, d.new, first=first, last=last, before=before, forecast_fall=fall
+                )
         accepted = [d for d in decisions if d.accepted]
         for d in accepted:
             self.placements[d.layer] = d.new
@@ -339,13 +436,6 @@ class PlacementController:
             self.bytes_moved += d.bytes_moved
             self._last_change[d.layer] = step
             self._detector.reset(d.layer)
-            first = step + self.config.apply_lag
-            before = self.per_step_imbalance(d.layer, d.old)
-            fall = before - self.per_step_imbalance(d.layer, d.new)
-            last = first + self.config.forecast_window - 1
-            self.realized.follow(
-                d.layer, d.new, first=first, last=last, before=before, forecast_fall=fall
-            )
         return accepted
 
     def state_dict(self) -> dict:
@@ -365,6 +455,8 @@ class PlacementController:
             "ema": None if self._ema is None else self._ema.tolist(),
             "recent": [c.tolist() for c in self._recent],
             "since_check": self._since_check,
+            "observed": self._observed,
+            "window_start": list(self._window_start),
             "streak": list(self._streak),
             "last_change": list(self._last_change),
             "settled": list(self._settled),
@@ -395,6 +487,9 @@ class PlacementController:
         self._recent.clear()
         self._recent.extend(np.asarray(c, np.float64) for c in state["recent"])
         self._since_check = int(state["since_check"])
+        # A state written before the warm-up existed is of a run long past it.
+        self._observed = int(state.get("observed", self.config.warmup_steps))
+        self._window_start = [int(x) for x in state.get("window_start", [0] * self.num_layers)]
         self._streak = [int(x) for x in state["streak"]]
         self._last_change = list(state["last_change"])
         self._settled = [float(x) for x in state["settled"]]
@@ -409,62 +504,101 @@ class PlacementController:
         old, ema = self.placements[layer], self._ema[layer]
         last = self._last_change[layer]
         record = dict(step=step, layer=layer, old=old, new=old, gain_s=0.0)
+        record.update(bytes_moved=0, migration_s=0.0)
+
+        def decline(outcome: str, reason: str) -> Decision:
+            self._streak[layer] = 0
+            return Decision(**record, accepted=False, reason=reason, outcome=outcome)
+
         if last is not None and step - last < cfg.min_interval:
+            return decline(
+                "min_interval", f"min_interval: {step - last} < {cfg.min_interval} steps"
+            )
+        perfect = perfect_cost(ema, old.num_devices, hw, wl).total_s
+        if not perfect > 0:  # no rows routed to this layer (yet): nothing to balance
             self._streak[layer] = 0
             return Decision(
                 **record,
                 bytes_moved=0,
                 migration_s=0.0,
                 accepted=False,
-                reason=f"min_interval: {step - last} < {cfg.min_interval} steps",
+                reason="no rows routed to this layer: nothing to balance",
             )
         imbalance = old.imbalance(ema)
         now = _step_cost(old, ema, hw, wl).total_s
-        over = now / perfect_cost(ema, old.num_devices, hw, wl).total_s
+        over = now / perfect
         floor = self._settled_cost[layer] * (1.0 + cfg.min_relative_gain)
         if over < floor:
             # Cheap trigger: the planner only runs once the modeled step (replica sync
             # included) degraded noticeably, relative to the perfect-balance bound, since the
             # last plan for this layer, which keeps host time small.
-            self._streak[layer] = 0
-            return Decision(
-                **record,
-                bytes_moved=0,
-                migration_s=0.0,
-                accepted=False,
-                reason=f"modeled step {over:.3f}x perfect, below re-plan trigger {floor:.3f}",
+            return decline(
+                "trigger", f"modeled step {over:.3f}x perfect, below re-plan trigger {floor:.3f}"
             )
         new = self.planner(old, ema, max_moves=cfg.max_moves)
         if new == old:
-            self._streak[layer] = 0
             self._settled[layer], self._settled_cost[layer] = imbalance, over
-            return Decision(
-                **record,
-                bytes_moved=0,
-                migration_s=0.0,
-                accepted=False,
-                reason="planner found no better placement",
-            )
+            return decline("no_candidate", "planner found no better placement")
         gain = now - _step_cost(new, ema, hw, wl).total_s
         move_s = migration_s(old, new, hw, wl)
         record.update(
             new=new, gain_s=gain, bytes_moved=migration_bytes(old, new, wl), migration_s=move_s
         )
         if gain < cfg.min_relative_gain * now:
-            self._streak[layer] = 0
             self._settled[layer], self._settled_cost[layer] = imbalance, over
-            reason = f"gain {gain / now:.1%} of step < min_relative_gain {cfg.min_relative_gain}"
-            return Decision(**record, accepted=False, reason=reason)
-        if gain * cfg.horizon_steps <= move_s:
-            self._streak[layer] = 0
-            reason = f"gain over {cfg.horizon_steps} steps {gain * cfg.horizon_steps:.3g}s"
-            return Decision(**record, accepted=False, reason=f"{reason} <= migration {move_s:.3g}s")
+            return decline(
+                "small_gain",
+                f"gain {gain / now:.1%} of step < min_relative_gain {cfg.min_relative_gain}",
+            )
+        horizon = cfg.horizon_steps
+        if gain * horizon <= move_s:
+            return decline(
+                "migration",
+                f"gain over {horizon} steps {gain * horizon:.3g}s <= migration {move_s:.3g}s",
+            )
+        # The forecast's verdict: what the run's own candidates say survives of the in-sample
+        # figures. Never apply a layout it says does not pay (observe follows it either way).
+        before, after = self.forecast(layer, old, new)
+        expected = self.forecast_gain(layer, old, new)
+        record.update(forecast_before=before, forecast_after=after, forecast_gain_s=expected)
+        forecast = (
+            f"forecast per-step imbalance {before:.3f} -> {after:.3f} (realized ratio "
+            f"{self.realized_ratio:.2f})"
+        )
+        if expected <= 0:
+            return decline(
+                "forecast", f"{forecast}: forecast gain {expected / now:.1%} of step does not pay"
+            )
+        if expected * horizon <= move_s:
+            return decline(
+                "forecast",
+                f"{forecast}: forecast gain over {horizon} steps {expected * horizon:.3g}s "
+                f"<= migration {move_s:.3g}s",
+            )
+        if self._observed < cfg.warmup_steps:
+            return decline(
+                "warmup",
+                f"{forecast}: warm-up, {self._observed} of {cfg.warmup_steps} steps observed",
+            )
+        if self.realized.matured < cfg.min_calibration:
+            return decline(
+                "warmup",
+                f"{forecast}: forecast not calibrated yet, {self.realized.matured} of "
+                f"{cfg.min_calibration} candidates measured",
+            )
         self._streak[layer] += 1
         if self._streak[layer] < cfg.patience and gain < cfg.urgent_gain * now:
-            reason = f"patience {self._streak[layer]}/{cfg.patience}"
-            return Decision(**record, accepted=False, reason=reason)
+            return Decision(
+                **record,
+                accepted=False,
+                reason=f"patience {self._streak[layer]}/{cfg.patience}",
+                outcome="patience",
+            )
         self._streak[layer] = 0
         self._settled[layer] = new.imbalance(ema)
         self._settled_cost[layer] = over * (now - gain) / now
-        reason = f"gain {gain / now:.1%} per step repays migration {move_s:.3g}s"
-        return Decision(**record, accepted=True, reason=reason)
+        reason = (
+            f"{forecast}: forecast gain {expected / now:.1%} of step (in sample {gain / now:.1%}) "
+            f"repays migration {move_s:.3g}s in {move_s / expected:.3g} steps"
+        )
+        return Decision(**record, accepted=True, reason=reason, outcome="accepted")

@@ -10,7 +10,8 @@ plan left it with (``settled``) and, when the raw counts exceed that, also the i
 EMA so far (a router drifting at the EMA's pace is no shift). ``react_steps`` such steps in a
 row, against the base fixed at the streak's first step, confirm a change; with ``react_urgent``
 one step above ``1 + react_urgent`` times the base does. A confirmed layer's new EMA is the mean
-of the streak's counts, and the controller checks it at once.
+of the streak's counts, its forecast window starts with the streak (the steps before it are of
+the old routing), and the controller checks it at once.
 
 Plain numpy; no jax.
 """
@@ -54,8 +55,8 @@ class ChangeDetector:
         step) takes them; ``settled`` is the imbalance each layer's last plan left.
 
         Returns:
-          ``{layer: mean of the streak's counts}`` for the layers whose change is confirmed now
-          (their streaks start afresh).
+          ``{layer: the streak's counts [n, E]}`` (the ``n`` shifted steps, oldest first) for
+          the layers whose change is confirmed now (their streaks start afresh).
         """
         changed = {}
         if self.react_gain is None:
@@ -75,7 +76,7 @@ class ChangeDetector:
                 1.0 + self.react_urgent
             )
             if len(shifted) >= self.react_steps or urgent:
-                changed[layer] = np.mean(shifted, axis=0)
+                changed[layer] = np.stack(shifted)
                 shifted.clear()
         return changed
 

@@ -2,10 +2,12 @@
 
 The planner scores its candidate on the counts it was planned on, which overstates the fall a
 re-placement will measure when routing drifts or the plan fitted noise (BENCHMARKS.md,
-"Placement in training"). A ``FallTracker`` follows every accepted re-placement over the steps
-it runs and measures its fall as the layer's logs will show it: the old table's per-step
-imbalance over the steps the decision saw, minus the new table's over the steps it runs. The
-``ratio`` of measured to in-sample falls, summed over the ``recent`` re-placements measured
+"Placement in training"). A ``FallTracker`` follows every candidate the controller's forecast
+judged (applied or not: a layout's device loads on a step are a function of the step's counts
+alone) over the steps it runs, or would have run, and measures its fall as the layer's logs
+would show it: the old table's per-step imbalance over the steps the decision saw, minus the new
+table's over those steps. The
+``ratio`` of measured to in-sample falls, summed over the ``recent`` candidates measured
 last, scales the next forecasts. Recent ones only: the share that survives changes as training
 goes (while routers form, far less of a fall survives than later). On the tiny LM, over whole
 runs, the forecast with the last 5 is 0.93-1.16x the measured fall on the five traces it was

@@ -64,8 +64,17 @@ class MethodResult:
 
     @property
     def overhead_fraction(self) -> float:
-        """(decision wall time + migration time) / total modeled time."""
-        return (self.decision_wall_s + self.migration_s) / self.total_s
+        """(decision wall time + migration time) / total modeled time (0 when both are 0, inf
+        when only the modeled time is: a trace without rows)."""
+        return _ratio(self.decision_wall_s + self.migration_s, self.total_s, 0.0)
+
+
+def _ratio(a: float, b: float, empty: float) -> float:
+    """`a / b`; `empty` when both are 0 (a trace without rows models no time at all), inf when
+    only `b` is."""
+    if b > 0:
+        return a / b
+    return empty if a == 0 else float("inf")
 
 
 def _layer_costs(trace: np.ndarray, placements: list[Placement], hw, wl) -> list:
@@ -205,20 +214,22 @@ def summarize(results: dict[str, MethodResult]) -> list[dict]:
     """One row per strategy: mean step ms, speedup vs static, gap to perfect, overhead (host
     decision + migration) and its migration-only part, as fractions of the modeled time, and
     the measured host decision time in seconds; ``replica_sync``: replica gradient combination
-    as a fraction of the modeled time (included in it, see ``MethodResult``)."""
+    as a fraction of the modeled time (included in it, see ``MethodResult``). A trace without
+    any rows models no time: a method that models none either is then 1.0x static, 0 from
+    perfect, 0 overhead (one that does, e.g. shadowing's sync: 0x static, inf from perfect)."""
     static, perfect = results["static"].total_s, results["perfect"].total_s
     rows = []
     for name, r in results.items():
         rows.append(
             dict(
                 method=name,
-                step_ms=1e3 * r.total_s / len(r.step_s),
-                speedup=static / r.total_s,
-                gap=r.total_s / perfect - 1.0,
+                step_ms=1e3 * _ratio(r.total_s, len(r.step_s), 0.0),
+                speedup=_ratio(static, r.total_s, 1.0),
+                gap=_ratio(r.total_s, perfect, 1.0) - 1.0,
                 overhead=r.overhead_fraction,
-                migration=r.migration_s / r.total_s,
+                migration=_ratio(r.migration_s, r.total_s, 0.0),
                 host_s=r.decision_wall_s,
-                replica_sync=r.replica_sync_s / r.total_s,
+                replica_sync=_ratio(r.replica_sync_s, r.total_s, 0.0),
                 replacements=r.replacements,
             )
         )

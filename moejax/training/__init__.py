@@ -1,8 +1,10 @@
 """moejax.training: optimizer, jitted sharded train step, loop, checkpoints and metrics.
 
 Input errors a user can cause (`INPUT_ERRORS`: bad shapes for the mesh, a missing or malformed
-corpus, a foreign or corrupt checkpoint directory) are `ValueError` subclasses with one-line
-messages that name the problem; `experiments/train_lm.py` prints them and exits 2.
+corpus, a foreign or corrupt checkpoint directory, a run directory in use by another run or
+holding files moejax did not write, a resume with another model, batch or seed, a converted
+model failing its checksums) are `ValueError` subclasses with one-line messages that name the
+problem; `experiments/train_lm.py` prints them and exits 2.
 
 Dynamic expert placement (`TrainConfig.expert_slots_per_device`, `train(controller=...)`,
 `train_lm.py --placement`): `moejax.training.placed`. The parallel strategy chosen by timing
@@ -10,6 +12,7 @@ train steps (`train(strategy="tune")`, `train_lm.py --strategy auto`): `moejax.t
 """
 
 from moejax.data import DataError as DataError
+from moejax.interop.hf._errors import CheckpointError as _HFCheckpointError
 from moejax.training import placed as placed
 from moejax.training import presets as presets
 from moejax.training import tuning as tuning
@@ -23,6 +26,9 @@ from moejax.training.loop import train as train
 from moejax.training.metrics import flops_per_token as flops_per_token
 from moejax.training.optimizer import learning_rate_schedule as learning_rate_schedule
 from moejax.training.optimizer import make_optimizer as make_optimizer
+from moejax.training.resume import ResumeMismatch as ResumeMismatch
+from moejax.training.rundir import RunDirBusy as RunDirBusy
+from moejax.training.rundir import RunDirError as RunDirError
 from moejax.training.state import TrainState as TrainState
 from moejax.training.state import abstract_state as abstract_state
 from moejax.training.state import global_batch as global_batch
@@ -34,13 +40,17 @@ from moejax.training.step import make_eval_step as make_eval_step
 from moejax.training.step import make_train_step as make_train_step
 from moejax.training.step import train_step as train_step
 
-INPUT_ERRORS = (DataError, CheckpointError, SetupError)
+# A converted Hugging Face model given as `train(init_params=...)` that fails its checksums.
+INPUT_ERRORS = (DataError, CheckpointError, SetupError, RunDirError, _HFCheckpointError)
 
 __all__ = [
     "INPUT_ERRORS",
     "DataError",
     "CheckpointError",
     "Checkpointer",
+    "ResumeMismatch",
+    "RunDirBusy",
+    "RunDirError",
     "RunResult",
     "SetupError",
     "StepMetrics",

@@ -7,7 +7,8 @@ A checkpoint of step `t` is the orbax step directory `<dir>/<t>/` with three ite
 - `meta`: JSON: `format`, the model config, the data-iterator state (`seed`, `epoch`,
   `position`), the expert placement of every MoE layer (`slot_to_expert [Lm][P]`, `num_devices`,
   `slots_per_device`), the placement controller's state (`PlacementRuntime.checkpoint_state`,
-  None without a controller), the mesh it was written on, and the train config (informational);
+  None without a controller), the mesh it was written on, and the train config (compared on
+  resume: `moejax.training.resume`);
 - `checksums`: JSON: the CRC-32 of every array's bytes (C order, as saved) by its name
   (`params.layers[1].moe.experts.w_up`), with its shape and dtype, and the CRC-32 of `meta`
   (canonical JSON). Computed on the host copy of the state when it is saved; verified after
@@ -26,7 +27,11 @@ newest intact one is restored. Skipped checkpoints newer than it are never delet
 renamed `<t>.corrupt` (so the resumed run can write step `t` again) for inspection. With no
 intact checkpoint, `CheckpointError` names every step tried and why, and nothing is touched.
 A checkpoint written before checksums existed (no `checksums` item) is restored unverified,
-with a warning.
+with a warning. An intact checkpoint for another model (`ResumeMismatch`) or whose arrays hold
+NaN or Inf (`NonFiniteState`, naming the array and the count; unless `allow_nonfinite`) is an
+error, not skipped: the files are fine, the request is not.
+`Checkpointer.restore_params` reads and verifies the parameters alone (`convert_hf.py to-hf
+--checkpoint`).
 
 Rotation (keep the newest `keep`) runs before each save and on `close`, once the previous save
 has finished; it deletes older checkpoints only after the newest one has been verified (read
@@ -44,21 +49,25 @@ and the identity placement of the new mesh is used.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import sys
-import zlib
 
 import jax
 import numpy as np
 
 from moejax.models import LMConfig
 from moejax.training._config import TrainConfig
+from moejax.training.checksums import CHECKSUM_FORMAT as CHECKSUM_FORMAT
+from moejax.training.checksums import array_checksum as array_checksum
+from moejax.training.checksums import check_arrays as check_arrays
+from moejax.training.checksums import leaf_name as leaf_name
+from moejax.training.checksums import meta_checksum as meta_checksum
+from moejax.training.checksums import nonfinite_message as nonfinite_message
+from moejax.training.checksums import state_checksums as state_checksums
 from moejax.training.state import TrainState
 
 FORMAT = "moejax-lm-train/1"
-CHECKSUM_FORMAT = "moejax-checksums/1"
 _ITEMS = ("state", "meta", "checksums")
 # Entries of a checkpoint directory: finished steps, orbax's unfinished saves, and checkpoints
 # set aside by the fallback.
@@ -75,6 +84,24 @@ class CheckpointError(ValueError):
 
 class CorruptCheckpoint(CheckpointError):
     """One checkpoint is unreadable or fails its checksums (the fallback skips it)."""
+
+
+class ResumeMismatch(CheckpointError):
+    """A checkpoint written with other settings than a resume may change (`moejax.training.
+    resume`): another model, batch or seed. Names the field and both values.
+
+    Attributes:
+      field: `"model.d_model"`, `"seed"`, ...; saved, current: its two values.
+    """
+
+    def __init__(self, message: str, *, field: str, saved, current):
+        super().__init__(message)
+        self.field, self.saved, self.current = field, saved, current
+
+
+class NonFiniteState(CheckpointError):
+    """An intact checkpoint whose arrays hold NaN or Inf (names the first array and the count);
+    restored only with `allow_nonfinite=True`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,57 +138,6 @@ def _state_dict(state: TrainState) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
-def leaf_name(path) -> str:
-    """`params.layers[1].moe.experts.w_up`: a readable name of a pytree key path."""
-    out = ""
-    for key in path:
-        if isinstance(key, jax.tree_util.SequenceKey):
-            out += f"[{key.idx}]"
-        elif isinstance(key, jax.tree_util.DictKey):
-            out += f".{key.key}"
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            out += f".{key.name}"
-        else:
-            out += f".{key}"
-    return out.lstrip(".")
-
-
-def array_checksum(x: np.ndarray) -> int:
-    """CRC-32 of an array's bytes in C order."""
-    x = np.ascontiguousarray(x)
-    return zlib.crc32(x.reshape(-1).view(np.uint8))
-
-
-def meta_checksum(meta: dict) -> int:
-    """CRC-32 of `meta` as canonical JSON (as read back: tuples are lists)."""
-    return zlib.crc32(json.dumps(json.loads(json.dumps(meta)), sort_keys=True).encode())
-
-
-def state_checksums(tree) -> dict:
-    """`{name: [crc32, shape, dtype]}` of every array of `tree` (None where it spans processes)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            out[leaf_name(path)] = None
-            continue
-        host = np.asarray(jax.device_get(leaf))
-        out[leaf_name(path)] = [array_checksum(host), list(host.shape), str(host.dtype)]
-    return out
-
-
-def _mismatches(tree, expected: dict) -> list[str]:
-    """Names of the arrays of `tree` that differ from their `expected` checksums."""
-    got = state_checksums(tree)
-    bad = []
-    for name in sorted(set(got) | set(expected)):
-        want, have = expected.get(name, "<missing>"), got.get(name, "<missing>")
-        if want is None or have is None:  # spans processes (written or restored): not checked
-            continue
-        if want != have:
-            bad.append(name)
-    return bad
-
-
 class Checkpointer:
     """Saves and restores `TrainState` + metadata + checksums under `directory` (module docstring).
 
@@ -176,6 +152,8 @@ class Checkpointer:
       keep: keep this many most recent checkpoints.
       async_save: write in a background thread (the step loop only waits for the device-to-host
         copy).
+      allow_nonfinite: restore a state holding NaN or Inf (default: a CheckpointError naming
+        the array and the count; such a checkpoint is intact, so it is not skipped).
 
     Raises:
       CheckpointError: the directory holds something else.
@@ -189,8 +167,10 @@ class Checkpointer:
         *,
         keep: int = 3,
         async_save: bool = True,
+        allow_nonfinite: bool = False,
     ):
         self.directory = os.path.abspath(directory)
+        self.allow_nonfinite = allow_nonfinite
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg
         self.keep = keep
@@ -286,24 +266,28 @@ class Checkpointer:
         state, meta, _ = self._load(step, _state_dict(target))
         return TrainState(**state), meta
 
-    def restore_latest(self, target: TrainState, *, log=None) -> Restored | None:
+    def restore_latest(self, target: TrainState, *, log=None, check=None) -> Restored | None:
         """Restore the newest intact checkpoint (module docstring: fallback); None if none exist.
 
         Args:
           target: as for `restore`.
           log: called with one line per checkpoint skipped (once an intact one is found) or
             restored unverified (default: print to stderr on process 0).
+          check: called as `check(meta, path)` with the metadata of each readable checkpoint
+            before its arrays are read; what it raises propagates, before any newer corrupt
+            checkpoint is moved aside (`moejax.training.resume.check`).
 
         Raises:
           CheckpointError: no checkpoint is intact (names each step tried and why; nothing is
-            touched), or one is for another model.
+            touched); `ResumeMismatch`: one is for another model (or what `check` raises);
+            `NonFiniteState`: the state holds NaN/Inf (unless `allow_nonfinite`).
         """
         log = log or _log
         tried = []
         for step in reversed(self.all_steps()):
             path = os.path.join(self.directory, str(step))
             try:
-                state, meta, verified = self._load(step, _state_dict(target))
+                state, meta, verified = self._load(step, _state_dict(target), check)
             except CorruptCheckpoint as err:
                 tried.append((step, str(err)))
                 continue
@@ -328,8 +312,74 @@ class Checkpointer:
             )
         return None
 
-    def _load(self, step: int, target: dict) -> tuple[dict, dict, bool]:
-        """(state dict, meta, verified) of checkpoint `step`; raises CorruptCheckpoint."""
+    def _load(self, step: int, target: dict, check=None) -> tuple[dict, dict, bool]:
+        """(state dict, meta, verified) of checkpoint `step`; raises CorruptCheckpoint, or
+        CheckpointError for another model or NaN/Inf in the state (unless allowed)."""
+        ocp = self._ocp
+        path = os.path.join(self.directory, str(step))
+
+        def corrupt(why):
+            return CorruptCheckpoint(f"checkpoint {path}: {why}")
+
+        meta, checksums = self._read_meta(step)
+        if check is not None:
+            check(meta, path)
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )["state"]
+        except Exception as err:
+            raise corrupt(f"array data cannot be read ({_first_line(err)})") from None
+        self._check_arrays(restored, checksums, path)
+        try:
+            meta["placement"] = _placement_from_meta(meta["placement"])
+        except Exception as err:
+            raise corrupt(f"metadata placement unreadable ({_first_line(err)})") from None
+        return restored, meta, checksums is not None
+
+    def _check_arrays(self, tree, checksums: dict | None, path: str, partial=False) -> None:
+        expected = None if checksums is None else checksums["arrays"]
+        bad, nonfinite = check_arrays(tree, expected, partial=partial)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise CorruptCheckpoint(f"checkpoint {path}: array {bad[0]} fails its checksum{more}")
+        if nonfinite and not self.allow_nonfinite:
+            raise NonFiniteState(nonfinite_message(f"checkpoint {path}", nonfinite))
+
+    def restore_params(self, step: int, target: dict) -> tuple[dict, dict]:
+        """The parameters of checkpoint `step` only (not the optimizer state), verified against
+        their checksums: `(params, meta)`.
+
+        Args:
+          step: a finished step.
+          target: the parameter tree of `jax.ShapeDtypeStruct`s with shardings.
+
+        Raises:
+          CorruptCheckpoint: unreadable, or an array failing its checksum. CheckpointError:
+            another model. NonFiniteState: NaN/Inf in the parameters (unless
+            `allow_nonfinite`).
+        """
+        ocp = self._ocp
+        path = os.path.join(self.directory, str(step))
+        meta, checksums = self._read_meta(step)
+        item = {"params": target}
+        restore = ocp.args.PyTreeRestore(
+            item=item,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True,  # the params only, not the optimizer state
+        )
+        try:
+            params = ocp.PyTreeCheckpointer().restore(os.path.join(path, "state"), args=restore)
+        except Exception as err:
+            raise CorruptCheckpoint(
+                f"checkpoint {path}: array data cannot be read ({_first_line(err)})"
+            ) from None
+        self._check_arrays(params, checksums, path, partial=True)
+        return params["params"], meta
+
+    def _read_meta(self, step: int) -> tuple[dict, dict | None]:
+        """(meta, checksums or None) of checkpoint `step`, checked against each other and the
+        model; raises CorruptCheckpoint, or CheckpointError for another model."""
         ocp = self._ocp
         path = os.path.join(self.directory, str(step))
 
@@ -361,22 +411,7 @@ class Checkpointer:
             why = f"lacks {missing}" if missing else f"says step {meta['step']}"
             raise corrupt(f"metadata {why}")
         self._check_model(meta.get("model", {}), path)
-        try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-            )["state"]
-        except Exception as err:
-            raise corrupt(f"array data cannot be read ({_first_line(err)})") from None
-        if checksums is not None:
-            bad = _mismatches(restored, checksums["arrays"])
-            if bad:
-                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-                raise corrupt(f"array {bad[0]} fails its checksum{more}")
-        try:
-            meta["placement"] = _placement_from_meta(meta["placement"])
-        except Exception as err:
-            raise corrupt(f"metadata placement unreadable ({_first_line(err)})") from None
-        return restored, meta, checksums is not None
+        return meta, checksums
 
     def _check_model(self, saved: dict, path: str) -> None:
         here = _flat_config(self.model_cfg)
@@ -387,9 +422,12 @@ class Checkpointer:
                 continue  # a model option added after the checkpoint was written, left off
             a, b = saved.get(key, "<missing>"), here.get(key, "<missing>")
             if a != b and not (isinstance(a, list) and tuple(a) == b):
-                raise CheckpointError(
+                raise ResumeMismatch(
                     f"checkpoint {path} was written for a different model: "
-                    f"{key}={a!r} there, {b!r} here"
+                    f"{key}={a!r} there, {b!r} here",
+                    field=f"model.{key}",
+                    saved=a,
+                    current=b,
                 )
 
     def _set_aside(self, step: int) -> str:

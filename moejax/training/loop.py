@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import ExitStack
 
 import jax
 import numpy as np
@@ -36,7 +37,7 @@ import numpy as np
 from moejax.data import BatchIterator, Corpus, DataError
 from moejax.models import LMConfig, lm_mesh_problems
 from moejax.placement import Placement, save_trace
-from moejax.training import placed, report, tuning
+from moejax.training import placed, report, resume, rundir, tuning
 from moejax.training._config import TrainConfig
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import (
@@ -64,7 +65,7 @@ class RunResult:
     run_dir: str
     step: int  # steps done in total (including earlier runs this one resumed)
     steps_this_run: int
-    final_loss: float | None  # mean train loss of the last 20 steps
+    final_loss: float | None  # mean train loss of the last `final_loss_steps` steps
     eval_loss: float | None  # mean held-out loss (None without eval data)
     unigram_entropy: float
     skipped: int
@@ -83,6 +84,7 @@ class RunResult:
     placement: dict | None = None  # PlacementRuntime.summary: re-placements and their overhead
     placements: tuple = ()  # the final `Placement` of every MoE layer (the state's layout)
     tuning: dict | None = None  # tuning.StepRunner.summary: the strategy chosen and why
+    final_loss_steps: int = 20  # `report.loss_window` of the run's steps
 
 
 class SetupError(ValueError):
@@ -212,6 +214,7 @@ def train(
     async_checkpoints: bool = True,
     controller=None,
     init_params=None,
+    allow_nonfinite: bool = False,
 ) -> RunResult:
     """Train (or resume training) `model_cfg` on `corpus`; write everything under `run_dir`.
 
@@ -243,19 +246,40 @@ def train(
         step's expert counts one step late (`observe(step, counts [Lm, E])`) and returns
         accepted `moejax.placement.Decision`s, which the loop applies between steps (a jitted
         gather of the expert parameters and moments, compiled in the background at start).
-        Events go to `placement_events.jsonl` and are marked in `loss.png`. None: the placement
-        stays as initialised (or as resumed).
+        Events go to `placement_events.jsonl` and are marked in `loss.png`; every check of a
+        controller with a `log` (accepted or declined, with its reason) goes to
+        `placement_decisions.jsonl`. None: the placement stays as initialised (or as resumed).
       init_params: None, or `mesh -> params` (logical expert order, on `mesh`'s parameter
         shardings): a fresh run starts from these parameters instead of the initialiser's,
         e.g. a converted Hugging Face model (`moejax.interop.hf`); a resumed run ignores it.
+      allow_nonfinite: resume from a checkpoint whose state holds NaN or Inf (default:
+        `NonFiniteState`, naming the array).
 
     Returns:
       A `RunResult`.
 
     Raises:
       SetupError, DataError, CheckpointError (all ValueErrors): bad shapes, data or checkpoint
-        directory, raised before anything in `run_dir` is written.
+        directory, raised before anything in `run_dir` is written. RunDirError: `run_dir`
+        holds files moejax did not write; `RunDirBusy`: another run holds its lock
+        (`moejax.training.rundir`; only process 0 takes it). ResumeMismatch: the checkpoint
+        was written with another model, batch or seed (`moejax.training.resume`; other
+        changed settings are applied, listed in one line on stderr).
     """
+    with ExitStack() as held:  # the run directory's lock, taken in _train, released on return
+        return _train(
+            model_cfg, train_cfg, corpus, run_dir=run_dir, mesh=mesh, strategy=strategy,
+            implementation=implementation, stop_at=stop_at, progress=progress, outputs=outputs,
+            tensorboard=tensorboard, async_checkpoints=async_checkpoints, controller=controller,
+            init_params=init_params, allow_nonfinite=allow_nonfinite, held=held,
+        )  # fmt: skip
+
+
+def _train(
+    model_cfg, train_cfg, corpus, *, run_dir, mesh, strategy, implementation, stop_at, progress,
+    outputs, tensorboard, async_checkpoints, controller, init_params, allow_nonfinite, held,
+) -> RunResult:  # fmt: skip
+    """`train`'s body; takes the run directory's lock into `held` before it touches run_dir."""
     t_start = time.perf_counter()
     seq_len = check_setup(model_cfg, train_cfg, mesh)
     if stop_at is not None and not (
@@ -281,6 +305,8 @@ def train(
         )
     except ValueError as err:  # no candidate strategy fits the run
         raise SetupError(str(err)) from None
+    if primary:  # before run_dir is read or written (re-entrant: train_lm.py may hold it)
+        held.enter_context(rundir.run_lock(run_dir, log=_say))
     # A metrics.jsonl damaged before its last line stops the run before anything is written.
     read_records(os.path.join(run_dir, "metrics.jsonl"), on_torn=lambda _: None)
 
@@ -290,13 +316,15 @@ def train(
         train_cfg,
         keep=train_cfg.keep_checkpoints,
         async_save=async_checkpoints,
+        allow_nonfinite=allow_nonfinite,
     )
     shardings = None if mesh is None else state_shardings(model_cfg, train_cfg, mesh)
     placements = placed.initial_placements(model_cfg, train_cfg, mesh)
     resumed = None  # the controller state of the checkpoint resumed, if its tables apply
     target = restore_target(abstract_state(model_cfg, train_cfg), shardings)
     try:
-        restored = ckpt.restore_latest(target, log=_say)
+        check = lambda meta, path: resume.check(meta, train_cfg, path)  # noqa: E731
+        restored = ckpt.restore_latest(target, log=_say, check=check)
         if restored is not None:
             iterator.restore(restored.meta["data"])
     except ValueError:
@@ -309,6 +337,8 @@ def train(
             f"resumed from checkpoint step {latest} ({ckpt.directory}/{latest})"
             + ("" if restored.verified else ", not verified: written without checksums")
         )
+        for line in resume.check(meta, train_cfg, f"{ckpt.directory}/{latest}"):
+            _say(line)
         saved = _saved_placements(meta, placements)
         if saved is not None:  # the saved tables apply here: so does their controller's state
             placements, resumed = saved, meta.get("controller")
@@ -515,7 +545,8 @@ def _evaluate(
 
 def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, interrupted):
     step = int(jax.device_get(state.step))
-    finite = [r["loss"] for r in records[-20:] if r["loss"] is not None]
+    window = report.loss_window(len(records))
+    finite = [r["loss"] for r in records[-window:] if r["loss"] is not None]
     timed = records[1:] if len(records) > 1 else records  # the first includes compilation
 
     def median(key):
@@ -541,6 +572,7 @@ def _result(run_dir, state, start, records, eval_loss, entropy, skipped, wall, i
         wall_s=wall,
         interrupted=interrupted,
         records=records,
+        final_loss_steps=window,
     )
 
 

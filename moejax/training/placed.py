@@ -38,7 +38,15 @@ from optax.transforms import MaskedNode
 
 from moejax.models import LMConfig
 from moejax.parallel import placed as device_placed
-from moejax.placement import Placement
+from moejax.placement import (
+    H100_NVLINK,
+    TPU_V5P_ICI,
+    ControllerConfig,
+    HardwareModel,
+    Placement,
+    PlacementController,
+    Workload,
+)
 from moejax.training._config import TrainConfig
 from moejax.training.optimizer import make_optimizer
 
@@ -198,21 +206,37 @@ def to_logical(state, placements, model_cfg, train_cfg, mesh=None):
     return gather_experts(state, index, model_cfg, train_cfg, mesh)
 
 
+# The controller the training loop runs by default: `ControllerConfig()` with a warm-up. The
+# router is untrained at step 0 and its routing moves fastest in the first steps; on the tiny LM
+# a re-placement decided on the first two steps' counts measured a rise of the imbalance, and
+# the first ones, forecast before any candidate was measured, measured falls far below their
+# forecasts. Replayed on three tiny-LM traces with the CPU figures measured for one of them, the
+# modeled MoE time (replica sync and migrations included) was 1.8-2.2% below the same controller
+# without the warm-up (BENCHMARKS.md, "Placement in training").
+TRAINING_CONTROLLER = ControllerConfig(warmup_steps=10, min_calibration=1)
+
+# The datasheet figures `hardware="auto"` prices with on each accelerator platform.
+DATASHEET = {"gpu": H100_NVLINK, "tpu": TPU_V5P_ICI}
+
+
 def controller_factory(
     model_cfg: LMConfig,
     train_cfg: TrainConfig,
     mesh,
     seq_len: int,
     config=None,
-    hardware=None,
+    hardware="auto",
 ):
     """A factory `placements -> moejax.placement.PlacementController` for `train(controller=)`.
 
     The cost model gets this run's layer shapes (`Workload`: tokens per device per step, top-k,
     `D`, `F`, bytes per element of the parameter dtype, Adam's two moments) and `hardware`: a
-    `moejax.placement.HardwareModel` (default `H100_NVLINK`: the accelerator the layout is meant
-    for), or `"measured"`: this mesh's own figures (`moejax.training.hardware.measure_hardware`,
-    timed once, here).
+    `moejax.placement.HardwareModel`, `"measured"`: this mesh's own figures
+    (`moejax.training.hardware.measure_hardware`, timed once, here), or `"auto"` (the default):
+    measured on a CPU mesh, whose figures are nothing like an accelerator's (a migration priced
+    with H100 figures there is 10^4x below what it takes), else the datasheet figures of the
+    platform (`DATASHEET`: H100 on GPU, TPU v5p on TPU). A CPU mesh without an `expert` axis of
+    2 devices or more has nothing to measure and gets H100's.
 
     Replica gradient sync is charged as this step runs it (`Workload(replica_sync="packed")`,
     nothing assumed hidden): a placement whose experts each sit on one device (local duplicates
@@ -221,9 +245,11 @@ def controller_factory(
     `moejax.parallel.placed.combine_replica_grads`; `moejax.placement.cost_model.
     packed_sync_gradients`), so the controller replicates across devices only where the
     balance gained outweighs that all-reduce.
+
+    Args:
+      config: the controller's `ControllerConfig` (default `TRAINING_CONTROLLER`).
     """
     from moejax.parallel import mesh as mesh_lib
-    from moejax.placement import H100_NVLINK, ControllerConfig, PlacementController, Workload
 
     moe = model_cfg.moe
     shards = 1 if mesh is None else mesh_lib.token_shards(mesh)
@@ -242,14 +268,25 @@ def controller_factory(
         replica_sync="packed",  # combine_replica_grads' all-reduce (docstring)
     )
     if isinstance(hardware, str):
-        if hardware != "measured":
-            raise ValueError(f"hardware must be a HardwareModel or 'measured', got {hardware!r}")
-        from moejax.training.hardware import measure_hardware
-
-        hardware = measure_hardware(mesh, workload)
+        hardware = _hardware(hardware, mesh, workload)
     return functools.partial(
         PlacementController,
         hardware=hardware or H100_NVLINK,
         workload=workload,
-        config=config or ControllerConfig(),
+        config=config or TRAINING_CONTROLLER,
     )
+
+
+def _hardware(name: str, mesh, workload: Workload) -> HardwareModel:
+    """The `HardwareModel` `controller_factory(hardware=name)` means on `mesh`."""
+    from moejax.parallel import mesh as mesh_lib
+
+    if name not in ("auto", "measured"):
+        raise ValueError(f"hardware must be a HardwareModel, 'auto' or 'measured', got {name!r}")
+    platform = "cpu" if mesh is None else mesh.devices.flat[0].platform
+    expert = 1 if mesh is None else mesh_lib.axis_size(mesh, mesh_lib.EXPERT)
+    if name == "auto" and (platform != "cpu" or expert < 2):
+        return DATASHEET.get(platform, H100_NVLINK)
+    from moejax.training.hardware import measure_hardware
+
+    return measure_hardware(mesh, workload)

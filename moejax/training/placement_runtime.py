@@ -20,6 +20,11 @@ re-placement (`placement_events.jsonl`, one JSON object per event):
   timed alone; events of one step share it) and
   `decision_wall_s` (host time of the controller's checks so far).
 
+Every check of the controller, accepted or declined, is a line of `placement_decisions.jsonl`
+(`decision_record`: the step, the layer, the outcome and the reason, and for a candidate its
+predicted and forecast gain, its forecast imbalance and the migration it would cost), so a layer
+that was never re-placed says why.
+
 A run with a `PlacementController` also writes `placement_controller.json` at its start
 (`moejax.placement.replay.controller_spec`), from which `experiments/replay_placement.py`
 replays its `routing_trace.npy` through the same controller, or one with other knobs.
@@ -47,6 +52,7 @@ from moejax.placement.replay import SPEC_FILE, controller_spec, event_record
 from moejax.training import placed
 
 EVENTS_FILE = "placement_events.jsonl"
+DECISIONS_FILE = "placement_decisions.jsonl"
 
 
 @dataclasses.dataclass
@@ -60,9 +66,12 @@ class PlacementRuntime:
     train_cfg: object = None
     mesh: object = None
     events: list = dataclasses.field(default_factory=list)
+    decisions: list = dataclasses.field(default_factory=list)  # `decision_record`s of this run
     migration_wall_s: float = 0.0
     _tables: tuple = ()
     _events_path: str | None = None
+    _decisions_path: str | None = None
+    _logged: int = 0  # the controller's log entries written so far
     _compile: threading.Thread | None = None
     _migrate: object = None
     _unobserved: tuple | None = None  # (step, counts [Lm, E]) saved unobserved by a checkpoint
@@ -118,8 +127,10 @@ class PlacementRuntime:
                     with open(os.path.join(run_dir, SPEC_FILE), "w") as f:
                         json.dump(controller_spec(runtime.controller), f)
                 runtime._events_path = os.path.join(run_dir, EVENTS_FILE)
+                runtime._decisions_path = os.path.join(run_dir, DECISIONS_FILE)
                 # Events after a resumed step are re-made by this run; earlier ones are kept.
-                runtime._keep_events(step)
+                runtime.events = _keep(runtime._events_path, step)
+                runtime.decisions = _keep(runtime._decisions_path, step)
         return runtime, state
 
     @property
@@ -139,6 +150,12 @@ class PlacementRuntime:
         if self.controller is None:
             return state
         decisions = self.controller.observe(step, np.asarray(counts))
+        log = getattr(self.controller, "log", [])
+        for d in log[self._logged :]:  # every check, accepted or declined
+            record = decision_record(d, applied_after_step)
+            self.decisions.append(record)
+            _append(self._decisions_path, record)
+        self._logged = len(log)
         if not decisions:
             return state
         new = list(self.placements)
@@ -219,12 +236,18 @@ class PlacementRuntime:
         decide = float(getattr(self.controller, "decision_wall_s", 0.0))
         overhead = decide + self.migration_wall_s
         hw = getattr(self.controller, "hardware", None)
+        walls = {e["applied_after_step"]: e["migration_wall_s"] for e in self.events}
         return {
             "hardware": None if hw is None else dataclasses.asdict(hw),
+            "platform": None if self.mesh is None else self.mesh.devices.flat[0].platform,
             "replacements": len(self.events),
+            # Migrations as priced by the cost model and as timed here (one gather per step).
+            "modeled_migration_s": float(sum(e["modeled_migration_s"] for e in self.events)),
+            "measured_migration_s": float(sum(walls.values())),
             "decision_wall_s": decide,
             "migration_wall_s": self.migration_wall_s,
             "overhead_fraction": overhead / wall_s if wall_s > 0 else None,
+            **check_summary(self.decisions, len(self.placements)),
             **mean_fall(measured_effect(records or [], self.events)),
         }
 
@@ -251,21 +274,73 @@ class PlacementRuntime:
         self._compile.join()  # normally long done: it started with the run
         return self._migrate
 
-    def _keep_events(self, up_to_step: int) -> None:
-        kept = []
-        if os.path.exists(self._events_path):
-            with open(self._events_path) as f:
-                kept = [json.loads(line) for line in f if line.strip()]
-            kept = [e for e in kept if e["applied_after_step"] <= up_to_step]
-        with open(self._events_path, "w") as f:
-            f.writelines(json.dumps(e) + "\n" for e in kept)
-        self.events = kept
-
     def _log(self, event: dict) -> None:
         self.events.append(event)
-        if self._events_path is not None:
-            with open(self._events_path, "a") as f:
-                f.write(json.dumps(event) + "\n")
+        _append(self._events_path, event)
+
+
+def decision_record(d, applied_after_step: int) -> dict:
+    """One check of the controller (a `moejax.placement.Decision`) as a JSON-serialisable line
+    of `placement_decisions.jsonl`: `step` (of the counts checked), `applied_after_step` (the
+    step after which it was decided), `layer`, `accepted`, `outcome` (`controller.OUTCOMES`),
+    `reason`; for a candidate (`candidate`: the planner proposed another table) its
+    `predicted_gain_s` (in sample, on the EMA), `forecast_gain_s`, `forecast_before/after`
+    (None where the check stopped before the forecast), `modeled_migration_s` and
+    `bytes_moved`."""
+    figure = lambda x: None if x is None else float(x)  # noqa: E731
+    return {
+        "step": int(d.step),
+        "applied_after_step": int(applied_after_step),
+        "layer": int(d.layer),
+        "accepted": bool(d.accepted),
+        "outcome": getattr(d, "outcome", None),
+        "reason": d.reason,
+        "candidate": d.new != d.old,
+        "predicted_gain_s": float(d.gain_s),
+        "forecast_gain_s": figure(getattr(d, "forecast_gain_s", None)),
+        "forecast_before": figure(getattr(d, "forecast_before", None)),
+        "forecast_after": figure(getattr(d, "forecast_after", None)),
+        "modeled_migration_s": float(d.migration_s),
+        "bytes_moved": int(d.bytes_moved),
+    }
+
+
+def _keep(path: str, up_to_step: int) -> list[dict]:
+    """Rewrite the JSON-lines file `path` with its records applied after steps up to
+    `up_to_step` (a resumed run re-makes the later ones); returns them."""
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [json.loads(line) for line in f if line.strip()]
+        kept = [e for e in kept if e["applied_after_step"] <= up_to_step]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in kept)
+    return kept
+
+
+def _append(path: str | None, record: dict) -> None:
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def check_summary(decisions: list[dict], num_layers: int) -> dict:
+    """What `placement_decisions.jsonl` records say in sum: `checks`, `{outcome: count}` of
+    every check, and `never_replaced`, for each layer no check accepted, its last check's
+    `{layer, step, outcome, reason}` (why it stayed). Empty without records."""
+    if not decisions:
+        return {}
+    checks: dict[str, int] = {}
+    for d in decisions:
+        checks[d["outcome"]] = checks.get(d["outcome"], 0) + 1
+    last = {d["layer"]: d for d in decisions}  # the last check of each layer
+    moved = {d["layer"] for d in decisions if d["accepted"]}
+    never = [
+        {k: last[j][k] for k in ("layer", "step", "outcome", "reason")}
+        for j in range(num_layers)
+        if j not in moved and j in last
+    ]
+    return {"checks": checks, "never_replaced": never}
 
 
 def read_events(run_dir: str) -> list[dict]:

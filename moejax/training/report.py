@@ -16,6 +16,21 @@ def _figure(**kwargs):
     return Figure(**kwargs)
 
 
+def loss_window(steps: int) -> int:
+    """Steps the final train loss and the loss curve's mean average over: 20, but at most a
+    quarter of the run (at least 1), so that a short run's figure is not an average over its
+    first steps, far above where its loss ended (a 20-step run averaged from step 1 read 3.35 while
+    its loss was 2.7, below its held-out loss)."""
+    return max(1, min(20, steps // 4))
+
+
+def _integer_steps(ax) -> None:
+    """Whole-step ticks on the x axis (a short run's would otherwise read 2.5, 3.5, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def moving_average(values: np.ndarray, window: int) -> np.ndarray:
     """Trailing mean over up to `window` values (NaNs ignored)."""
     out = np.empty(len(values))
@@ -39,7 +54,8 @@ def plot_loss(
     events=(),
     switches=(),
 ):
-    """Training loss (raw and a 20-step average), the unigram-entropy baseline, the final eval
+    """Training loss (raw and its trailing mean over `loss_window` steps, the same window as the
+    summary's final loss), the unigram-entropy baseline, the final eval
     loss, skipped steps, the steps where the parallel strategy changed (`switches`: `(step,
     label)`, from `moejax.training.tuning`); below it the device-load imbalance of every MoE
     layer, raw per step and a 10-step average, with expert re-placement `events`
@@ -49,7 +65,10 @@ def plot_loss(
     fig = _figure(figsize=(9, 7))
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
     top.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="train loss")
-    top.plot(steps, moving_average(loss, 20), color="tab:blue", lw=2, label="20-step mean")
+    window = loss_window(len(records))
+    top.plot(
+        steps, moving_average(loss, window), color="tab:blue", lw=2, label=f"{window}-step mean"
+    )
     if baseline is not None:
         top.axhline(baseline, color="gray", ls="--", label=f"unigram entropy {baseline:.2f}")
     if eval_loss is not None:
@@ -94,6 +113,7 @@ def plot_loss(
     bottom.axhline(1.0, color="gray", ls="--", lw=0.8)
     bottom.set_ylabel("device load max/mean")
     bottom.set_xlabel("step")
+    _integer_steps(bottom)
     bottom.legend(ncol=4, fontsize=8)
     bottom.grid(alpha=0.3)
     fig.tight_layout()
@@ -127,6 +147,7 @@ def plot_expert_load(records: list[dict], path: str) -> None:
         ax.set_title(f"MoE layer {layer}: expert load share")
         ax.set_ylabel("expert")
         ax.set_xlabel("step")
+        _integer_steps(ax)
         fig.colorbar(im, ax=ax, fraction=0.04)
     for layer in range(num_layers, rows * cols):
         axes[layer // cols][layer % cols].axis("off")
@@ -204,7 +225,10 @@ def summary_rows(result) -> list[tuple[str, str]]:
     re-placements and the controller's host overhead)."""
     rows = [
         ("steps", f"{result.step} (this run: {result.steps_this_run})"),
-        ("final train loss (mean of last 20)", _fmt(result.final_loss, "{:.4f} nats")),
+        (
+            f"final train loss (mean of last {getattr(result, 'final_loss_steps', 20)} steps)",
+            _fmt(result.final_loss, "{:.4f} nats"),
+        ),
         ("held-out loss", _fmt(result.eval_loss, "{:.4f} nats")),
         ("unigram entropy of the corpus", f"{result.unigram_entropy:.4f} nats"),
         ("skipped non-finite steps", str(result.skipped)),
@@ -279,13 +303,38 @@ def _placement_rows(summary: dict | None) -> list[tuple[str, str]]:
     overhead = summary["decision_wall_s"] + summary["migration_wall_s"]
     rows = [("expert re-placements", str(summary["replacements"]))]
     if summary.get("hardware"):
-        hw = summary["hardware"]
+        hw, platform = summary["hardware"], summary.get("platform") or "this"
+        figures = (
+            f"{hw['flops_per_s'] / 1e9:,.1f} GFLOP/s, {hw['link_bytes_per_s'] / 1e9:,.3f} GB/s "
+            "per device"
+        )
+        if hw["name"] == "measured":
+            source = f"measured on this {platform} mesh at start"
+        else:
+            source = f"{hw['name']} datasheet"
+            if platform == "cpu":
+                source += ", not this cpu mesh's (--placement-hardware measured)"
+        rows.append(("placement cost model", f"{source}: {figures}"))
+    if summary.get("replacements"):
         rows.append(
             (
-                "placement cost model",
-                f"{hw['name']}: {hw['flops_per_s'] / 1e9:,.1f} GFLOP/s, "
-                f"{hw['link_bytes_per_s'] / 1e9:,.3f} GB/s per device",
+                "migrations, priced / measured",
+                f"{_seconds(summary['modeled_migration_s'])} / "
+                f"{_seconds(summary['measured_migration_s'])} in all",
             )
+        )
+    if summary.get("checks"):
+        checks = summary["checks"]
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(checks.items(), key=lambda kv: -kv[1]))
+        rows.append(
+            (
+                "placement checks",
+                f"{sum(checks.values())}: {counts} (placement_decisions.jsonl)",
+            )
+        )
+    for d in summary.get("never_replaced", ()):
+        rows.append(
+            (f"MoE {d['layer']} never re-placed", f"last check, step {d['step']}: {d['reason']}")
         )
     rows += [
         (

@@ -252,7 +252,8 @@ BAD_INPUTS = [
         "sharded_batch",
         lambda: _sharded(_params(), jnp.ones((6, 4, 16))),
         ValueError,
-        "x.shape\\[0\\]=6: not divisible by 8",
+        "x.shape\\[0\\]=6: does not divide over the 8 token shards of the mesh "
+        "\\(data=2 x expert=4\\)",
     ),
     Case(
         "sharded_reference",

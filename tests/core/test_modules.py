@@ -167,3 +167,45 @@ def test_correction_bias_is_updated_outside_the_optimizer():
     # The new bias changes the next routing: choice follows the bias, weights do not include it.
     _, aux_next = layer(_x())
     assert not np.array_equal(aux_next.topk_indices, aux.topk_indices)
+
+
+def test_nnx_layer_on_a_mesh_is_the_sharded_layer_with_the_same_parameters():
+    # `moejax.MoE(..., mesh=)`: parameters stored in the mesh's layout, calls run
+    # `moe_apply_sharded` (whose outputs and gradients equal the single-device layer's:
+    # tests/parallel/test_equivalence.py); an optimizer step and the correction-bias update
+    # run under nnx.jit on the mesh and keep the layout.
+    from moejax import parallel
+
+    cfg = CONFIGS["deepseek_v3"]
+    mesh = parallel.make_mesh((2, 4), ("data", "expert"))
+    x = parallel.shard_activations(_x().reshape(8, 2, 16), mesh)
+    strategy = parallel.Strategy(mode="expert", dispatcher="allgather")  # the quickest compile
+    placed = moejax.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh, strategy=strategy)
+    single = moejax.MoE(cfg, rngs=nnx.Rngs(0))
+    _assert_same_tree(jax.device_get(placed.params_tree()), single.params_tree())
+    w_up = placed.experts["w_up"][...]
+    assert w_up.sharding.spec == parallel.param_partition_specs(cfg, mesh)["experts"]["w_up"]
+    assert w_up.addressable_shards[0].data.shape[0] == cfg.num_experts // 4
+    (y, aux), (y1, aux1) = placed(x), single(jax.device_get(x))
+    np.testing.assert_allclose(y, y1, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(aux.expert_counts, aux1.expert_counts)
+    opt = nnx.Optimizer(placed, optax.adamw(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(layer, opt, x):
+        def loss(m):
+            y, aux = m(x)
+            return _loss(y, aux), aux
+
+        (_, aux), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+        opt.update(layer, grads)
+        bias = layer.router[UNTRAINED]
+        bias[...] = moejax.update_correction_bias(bias[...], aux.expert_counts, rate=0.1)
+
+    before = jax.device_get(placed.params_tree())
+    step(placed, opt, x)
+    counts = np.asarray(aux.expert_counts, np.float64)
+    want = before["router"][UNTRAINED] + 0.1 * np.sign(counts.mean() - counts)
+    np.testing.assert_allclose(placed.router[UNTRAINED][...], want, rtol=1e-6)
+    assert not np.array_equal(placed.experts["w_up"][...], before["experts"]["w_up"])
+    assert placed.experts["w_up"][...].sharding.spec == w_up.sharding.spec

@@ -67,3 +67,20 @@ def test_public_name_imports_and_is_documented(package, name):
     module = importlib.import_module(package)
     value = getattr(module, name)  # `from package import name` works
     assert len(_documentation(package, name, value).strip()) >= 10, f"{package}.{name}"
+
+
+def test_preset_signatures_show_the_fields_they_set():
+    # help(presets.deepseek_v3) used to show only "(**kw)".
+    import inspect
+
+    from moejax import presets
+
+    sig = inspect.signature(presets.deepseek_v3)
+    assert str(sig).startswith("(*, top_k=8, router='sigmoid', norm_topk_prob=True, ")
+    assert list(sig.parameters)[-1] == "kw"
+    for name, make in presets.PRESETS.items():
+        cfg = make(d_model=16, d_ff=8, num_experts=32)
+        for field, param in inspect.signature(make).parameters.items():
+            if param.kind is inspect.Parameter.KEYWORD_ONLY:
+                assert getattr(cfg, field) == param.default, (name, field)
+    assert presets.deepseek_v3(d_model=16, d_ff=8, num_experts=32, top_k=2).top_k == 2

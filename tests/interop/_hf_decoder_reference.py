@@ -21,9 +21,10 @@ import os
 import ml_dtypes
 import numpy as np
 
-from moejax.interop.hf._files import INDEX_NAME, write_safetensors
 from moejax.interop.hf._model import model_recipes
 from moejax.interop.hf._model_config import lm_config_from_hf
+from moejax.interop.hf._safetensors import INDEX_FILE as INDEX_NAME
+from moejax.interop.hf._writer import write_safetensors
 
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 MOE_MODULE = {"mixtral": "block_sparse_moe"}

@@ -10,7 +10,7 @@ import _hf_decoder_reference as ref
 import numpy as np
 import pytest
 
-from moejax.interop.hf._files import SafetensorsDir
+from moejax.interop.hf import SafetensorsCheckpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,7 +38,7 @@ def converted(tmp_path_factory):
 
 
 def _same_tensors(path, sd):
-    got = SafetensorsDir(str(path))
+    got = SafetensorsCheckpoint(path)
     assert sorted(got.tensors) == sorted(sd)
     for name, want in sd.items():
         assert got.read(name).tobytes() == want.tobytes(), name
@@ -79,7 +79,10 @@ def test_bad_input_is_one_line(converted, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "model-00001-of-00002.safetensors" in err
     assert not (tmp_path / "x").exists() and os.listdir(tmp_path) == []
-    assert convert_hf.main(["to-hf", str(tmp_path), str(tmp_path / "y"), "--no-progress"]) == 2
+    (tmp_path / "nc").mkdir()
+    assert (
+        convert_hf.main(["to-hf", str(tmp_path / "nc"), str(tmp_path / "y"), "--no-progress"]) == 2
+    )
     assert "not a converted model directory" in capsys.readouterr().err
 
 

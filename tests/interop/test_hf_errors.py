@@ -153,7 +153,7 @@ def test_no_checkpoint_at_path(tmp_path):
     with pytest.raises(hf.CheckpointError, match=rf"'{tmp_path}'.*model.safetensors"):
         hf.SafetensorsCheckpoint(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(hf.CheckpointError, match="model.safetensors'.*not a readable"):
+    with pytest.raises(hf.CheckpointError, match="model.safetensors'.*not a safetensors file"):
         hf.SafetensorsCheckpoint(tmp_path)
     with pytest.raises(hf.CheckpointError, match="config.json'.*missing"):
         hf.read_config(tmp_path)
@@ -163,10 +163,8 @@ def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
     save_file({"a": np.ones(2, np.float32)}, str(tmp_path / "s1.safetensors"))
     index = {"metadata": {}, "weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with hf.SafetensorsCheckpoint(tmp_path) as ckpt:
-        np.testing.assert_array_equal(ckpt["a"], 1.0)
-        with pytest.raises(hf.CheckpointError, match=r"tensor 'b' in '.*s1.safetensors'"):
-            ckpt["b"]
+    with pytest.raises(hf.CheckpointError, match=r"tensor 'b' in '.*s1.safetensors'.*not in the"):
+        hf.SafetensorsCheckpoint(tmp_path)  # found on opening: every header is read then
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,12 +254,12 @@ def test_exception_inside_the_writer_leaves_nothing(tmp_path):
 def test_existing_checkpoint_is_replaced_only_when_asked(tmp_path):
     _, _, tensors = _mixtral()
     path = hf.save_safetensors(tmp_path / "out", tensors)
-    with pytest.raises(hf.CheckpointError, match="already exists"):
+    with pytest.raises(hf.CheckpointError, match="earlier moejax output.*overwrite"):
         hf.save_safetensors(path, tensors)
     small = {"a": np.arange(3, dtype=np.float32)}
     hf.save_safetensors(path, small, overwrite=True, files={"config.json": {"x": 1}})
     assert _leftovers(tmp_path) == ["out"]
-    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(path)) == [".moejax-output.json", "config.json", "model.safetensors"]
     with hf.SafetensorsCheckpoint(path) as ckpt:
         assert list(ckpt) == ["a"]
     assert hf.read_config(path) == {"x": 1}

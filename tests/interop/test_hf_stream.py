@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moejax import models, parallel
-from moejax.interop.hf._files import SafetensorsDir
+from moejax.interop.hf import SafetensorsCheckpoint
 from moejax.interop.hf._model import load_hf_model, save_hf_model
 from moejax.placement import Placement
 
@@ -67,7 +67,7 @@ def test_dynamic_placement_fills_slots_from_logical_experts(qwen3, tmp_path):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # experts read row by row
     save_hf_model(str(tmp_path / "back"), params, cfg, hf_config, placements=placements)
-    back = SafetensorsDir(str(tmp_path / "back"))
+    back = SafetensorsCheckpoint(str(tmp_path / "back"))
     for name, want in sd.items():
         assert back.read(name).tobytes() == want.tobytes(), name
 

@@ -1,5 +1,6 @@
 """Public surface, mesh conventions, partition specs and argument validation (no compilation)."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 from _common import CAPACITY, DROPLESS, SHARED, make_params, mesh
@@ -39,6 +40,29 @@ def test_make_mesh_auto_axes(shape, names):
 def test_make_mesh_errors(names, field):
     with pytest.raises(ValueError, match=field):
         parallel.make_mesh((2, 4), names)
+
+
+def test_a_mesh_of_more_devices_than_there_are_says_how_to_simulate_them():
+    # jax's own error ("Number of devices 8 must be >= the product of mesh_shape (4, 4)") gave
+    # no hint; on a CPU the fix is a config line before the first computation.
+    with pytest.raises(ValueError) as err:
+        parallel.make_mesh((4, 4), ("data", "expert"))
+    msg = str(err.value)
+    assert msg.startswith("mesh shape (4, 4) needs 16 devices, 8 are available; on a CPU")
+    assert "jax.config.update('jax_num_cpu_devices', 16)" in msg
+    assert "--xla_force_host_platform_device_count=16" in msg
+    with pytest.raises(ValueError, match=r"needs 4 devices, devices= holds 2$"):
+        parallel.make_mesh((4,), ("expert",), devices=jax.devices()[:2])
+
+
+def test_a_batch_that_does_not_divide_over_the_token_shards_is_one_clear_error():
+    # Was jax's IndivisibleError from device_put ("... implies that array axis 0 is
+    # partitioned 8 times, but the dimension size is 6 ...").
+    m = parallel.make_mesh((2, 4), ("data", "expert"))
+    want = r"x.shape\[0\]=6: does not divide over the 8 token shards of the mesh \(data=2 x "
+    with pytest.raises(ValueError, match=want + r"expert=4\); give a batch that is a multiple"):
+        parallel.shard_activations(jnp.ones((6, 16, 32)), m)
+    assert parallel.shard_activations(jnp.ones((8, 16, 32)), m).shape == (8, 16, 32)
 
 
 def test_param_specs_follow_stored_layout():

@@ -71,11 +71,11 @@ def test_h100_exchanges_rows_with_ragged_all_to_all():
     # Round 0 in the ENTRY computation, async: send and return in the forward, their
     # transposes (return and send) in the backward.
     assert len(ragged) == 4, ragged
-    # The only all-to-all is the sizes' exchange (ints); rows never travel padded.
-    starts = [line for line in text.splitlines() if " all-to-all-start(" in line]
-    assert starts and all(
-        not re.search(r"(f32|bf16)\[", s.split("all-to-all-start(")[0]) for s in starts
-    )
+    # The only all-to-all is the sizes' exchange (ints); rows never travel padded. (Async, or
+    # synchronous where nothing overlaps it: jax >= 0.11 turns such a pair back into one op.)
+    a2a = re.compile(r" all-to-all(?:-start)?\(")
+    ops = [line for line in text.splitlines() if a2a.search(line)]
+    assert ops and all(not re.search(r"(f32|bf16)\[", a2a.split(op)[0]) for op in ops)
     # The leftover rounds (none in the steady state) stay in their loops, forward and backward.
     assert text.count(" while(") == 2
 

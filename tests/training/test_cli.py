@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 from _helpers import MODEL, SCRIPT, TRAIN, mesh
@@ -14,11 +15,13 @@ train_lm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train_lm)
 
 
-def _run(capsys, tmp_path, *args):
+def _run(capsys, tmp_path, *args, stdout=None):
     out = tmp_path / "run"
     code = train_lm.main(["--preset", "micro", "--out", str(out), "--no-progress", *args])
-    err = capsys.readouterr().err.strip()
-    return code, err, out
+    printed = capsys.readouterr()
+    if stdout is not None:
+        stdout.append(printed.out)
+    return code, printed.err.strip(), out
 
 
 @pytest.mark.parametrize(
@@ -88,12 +91,33 @@ def test_placement_with_measured_hardware(capsys, tmp_path):
     assert code == 0, printed.err
     assert (out / "placement_events.jsonl").exists()
     assert "expert re-placements" in printed.out and "placement overhead" in printed.out
-    assert "placement cost model" in printed.out and "measured: " in printed.out
+    assert "placement cost model" in printed.out and "measured on this cpu mesh" in printed.out
+    assert "placement checks" in printed.out  # every check, in placement_decisions.jsonl
+    (outputs,) = [line for line in printed.out.splitlines() if line.startswith("outputs: ")]
+    for name in ("placement_decisions.jsonl", "placement_controller.json", "loss.png"):
+        assert name in outputs and (out / name).exists()
+
     # --strategy auto, the default: 8 steps cannot pay for a compile, so it keeps the default
     # and says so (tuning within the budget: tests/training/test_tuning.py).
-    assert "parallel strategy                     | dropless (kept, not re-timed)" in printed.out
+    assert re.search(r"\nparallel strategy +\| dropless \(kept, not re-timed\)\n", printed.out)
     assert "kept dropless: a compile is estimated at" in printed.out
     assert (out / "tuning_events.jsonl").exists()
+
+
+def test_the_outputs_line_names_what_the_run_wrote_and_its_compilation_cache(tmp_path):
+    import types
+
+    for name in ("metrics.jsonl", "loss.png", "placement_decisions.jsonl"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "jax_cache").mkdir()
+    args = types.SimpleNamespace(placement=True)
+    result = types.SimpleNamespace(placement={"replacements": 0}, tuning=None)
+    line = train_lm._outputs_line(str(tmp_path), args, result, str(tmp_path / "jax_cache"))
+    assert line == (
+        f"outputs: {tmp_path}/{{metrics.jsonl, loss.png, placement_decisions.jsonl}}; "
+        f"compilation cache: {tmp_path / 'jax_cache'} (reused by reruns)"
+    )
+    assert "compilation cache" not in train_lm._outputs_line(str(tmp_path), args, result, None)
 
 
 def test_strategy_auto_times_the_candidates_and_keeps_the_fastest(capsys, tmp_path):
@@ -112,9 +136,11 @@ def test_strategy_auto_times_the_candidates_and_keeps_the_fastest(capsys, tmp_pa
 
 def test_a_layout_that_does_not_fit_gets_one_line_per_mistake(capsys, tmp_path):
     args = ["--mesh", "fsdp=1,expert=2,model=4", "--batch-size", "9"]
-    code, err, out = _run(capsys, tmp_path, *args)
+    stdout = []
+    code, err, out = _run(capsys, tmp_path, *args, stdout=stdout)
     lines = err.splitlines()
     assert code == 2 and len(lines) == 2 and lines[0].startswith("error: ")
+    assert stdout == [""], "no training banner before the error"
     assert "TrainConfig.batch_size=9: does not divide over the 2 token shards" in lines[0]
     assert "LMConfig.num_kv_heads=2: does not divide over the mesh's model axis of 4" in lines[1]
     assert not out.exists()

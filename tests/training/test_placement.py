@@ -7,6 +7,7 @@ the even split of rows over replicas, combined replica gradients, the logical cl
 the migration of parameters and Adam moments.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -17,7 +18,15 @@ import numpy as np
 import pytest
 from _helpers import MODEL, TRAIN, corpus, host_tree, mesh
 
-from moejax.placement import ControllerConfig, Decision, Placement, Workload, save_trace
+from moejax.placement import (
+    H100_NVLINK,
+    ControllerConfig,
+    Decision,
+    Placement,
+    Workload,
+    save_trace,
+)
+from moejax.placement.controller import OUTCOMES
 from moejax.placement.replay import SPEC_FILE, controller_from_spec, replay
 from moejax.training import placed, report, train
 from moejax.training.hardware import measure_hardware
@@ -158,7 +167,11 @@ REAL = PLACED.replace(steps=16, warmup_steps=2)
 
 
 def _real_factory():
-    return placed.controller_factory(MODEL, PLACED, mesh(), MODEL.max_seq_len, config=SKEW)
+    # Fixed figures: on CPU the default ("auto") times this mesh, and timings differ from run to
+    # run, so two runs (the whole one and the resumed one) could decide differently.
+    return placed.controller_factory(
+        MODEL, PLACED, mesh(), MODEL.max_seq_len, config=SKEW, hardware=H100_NVLINK
+    )
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +224,33 @@ def test_real_controller_logs_predictions_and_measurements(real):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_every_check_is_logged_and_the_summary_says_why_a_layer_stayed(real):
+    # placement_decisions.jsonl: accepted and declined checks alike, each with its reason; the
+    # accepted ones are the re-placements, each with a forecast gain that repays its migration.
+    with open(os.path.join(real.run_dir, "placement_decisions.jsonl")) as f:
+        decisions = [json.loads(line) for line in f]
+    events = read_events(real.run_dir)
+    accepted = [d for d in decisions if d["accepted"]]
+    assert [(d["step"], d["layer"]) for d in accepted] == [(e["step"], e["layer"]) for e in events]
+    assert len(decisions) > len(accepted) > 0
+    assert all(d["outcome"] in OUTCOMES and d["reason"] for d in decisions)
+    for d in accepted:
+        assert d["forecast_after"] < d["forecast_before"] or d["forecast_gain_s"] > 0
+        assert d["forecast_gain_s"] * SKEW.horizon_steps > d["modeled_migration_s"]
+    summary = real.placement
+    assert sum(summary["checks"].values()) == len(decisions)
+    assert summary["checks"]["accepted"] == len(events)
+    moved = {e["layer"] for e in events}
+    stayed = [d["layer"] for d in summary["never_replaced"]]
+    assert stayed == [j for j in range(MODEL.num_moe_layers) if j not in moved]
+    for row in summary["never_replaced"]:
+        last = [d for d in decisions if d["layer"] == row["layer"]][-1]
+        assert (row["step"], row["reason"]) == (last["step"], last["reason"])
+    rows = dict(report.summary_rows(real))
+    assert rows["placement checks"].startswith(f"{len(decisions)}: ")
+    assert rows["migrations, priced / measured"].endswith(" in all")
+
+
 # 7: the checkpoint holds a re-placement just applied; 9: one followed (steps 8-10), unmeasured.
 @pytest.mark.parametrize("stop", [7, 9])
 def test_resumed_controller_decides_as_if_never_stopped(real, tmp_path, stop):
@@ -225,6 +265,12 @@ def test_resumed_controller_decides_as_if_never_stopped(real, tmp_path, stop):
     got = [{k: e[k] for k in fields} for e in read_events(str(tmp_path))]
     want = [{k: e[k] for k in fields} for e in read_events(real.run_dir)]
     assert got == want
+
+    def checks(run_dir):
+        with open(os.path.join(run_dir, "placement_decisions.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    assert checks(str(tmp_path)) == checks(real.run_dir)  # every check, once
     assert any(e["applied_after_step"] > stop for e in want), "a re-placement after the cut"
     losses = lambda r: [rec["loss"] for rec in r.records]
     assert losses(resumed) == losses(real)
@@ -274,8 +320,36 @@ def test_measured_hardware_figures():
         measure_hardware(mesh((8, 1)), workload)
     factory = placed.controller_factory(MODEL, PLACED, mesh(), 16, hardware="measured")
     assert factory(placed.initial_placements(MODEL, PLACED, mesh())).hardware.name == "measured"
-    with pytest.raises(ValueError, match="HardwareModel or 'measured', got 'h200'"):
+    with pytest.raises(ValueError, match="HardwareModel, 'auto' or 'measured', got 'h200'"):
         placed.controller_factory(MODEL, PLACED, mesh(), 16, hardware="h200")
+
+
+def test_auto_hardware_is_measured_on_cpu_and_the_summary_says_which_figures(tmp_path):
+    # "auto" (the default): a CPU mesh is timed (H100 figures price a CPU migration 10^4x low);
+    # with no expert axis to time it falls back to the H100 datasheet.
+    initial = placed.initial_placements(MODEL, PLACED, mesh())
+    auto = placed.controller_factory(MODEL, PLACED, mesh(), 16)(initial)
+    assert auto.hardware.name == "measured" and auto.config == placed.TRAINING_CONTROLLER
+    flat, cfg = mesh((8, 1)), PLACED.replace(expert_slots_per_device=MODEL.moe.num_experts)
+    one = placed.initial_placements(MODEL, cfg, flat)
+    assert placed.controller_factory(MODEL, cfg, flat, 16)(one).hardware == H100_NVLINK
+    rows = dict(
+        report._placement_rows(
+            {"hardware": dataclasses.asdict(H100_NVLINK), "platform": "cpu", "replacements": 0}
+            | {"decision_wall_s": 0.0, "migration_wall_s": 0.0, "overhead_fraction": 0.0}
+        )
+    )
+    assert rows["placement cost model"].startswith(
+        "h100-nvlink datasheet, not this cpu mesh's (--placement-hardware measured): 989,000.0"
+    )
+    measured = dataclasses.asdict(auto.hardware)
+    rows = dict(
+        report._placement_rows(
+            {"hardware": measured, "platform": "cpu", "replacements": 0}
+            | {"decision_wall_s": 0.0, "migration_wall_s": 0.0, "overhead_fraction": 0.0}
+        )
+    )
+    assert rows["placement cost model"].startswith("measured on this cpu mesh at start: ")
 
 
 def test_controller_factory_charges_the_steps_replica_sync():

@@ -353,6 +353,11 @@ def _torn_metrics_mid_file(out):
     (out / "metrics.jsonl").write_text('{"step": 1, "lo\n' + _records([2]))
 
 
+def _foreign_out(out):
+    out.mkdir(parents=True)
+    (out / "thesis.tex").write_text("\\chapter{Results}")
+
+
 BAD_FLAGS = [  # (args, setup of the out directory, expected in the one line)
     (["--implementation", "foo"], None, "--implementation='foo': must be one of auto, "),
     (["--stop-at", "-1"], None, "--stop-at=-1: must be a step >= 1 (omit it to train all"),
@@ -370,6 +375,9 @@ BAD_FLAGS = [  # (args, setup of the out directory, expected in the one line)
     (["--mesh-axes", "data,bogus"], None, "--mesh-axes=data,bogus: axis_names=('data', 'bogus')"),
     ([], _symlinked_step, "checkpoints/4 is a symlink: rotation would delete what it points to"),
     ([], _torn_metrics_mid_file, "metrics.jsonl line 1 is not a metrics record"),
+    (["--expert-slots", "0"], None, "--expert-slots=0: must be >= 1 (omit it: no placement"),
+    (["--placement", "--expert-slots", "0"], None, "--expert-slots=0: must be >= 1"),
+    ([], _foreign_out, "--out: run directory"),  # ... holds files moejax did not write
 ]
 
 
@@ -482,6 +490,11 @@ def test_skipped_steps_are_reported_and_too_many_fail_the_run(capsys, tmp_path, 
     )
     ck.close()
     code, _, err = _main(capsys, out, "--no-outputs", "--eval-batches", "0")
+    assert code == 2 and err.splitlines()[-1] == (  # resuming from an Inf weight: refused
+        f"error: checkpoint {out}/checkpoints/4: array params.layers[1].moe.experts.w_up: 1 of "
+        "8192 values are NaN or Inf; pass --allow-nonfinite to accept it"
+    )
+    code, _, err = _main(capsys, out, "--no-outputs", "--eval-batches", "0", "--allow-nonfinite")
     assert code == 3
     assert "step 5 skipped: loss nan, grad norm nan not finite, update dropped (1 skipped" in err
     assert err.splitlines()[-1] == (

@@ -11,8 +11,12 @@ says which a family has. `FLOAT_DTYPES` are the tensor dtypes a block's paramete
   family, prefix, layout)` -> tensors; `block_tensor_names` / `block_tensor_shapes` list what a
   block has; `detect_layout` tells which layout a checkpoint uses; `block_prefix` gives a layer's
   prefix in a whole decoder-only checkpoint.
-- `SafetensorsCheckpoint(path)`: a lazy Mapping over a checkpoint directory (sharded or not);
-  `CheckpointWriter` / `save_safetensors`: atomic writing (temporary directory, then rename);
+- `SafetensorsCheckpoint(path)`: the package's one safetensors reader, a lazy Mapping over a
+  checkpoint directory (sharded or not) that validates every header and index on opening and
+  refuses NaN/Inf weights (`NonFiniteError`) unless `allow_nonfinite=True`;
+  `CheckpointWriter` / `save_safetensors`: atomic writing (a temporary sibling swapped into
+  place; an existing directory is replaced only if it is an earlier moejax output and
+  `overwrite=True`);
   `read_config(path)`.
 - Whole decoders (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): `lm_config_from_hf(config)` ->
   `LMConfig`; `load_hf_model(path, mesh=...)` streams a checkpoint directory onto a mesh;
@@ -55,10 +59,11 @@ from moejax.interop.hf._model import model_recipes as model_recipes
 from moejax.interop.hf._model import save_hf_model as save_hf_model
 from moejax.interop.hf._model import tensor_names as tensor_names
 from moejax.interop.hf._model_config import lm_config_from_hf as lm_config_from_hf
-from moejax.interop.hf._safetensors import CheckpointWriter as CheckpointWriter
+from moejax.interop.hf._safetensors import NonFiniteError as NonFiniteError
 from moejax.interop.hf._safetensors import SafetensorsCheckpoint as SafetensorsCheckpoint
 from moejax.interop.hf._safetensors import read_config as read_config
-from moejax.interop.hf._safetensors import save_safetensors as save_safetensors
+from moejax.interop.hf._writer import CheckpointWriter as CheckpointWriter
+from moejax.interop.hf._writer import save_safetensors as save_safetensors
 
 __all__ = [
     "load_hf_model",
@@ -73,6 +78,7 @@ __all__ = [
     "CheckpointWriter",
     "HFFamily",
     "MissingTensorError",
+    "NonFiniteError",
     "SafetensorsCheckpoint",
     "block_from_hf",
     "block_prefix",

@@ -2,13 +2,18 @@
 from (`experiments/train_lm.py --init-from DIR`) and that converts back.
 
 ```
-DIR/model.json       {"format", "family", "config": LMConfig as JSON}
-DIR/hf_config.json   the original config.json (written back on the way to Hugging Face)
-DIR/params/          the parameter tree (orbax StandardCheckpointer), experts in logical order
+DIR/model.json          {"format", "family", "config": LMConfig as JSON}
+DIR/hf_config.json      the original config.json (written back on the way to Hugging Face)
+DIR/params/             the parameter tree (orbax StandardCheckpointer), experts in logical order
+DIR/checksums.json      the CRC-32 of every parameter's bytes (`moejax.training.checkpoint`)
+DIR/.moejax-output.json the marker of a moejax output (`_outputs`)
 ```
 
-Written into a temporary sibling directory and renamed at the end, so a failed conversion
-leaves nothing at `DIR`.
+Written into a temporary sibling directory and swapped into place at the end
+(`_outputs.OutputDir`): a failed or killed conversion leaves the old `DIR` or the new one, and an
+existing `DIR` is replaced only when it is an earlier moejax output and `overwrite` is set.
+Restoring verifies the checksums (a directory written before them is restored unverified, with
+a warning) and refuses NaN/Inf parameters unless `allow_nonfinite`.
 """
 
 from __future__ import annotations
@@ -16,20 +21,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
+import sys
 
 import jax
 
 from moejax._config import MoEConfig
+from moejax.interop.hf._errors import CheckpointError
+from moejax.interop.hf._outputs import OutputDir
+from moejax.interop.hf._safetensors import NonFiniteError
 from moejax.models import LMConfig, RopeScaling
 
 FORMAT = "moejax-hf-converted/1"
 MODEL_JSON, HF_CONFIG_JSON, PARAMS_DIR = "model.json", "hf_config.json", "params"
+CHECKSUMS_JSON = "checksums.json"
 
 
-class ConvertedDirError(ValueError):
-    """A directory that is not a converted model (names the directory and what is missing)."""
+class ConvertedDirError(CheckpointError):
+    """A directory that is not a converted model, or whose parameters fail their checksums or
+    hold NaN/Inf (names the directory and the array or file)."""
 
 
 def lm_config_to_json(cfg: LMConfig) -> dict:
@@ -46,28 +55,40 @@ def lm_config_from_json(obj: dict) -> LMConfig:
     return LMConfig(**obj)
 
 
-def write_converted(path: str, cfg: LMConfig, params: dict, hf_config: dict, family: str):
-    """Write a converted model directory (module docstring) atomically."""
+def write_converted(
+    path: str,
+    cfg: LMConfig,
+    params: dict,
+    hf_config: dict,
+    family: str,
+    *,
+    overwrite: bool = False,
+    inputs=(),
+) -> None:
+    """Write a converted model directory (module docstring) atomically.
+
+    Args:
+      path: the directory: absent, empty, or (with `overwrite`) an earlier moejax output.
+      cfg, params, hf_config, family: the model.
+      overwrite: replace an earlier moejax output at `path`.
+      inputs: paths `path` may not be, lie in, or hold (the Hugging Face directory).
+
+    Raises:
+      CheckpointError: `path` may not be written (nothing is written).
+    """
     import orbax.checkpoint as ocp
 
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    try:
+    from moejax.training.checksums import CHECKSUM_FORMAT, state_checksums
+
+    with OutputDir(path, kind="converted", overwrite=overwrite, inputs=inputs) as out:
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, PARAMS_DIR), params)
+        ckptr.save(os.path.join(out.tmp, PARAMS_DIR), params)
         ckptr.wait_until_finished()
         model = {"format": FORMAT, "family": family, "config": lm_config_to_json(cfg)}
-        for name, obj in ((MODEL_JSON, model), (HF_CONFIG_JSON, hf_config)):
-            with open(os.path.join(tmp, name), "w") as f:
+        sums = {"format": CHECKSUM_FORMAT, "algorithm": "crc32", "arrays": state_checksums(params)}
+        for name, obj in ((MODEL_JSON, model), (HF_CONFIG_JSON, hf_config), (CHECKSUMS_JSON, sums)):
+            with open(os.path.join(out.tmp, name), "w") as f:
                 json.dump(obj, f, indent=2, sort_keys=True)
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_converted(path: str) -> tuple[LMConfig, dict, str]:
@@ -83,9 +104,38 @@ def read_converted(path: str) -> tuple[LMConfig, dict, str]:
             f"{path}: not a converted model directory ({os.path.basename(err.filename)} "
             "missing; write one with experiments/convert_hf.py to-orbax)"
         ) from None
-    if model.get("format") != FORMAT:
-        raise ConvertedDirError(f"{model_file}: format {model.get('format')!r}, need {FORMAT!r}")
-    return lm_config_from_json(model["config"]), hf_config, model["family"]
+    except ValueError as err:
+        raise ConvertedDirError(
+            f"{path}: {MODEL_JSON} or {HF_CONFIG_JSON} is not JSON ({err})"
+        ) from None
+    except OSError as err:
+        raise ConvertedDirError(f"{path}: cannot be read ({err})") from None
+    if not isinstance(model, dict) or model.get("format") != FORMAT:
+        got = model.get("format") if isinstance(model, dict) else type(model).__name__
+        raise ConvertedDirError(f"{model_file}: format {got!r}, need {FORMAT!r}")
+    try:
+        cfg = lm_config_from_json(model["config"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConvertedDirError(f"{model_file}: not a model config ({err!r})") from None
+    _check_caps(cfg, model_file)
+    return cfg, hf_config, model.get("family")
+
+
+def _check_caps(cfg: LMConfig, where: str) -> None:
+    """The counts of a converted model's config within the caps of a Hugging Face one (nothing
+    is sized from them before)."""
+    from moejax.interop.hf._model_config import COUNT_CAPS
+
+    counts = {
+        "num_hidden_layers": cfg.num_layers,
+        "num_experts": cfg.moe.num_experts,
+        "num_attention_heads": cfg.num_heads,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+    }
+    for key, value in counts.items():
+        if value > COUNT_CAPS[key]:
+            raise ConvertedDirError(f"{where}: {key}={value}: over moejax's cap {COUNT_CAPS[key]}")
 
 
 def _target(cfg: LMConfig, mesh):
@@ -109,28 +159,74 @@ def _target(cfg: LMConfig, mesh):
     )
 
 
-def restore_params(path: str, cfg: LMConfig, mesh=None) -> dict:
+def restore_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinite: bool = False):
     """The parameters of a converted directory, read straight onto `mesh`'s shardings
-    (`moejax.models.lm_partition_specs`; one device without a mesh)."""
+    (`moejax.models.lm_partition_specs`; one device without a mesh), verified against the
+    directory's checksums.
+
+    Raises:
+      ConvertedDirError: unreadable arrays, or one failing its checksum. NonFiniteError: NaN
+        or Inf in the parameters (unless `allow_nonfinite`). Each names the directory and the
+        array.
+    """
     import orbax.checkpoint as ocp
 
-    return ocp.StandardCheckpointer().restore(
-        os.path.join(os.path.abspath(path), PARAMS_DIR), _target(cfg, mesh)
-    )
+    from moejax.training.checksums import check_arrays, nonfinite_message
+
+    path = os.path.abspath(path)
+    sums_file = os.path.join(path, CHECKSUMS_JSON)
+    try:
+        with open(sums_file) as f:
+            expected = json.load(f)["arrays"]
+    except FileNotFoundError:
+        expected = None
+        print(f"moejax: {path} has no {CHECKSUMS_JSON} (converted before checksums existed): "
+              "its parameters are not verified", file=sys.stderr)  # fmt: skip
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConvertedDirError(f"{sums_file}: unreadable ({err!r})") from None
+    try:
+        params = ocp.StandardCheckpointer().restore(
+            os.path.join(path, PARAMS_DIR), _target(cfg, mesh)
+        )
+    except Exception as err:  # orbax raises many types: one line naming the directory
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ConvertedDirError(
+            f"{path}: parameters cannot be read ({type(err).__name__}: {first})"
+        ) from None
+    bad, nonfinite = check_arrays(params, expected)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ConvertedDirError(f"{path}: array {bad[0]} fails its checksum{more}")
+    if nonfinite and not allow_nonfinite:
+        raise NonFiniteError(nonfinite_message(path, nonfinite))
+    return params
 
 
-def params_of_train_checkpoint(step_dir: str, cfg: LMConfig) -> dict:
+def params_of_train_checkpoint(step_dir: str, cfg: LMConfig, *, allow_nonfinite=False) -> dict:
     """The parameters (logical expert order) of a `moejax.training` checkpoint step directory
-    (`<run>/checkpoints/<step>`), on one device."""
-    import orbax.checkpoint as ocp
+    (`<run>/checkpoints/<step>`), on one device, verified as a resumed run verifies them: the
+    metadata against its checksum and the model `cfg`, every parameter against its CRC-32.
 
-    state_dir = os.path.join(os.path.abspath(step_dir), "state")
-    if not os.path.isdir(state_dir):
-        raise ConvertedDirError(f"{step_dir}: not a training checkpoint step (no state/)")
-    target = {"params": _target(cfg, None)}
-    restore = ocp.args.PyTreeRestore(
-        item=target,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True,  # the params only, not the optimizer state
-    )
-    return ocp.PyTreeCheckpointer().restore(state_dir, args=restore)["params"]
+    Raises:
+      moejax.training.CheckpointError (a ValueError): not a finished step, another model, a
+        parameter failing its checksum, NaN/Inf (`NonFiniteState`, unless `allow_nonfinite`).
+    """
+    from moejax.training import TrainConfig
+    from moejax.training.checkpoint import Checkpointer, CheckpointError
+
+    step_dir = os.path.abspath(step_dir)
+    name = os.path.basename(step_dir)
+    if not name.isdigit() or not os.path.isdir(os.path.join(step_dir, "state")):
+        raise CheckpointError(f"{step_dir}: not a training checkpoint step (<run>/checkpoints/<n>)")
+    ckpt = Checkpointer(
+        os.path.dirname(step_dir),
+        cfg,
+        TrainConfig(),
+        keep=sys.maxsize,
+        async_save=False,
+        allow_nonfinite=allow_nonfinite,
+    )  # fmt: skip (keep: closing it never rotates anything away)
+    try:
+        return ckpt.restore_params(int(name), _target(cfg, None))[0]
+    finally:
+        ckpt.close()

@@ -43,21 +43,23 @@ is the one of the published checkpoints; the fused one is transformers 5's in-me
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from collections.abc import Callable
 from typing import Literal
 
 import jax
 import numpy as np
 
-from moejax.interop.hf._files import DTYPES, CheckpointFormatError, SafetensorsDir
+from moejax.interop.hf._errors import CheckpointError
 from moejax.interop.hf._model_config import (
     CONFIG_NAME,
     FAMILIES,
     lm_config_from_hf,
-    read_hf_config,
     stored_dtype,
 )
-from moejax.interop.hf._safetensors import CheckpointWriter
+from moejax.interop.hf._safetensors import DTYPES, SafetensorsCheckpoint, read_config
+from moejax.interop.hf._writer import CheckpointWriter
 from moejax.models import LMConfig
 from moejax.models._params import abstract_params
 
@@ -73,8 +75,8 @@ class Recipe:
     `to_leaves(tensors) -> leaves` and `to_tensors(leaves) -> tensors` are inverse
     reshapes/transposes/stacks (numpy, exact). Expert recipes (leaves `[E, ...]`) also have
     `expert_row(read, e) -> [row e of each leaf]`, reading only expert `e`'s bytes through
-    `read(name, shape, row=None)` (`SafetensorsDir.read`), so a process reads only the experts
-    its devices hold.
+    `read(name, shape, row=None)` (`SafetensorsCheckpoint.read`), so a process reads only the
+    experts its devices hold.
     """
 
     leaves: tuple[Path, ...]
@@ -228,11 +230,64 @@ def tensor_names(cfg: LMConfig, family: str, layout: Layout = "per_expert") -> l
     return [n for r in model_recipes(cfg, family, layout) for n in r.tensors]
 
 
-def _detect_layout(source: SafetensorsDir, cfg: LMConfig) -> Layout:
+def _detect_layout(source: SafetensorsCheckpoint, cfg: LMConfig) -> Layout:
     if not cfg.moe_layers:
         return "per_expert"
     i = cfg.moe_layers[0]
     return "fused" if f"model.layers.{i}.mlp.experts.gate_up_proj" in source else "per_expert"
+
+
+_PARAM_DTYPES = ("F64", "F32", "F16", "BF16")  # what a model parameter can be read from
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_counts(source: SafetensorsCheckpoint, cfg: LMConfig, family: str) -> Layout:
+    """The config's layer and expert counts must be the ones the files hold, before any name
+    list or array is sized from them (a 500-byte config.json could otherwise ask for 10^8
+    experts); returns the checkpoint's layout."""
+    layers = {int(m.group(1)) for n in source.tensors if (m := _LAYER.match(n))}
+    held = max(layers) + 1 if layers else 0
+    if cfg.num_layers != held:
+        raise CheckpointError(
+            f"{CONFIG_NAME} num_hidden_layers={cfg.num_layers}, but the checkpoint's tensors "
+            f"name {held} layers (model.layers.<i>. up to {held - 1})",
+            file=str(source.path),
+        )
+    layout = _detect_layout(source, cfg)
+    if not cfg.moe_layers:
+        return layout
+    i = cfg.moe_layers[0]
+    if layout == "fused":
+        name = f"model.layers.{i}.mlp.experts.gate_up_proj"
+        shape = source.shape_of(name)
+        held = shape[0] if shape else 0
+    else:
+        pre = f"model.layers.{i}.{FAMILIES[family].moe_module}.experts."
+        found = {n[len(pre) :].split(".", 1)[0] for n in source.tensors if n.startswith(pre)}
+        held = max((int(e) + 1 for e in found if e.isdigit()), default=0)
+    if cfg.moe.num_experts != held:
+        raise CheckpointError(
+            f"{CONFIG_NAME} says {cfg.moe.num_experts} experts, but the checkpoint holds "
+            f"{held} in layer {i}",
+            file=str(source.path),
+        )
+    return layout
+
+
+def _float_reader(source: SafetensorsCheckpoint):
+    """`read(name, shape, row=None)` of model parameters: float tensors only."""
+
+    def read(name: str, shape, row=None):
+        if source.info(name).dtype not in _PARAM_DTYPES:
+            raise CheckpointError(
+                f"has dtype {source.info(name).dtype}; model parameters are read from "
+                f"{_PARAM_DTYPES}",
+                tensor=name,
+                file=source.file_of(name),
+            )
+        return source.read(name, shape, row)
+
+    return read
 
 
 def _empty_tree(cfg: LMConfig) -> dict:
@@ -324,6 +379,7 @@ def load_hf_model(
     placements=None,
     param_dtype: str = "float32",
     progress: bool = False,
+    allow_nonfinite: bool = False,
 ) -> tuple[LMConfig, dict, dict]:
     """Read a Hugging Face MoE decoder directory into a `moejax.models` parameter tree.
 
@@ -338,34 +394,43 @@ def load_hf_model(
         layer: that layer's `experts/*` are stored as physical slots `w[slot_to_expert]`.
       param_dtype: dtype of the returned parameters ("float32" or "bfloat16").
       progress: show a tqdm progress bar over the tensors.
+      allow_nonfinite: load tensors holding NaN or Inf (default: `NonFiniteError` naming the
+        tensor and the count).
 
     Returns:
       `(LMConfig, params, hf_config)`; `hf_config` is the `config.json` dict, which
       `save_hf_model` writes back.
 
     Raises:
-      CheckpointFormatError (a ValueError): missing files, a missing or extra tensor, a wrong
-        shape, a dtype that is not a float, an unsupported config; the message names the file
-        and the tensor.
+      CheckpointError (a ValueError): missing files, a file that fails validation
+        (`SafetensorsCheckpoint`), a missing or extra tensor, a wrong shape, a dtype that is
+        not a float, NaN or Inf, an unsupported config or one whose layer or expert count is
+        not what the files hold; the message names the file and the tensor (or the field).
     """
-    hf_config = read_hf_config(path)
+    if not os.path.isdir(path):
+        what = "missing" if not os.path.lexists(path) else "not a directory"
+        raise CheckpointError(f"{what}; need a Hugging Face checkpoint directory", file=str(path))
+    hf_config = read_config(path)
     cfg, family = lm_config_from_hf(hf_config, param_dtype=param_dtype)
+    source = SafetensorsCheckpoint(path, allow_nonfinite=allow_nonfinite)
+    layout = _check_counts(source, cfg, family)  # before anything is sized from the config
     if placements is not None and len(placements) != cfg.num_moe_layers:
         raise ValueError(
             f"len(placements)={len(placements)}: need one per MoE layer ({cfg.num_moe_layers})"
         )
-    source = SafetensorsDir(path)
-    recipes = model_recipes(cfg, family, _detect_layout(source, cfg))
+    recipes = model_recipes(cfg, family, layout)
     expected = {n for r in recipes for n in r.tensors}
     unexpected = sorted(n for n in source.tensors if n not in expected)
     if cfg.tie_embeddings and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")  # some tied checkpoints store the copy too
     if unexpected:
-        where = source.tensors[unexpected[0]].file
-        raise CheckpointFormatError(
-            f"{where}: tensor {unexpected[0]!r} (and {len(unexpected) - 1} more) is not part of "
-            f"a {family} model with this {CONFIG_NAME}"
+        raise CheckpointError(
+            f"(and {len(unexpected) - 1} more) not part of a {family} model with this "
+            f"{CONFIG_NAME}",
+            tensor=unexpected[0],
+            file=source.file_of(unexpected[0]),
         )
+    read = _float_reader(source)
     dtype = np.dtype(param_dtype if param_dtype != "bfloat16" else DTYPES["BF16"])
     placer = _Placer(cfg, mesh, placements, dtype)
     abstract = abstract_params(cfg) if mesh is not None else None
@@ -373,11 +438,11 @@ def load_hf_model(
     for recipe in _progress(recipes, progress, "load"):
         if mesh is not None and recipe.expert_row is not None:
             shapes = [_get(abstract, p).shape for p in recipe.leaves]
-            arrays = placer.place_experts(recipe, source.read, shapes)
+            arrays = placer.place_experts(recipe, read, shapes)
             for leaf, array in zip(recipe.leaves, arrays, strict=True):
                 _set(tree, leaf, array)
             continue
-        tensors = [source.read(n, s) for n, s in zip(recipe.tensors, recipe.shapes, strict=True)]
+        tensors = [read(n, s) for n, s in zip(recipe.tensors, recipe.shapes, strict=True)]
         for leaf, array in zip(recipe.leaves, recipe.to_leaves(tensors), strict=True):
             _set(tree, leaf, placer.place(leaf, array))
         del tensors
@@ -413,15 +478,18 @@ def save_hf_model(
     placements=None,
     max_shard_bytes: int = 5 * 2**30,
     progress: bool = False,
+    overwrite: bool = False,
+    inputs=(),
 ) -> None:
     """Write `params` as a Hugging Face checkpoint directory `path` (atomically).
 
-    Everything is written into a temporary sibling directory that is renamed onto `path` at
-    the end: an error (or a kill) leaves nothing half-written there. Leaves are fetched from
-    the devices one recipe at a time.
+    Everything is written into a temporary sibling directory that is swapped into place at
+    the end (`CheckpointWriter`): an error or a kill leaves the old output or the new one,
+    never half of either. Leaves are fetched from the devices one recipe at a time.
 
     Args:
-      path: the directory to write (replaced if present).
+      path: the directory to write: absent, empty, or (with `overwrite`) an earlier moejax
+        output; a directory holding anything else is refused (CheckpointError).
       params: the `moejax.models` tree of `cfg`.
       cfg: the model config; must be the one of `hf_config` (`lm_config_from_hf`).
       hf_config: the `config.json` to write (e.g. from `load_hf_model`).
@@ -431,6 +499,8 @@ def save_hf_model(
       placements: as `load_hf_model`, when `params` holds physical expert slots.
       max_shard_bytes: the largest shard (a tensor larger than it gets a shard of its own).
       progress: a tqdm progress bar.
+      overwrite: replace an earlier moejax output at `path`.
+      inputs: paths `path` may not be, lie in, or hold (where `params` came from).
     """
     expect, family = lm_config_from_hf(hf_config, param_dtype=cfg.param_dtype)
     if expect.replace(dtype=cfg.dtype) != cfg:
@@ -441,7 +511,9 @@ def save_hf_model(
         raise ValueError(f"dtype={name!r}: must be one of {tuple(out_dtypes)}")
     out_dtype = DTYPES[out_dtypes[name]]
     moe_index = _moe_index(cfg)
-    writer = CheckpointWriter(path, max_shard_bytes=max_shard_bytes, overwrite=True)
+    writer = CheckpointWriter(
+        path, max_shard_bytes=max_shard_bytes, overwrite=overwrite, inputs=inputs
+    )
     with writer:  # removes the temporary directory on an error: nothing half-written
         for recipe in _progress(model_recipes(cfg, family, layout), progress, "save"):
             leaves = [_host_leaf(params, p, moe_index, placements) for p in recipe.leaves]

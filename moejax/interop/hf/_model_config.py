@@ -14,11 +14,10 @@ the resulting `LMConfig` (`qk_norm`, `attention_bias`, `rope_scaling`, `tie_embe
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 from moejax._config import MoEConfig
-from moejax.interop.hf._files import CONFIG_NAME, CheckpointFormatError
+from moejax.interop.hf._errors import CheckpointError
+from moejax.interop.hf._safetensors import CONFIG_FILE as CONFIG_NAME
 from moejax.models import LMConfig, RopeScaling
 
 
@@ -47,18 +46,46 @@ FAMILIES = {
     "qwen2_moe": Family("mlp", ("gate_proj", "up_proj", "down_proj"), None, True, False, True),
 }  # fmt: skip
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Fields that count or size something: ints >= 1 when present. Counts have a cap (far above any
+# published model) so that no config.json can make moejax build a huge name list or tree
+# before the tensors are checked against it; sizes are checked against the tensors' shapes.
+_SIZE_FIELDS = (
+    "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "head_dim",
+    "max_position_embeddings", "decoder_sparse_step", "num_experts_per_tok",
+    "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
+)  # fmt: skip
+COUNT_CAPS = {
+    "num_hidden_layers": 4096,
+    "num_experts": 65536,
+    "num_local_experts": 65536,
+    "num_attention_heads": 65536,
+    "num_key_value_heads": 65536,
+    "vocab_size": 2**24,
+    "hidden_size": 2**20,
+}
 
 
-def read_hf_config(path: str) -> dict:
-    """`config.json` of a checkpoint directory as a dict (CheckpointFormatError if absent)."""
-    file = os.path.join(path, CONFIG_NAME)
-    try:
-        with open(file) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"{file}: missing (a Hugging Face config.json)") from None
-    except json.JSONDecodeError as err:
-        raise CheckpointFormatError(f"{file}: not JSON ({err})") from None
+def check_fields(config) -> None:
+    """`config` is a JSON object whose count and size fields are ints >= 1 within
+    `COUNT_CAPS`: CheckpointError naming the field otherwise (nothing is sized before)."""
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"{CONFIG_NAME} is a JSON {type(config).__name__}, need an object of fields"
+        )
+    for key in (*_SIZE_FIELDS, *COUNT_CAPS):
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{CONFIG_NAME} {key}={value!r}: need an int >= 1")
+        if value > COUNT_CAPS.get(key, value):
+            raise CheckpointError(
+                f"{CONFIG_NAME} {key}={value}: over moejax's cap of {COUNT_CAPS[key]} (no "
+                "published model comes near it; a damaged or hostile config?)"
+            )
+    for key in ("rope_scaling", "rope_parameters", "quantization_config"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise CheckpointError(f"{CONFIG_NAME} {key}={config[key]!r}: need an object")
 
 
 def family_of(config: dict) -> str:
@@ -66,7 +93,7 @@ def family_of(config: dict) -> str:
     kind = config.get("model_type")
     if kind not in FAMILIES:
         arch = config.get("architectures")
-        raise CheckpointFormatError(
+        raise CheckpointError(
             f"{CONFIG_NAME}: model_type={kind!r} (architectures={arch}) is not supported; "
             f"supported: {sorted(FAMILIES)}"
         )
@@ -76,7 +103,7 @@ def family_of(config: dict) -> str:
 def _get(config: dict, key: str, default=None, *, required: bool = False):
     if key not in config or config[key] is None:
         if required and default is None:
-            raise CheckpointFormatError(f"{CONFIG_NAME}: {key!r} missing")
+            raise CheckpointError(f"{CONFIG_NAME}: {key!r} missing")
         return default
     return config[key]
 
@@ -93,7 +120,7 @@ def _rope(config: dict) -> tuple[float, RopeScaling | None]:
     theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind not in ROPE_TYPES:
-        raise CheckpointFormatError(
+        raise CheckpointError(
             f"{CONFIG_NAME}: rope_scaling type {kind!r} is not supported; supported: {ROPE_TYPES}"
         )
     if kind == "default":
@@ -111,29 +138,31 @@ def _rope(config: dict) -> tuple[float, RopeScaling | None]:
             **extra,
         )
     except (KeyError, ValueError) as err:
-        raise CheckpointFormatError(f"{CONFIG_NAME}: rope_scaling {scaling}: {err}") from None
+        raise CheckpointError(f"{CONFIG_NAME}: rope_scaling {scaling}: {err}") from None
 
 
 def moe_config_of(config: dict) -> MoEConfig:
     """The MoE layer of `config` (`moejax.interop.hf.moe_config_from_hf`, errors as
-    `CheckpointFormatError`)."""
+    `CheckpointError`)."""
     from moejax.interop.hf._config import moe_config_from_hf
 
     try:
         return moe_config_from_hf(config)[0]
-    except CheckpointFormatError:
+    except CheckpointError:
         raise
     except ValueError as err:
-        raise CheckpointFormatError(str(err)) from None
+        raise CheckpointError(str(err)) from None
 
 
 def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LMConfig, str]:
     """`(LMConfig, family)` of a Hugging Face MoE decoder config.
 
     Raises:
-      CheckpointFormatError: an unknown `model_type`, an activation other than SiLU, a layer
-        pattern moejax cannot express (`mlp_only_layers`), `clip_qkv`, a rope type not in
-        `ROPE_TYPES`, or a missing field; each names the field.
+      CheckpointError: not a JSON object, a count or size that is not an int >= 1 or is over
+        `COUNT_CAPS`, an unknown `model_type`, an activation other than SiLU, a layer pattern
+        moejax cannot express (`mlp_only_layers`), `clip_qkv`, a rope type not in
+        `ROPE_TYPES`, a missing field, or fields that do not fit together; each names the
+        field.
 
     >>> cfg, family = lm_config_from_hf({"model_type": "olmoe", "vocab_size": 64,
     ...     "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -142,20 +171,30 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
     >>> family, cfg.qk_norm, cfg.tie_embeddings, cfg.moe.num_experts, cfg.head_dim
     ('olmoe', 'full', True, 8, 8)
     """
+    check_fields(config)
+    try:
+        return _from_fields(config, param_dtype)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError) as err:  # LMConfig's own checks: fields that do not fit
+        raise CheckpointError(f"{CONFIG_NAME}: {err}") from None
+
+
+def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
     family = family_of(config)
     fam = FAMILIES[family]
     if config.get("hidden_act", "silu") != "silu":
         act = config["hidden_act"]
-        raise CheckpointFormatError(f"{CONFIG_NAME}: hidden_act={act!r}: only silu is supported")
+        raise CheckpointError(f"{CONFIG_NAME}: hidden_act={act!r}: only silu is supported")
     if config.get("mlp_only_layers"):
-        raise CheckpointFormatError(
+        raise CheckpointError(
             f"{CONFIG_NAME}: mlp_only_layers={config['mlp_only_layers']}: dense layers at "
             "arbitrary positions are not supported (decoder_sparse_step is)"
         )
     if config.get("clip_qkv") is not None:
-        raise CheckpointFormatError(f"{CONFIG_NAME}: clip_qkv={config['clip_qkv']}: not supported")
+        raise CheckpointError(f"{CONFIG_NAME}: clip_qkv={config['clip_qkv']}: not supported")
     if config.get("use_sliding_window"):
-        raise CheckpointFormatError(f"{CONFIG_NAME}: use_sliding_window=true: not supported")
+        raise CheckpointError(f"{CONFIG_NAME}: use_sliding_window=true: not supported")
     heads = _get(config, "num_attention_heads", required=True)
     d = _get(config, "hidden_size", required=True)
     head_dim = _get(config, "head_dim", d // heads)
