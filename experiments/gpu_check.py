@@ -53,6 +53,7 @@ import datetime
 import gc
 import importlib
 import pathlib
+import re
 import sys
 import time
 import traceback
@@ -290,7 +291,7 @@ def _time_row(run: Run, row: dict, impls: dict, args: tuple, flops: float, slow:
             continue
         fn = impl[row["kernel"]]
         try:
-            tag = f"{row['shape']}_{row['routing']}_{row['kernel']}_{name.split()[-1]}"
+            tag = re.sub(r"\W+", "_", f"{row['shape']}_{row['routing']}_{row['kernel']}_{name}")
             with maybe_profile(run, tag):
                 secs = run.seconds(fn, *args, slow=slow and name == "jax.lax.ragged_dot")
             row["tflops"][name] = flops / secs / 1e12
