@@ -8,6 +8,11 @@ row gather and routing weight into it (fused on Pallas-Triton, composed elsewher
 `backend="auto"` (the default) and `"pallas"` are decided by the platform the program is
 compiled for, not the host (see `ops`); `default_config` holds each kernel's tiles per target,
 dtype and shape, and `fits` says whether a Config fits a target's shared memory or VMEM.
+
+The Mosaic GPU kernels need every group on their row tile: `GROUP_ALIGNMENT` (128) is the group
+size multiple at which they run without moving rows (pass `group_alignment=` to promise it), and
+`group_alignment()` what the current compile target wants (128 on Hopper, else 1), which is
+what `moejax` pads each expert to.
 """
 
 from pallas_kernels.autotune import autotune_gmm as autotune_gmm
