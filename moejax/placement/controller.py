@@ -217,11 +217,13 @@ class Decision:
 
 
 # `Decision.outcome`, in the order `PlacementController` checks them: accepted, or the rule that
-# declined (min_interval, the re-plan trigger, no candidate, a gain below min_relative_gain, a
-# gain not repaying the migration in sample, the forecast, the warm-up, patience).
+# declined (min_interval, no rows routed to the layer, the re-plan trigger, no candidate, a gain
+# below min_relative_gain, a gain not repaying the migration in sample, the forecast, the
+# warm-up, patience).
 OUTCOMES = (
     "accepted",
     "min_interval",
+    "no_rows",
     "trigger",
     "no_candidate",
     "small_gain",
@@ -516,14 +518,7 @@ class PlacementController:
             )
         perfect = perfect_cost(ema, old.num_devices, hw, wl).total_s
         if not perfect > 0:  # no rows routed to this layer (yet): nothing to balance
-            self._streak[layer] = 0
-            return Decision(
-                **record,
-                bytes_moved=0,
-                migration_s=0.0,
-                accepted=False,
-                reason="no rows routed to this layer: nothing to balance",
-            )
+            return decline("no_rows", "no rows routed to this layer: nothing to balance")
         imbalance = old.imbalance(ema)
         now = _step_cost(old, ema, hw, wl).total_s
         over = now / perfect
