@@ -21,7 +21,6 @@ from moejax.placement._packing import pack as pack
 from moejax.placement._packing import pack_by_group as pack_by_group
 from moejax.placement._packing import replica_counts as replica_counts
 from moejax.placement.controller import ControllerConfig as ControllerConfig
-from moejax.placement.controller import Decision as Decision
 from moejax.placement.controller import PlacementController as PlacementController
 from moejax.placement.cost_model import H100_IB as H100_IB
 from moejax.placement.cost_model import H100_NVLINK as H100_NVLINK
@@ -34,6 +33,7 @@ from moejax.placement.cost_model import migration_bytes as migration_bytes
 from moejax.placement.cost_model import migration_s as migration_s
 from moejax.placement.cost_model import perfect_cost as perfect_cost
 from moejax.placement.cost_model import step_cost as step_cost
+from moejax.placement.decision import Decision as Decision
 from moejax.placement.planner import plan as plan
 from moejax.placement.table import Placement as Placement
 from moejax.placement.table import migration_sources as migration_sources

@@ -23,11 +23,13 @@ from moejax.placement import (
     ControllerConfig,
     Decision,
     Placement,
+    PlacementController,
     Workload,
     save_trace,
 )
-from moejax.placement.controller import OUTCOMES
-from moejax.placement.replay import SPEC_FILE, controller_from_spec, replay
+from moejax.placement.controller import SPEC_FILE
+from moejax.placement.decision import OUTCOMES
+from moejax.placement.replay import replay
 from moejax.training import placed, report, train
 from moejax.training.hardware import measure_hardware
 from moejax.training.loop import SetupError
@@ -287,7 +289,7 @@ def test_replay_of_the_run_makes_its_decisions(real, tmp_path, capsys):
     with open(os.path.join(real.run_dir, SPEC_FILE)) as f:
         spec = json.load(f)
     trace = np.array([r["expert_counts"] for r in real.records], np.int64)
-    result = replay(controller_from_spec(spec), trace)
+    result = replay(PlacementController.from_spec(spec), trace)
     recorded = read_events(real.run_dir)
     fields = ("step", "applied_after_step", "layer", "old", "new", "bytes_moved")
     assert [{k: e[k] for k in fields} for e in result.events] == [
