@@ -70,7 +70,7 @@ class PlacementRuntime:
     events: list = dataclasses.field(default_factory=list)
     decisions: list = dataclasses.field(default_factory=list)  # `Decision.record`s of this run
     migration_wall_s: float = 0.0
-    _tables: tuple = ()
+    _slot_tables: tuple = ()
     _events_path: str | None = None
     _decisions_path: str | None = None
     _logged: int = 0  # the controller's log entries written so far
@@ -114,7 +114,7 @@ class PlacementRuntime:
             return runtime, state
         step = int(jax.device_get(state.step))
         state = placed.to_physical(state, placements, model_cfg, train_cfg, mesh)
-        runtime._tables = placed.slot_tables(placements)
+        runtime._slot_tables = placed.slot_tables(placements)
         if controller is not None:
             runtime.controller = controller(list(placements))
             if resumed is not None and hasattr(runtime.controller, "load_state_dict"):
@@ -137,8 +137,8 @@ class PlacementRuntime:
 
     @property
     def step_args(self) -> tuple:
-        """Extra arguments of the jitted step: `(tables,)` with placement, else `()`."""
-        return (self._tables,) if self.enabled else ()
+        """Extra arguments of the jitted step: `(slot_tables,)` with placement, else `()`."""
+        return (self._slot_tables,) if self.enabled else ()
 
     def logical(self, state):
         """`state` with experts in logical order (what checkpoints hold)."""
@@ -172,7 +172,7 @@ class PlacementRuntime:
         wall = time.perf_counter() - t0
         self.migration_wall_s += wall
         self.placements = tuple(new)
-        self._tables = placed.slot_tables(new)
+        self._slot_tables = placed.slot_tables(new)
         # A scripted controller (tests) has no forecasts: its events are on the step's counts.
         ctl = self.controller if isinstance(self.controller, PlacementController) else None
         for d in decisions:
