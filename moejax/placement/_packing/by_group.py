@@ -26,8 +26,8 @@ over all of them. Here, as in DeepSeek's EPLB hierarchy, whole groups go to node
    coldest experts split two or three ways, the rest by highest averages, ``j`` on a coarser
    grid (0-3, then quarters of the most) to bound the time; packed into the
    node's ``G`` devices by rounds, and pairwise re-splits for the ``_FINALISTS`` best before
-   them); the candidate whose busiest device is lightest over all nodes is kept (spilled
-   replicas couple the nodes).
+   them; ``common.candidate_replicas`` and ``common.pack_nodes``); the candidate whose busiest
+   device is lightest over all nodes is kept (spilled replicas couple the nodes).
 
 Plain numpy; no jax.
 """

@@ -19,11 +19,11 @@ cut. Here no replica crosses a node (an expert gets at most ``G`` replicas):
    slots by highest averages (largest ``n_e / r_e`` first, at most ``G`` replicas), for every
    ``j`` whose splits take at most two thirds of the spare slots; the split cold experts give
    each device small pieces to fill up with (``flat.replica_counts`` explains why they
-   pack better).
+   pack better); ``common.candidate_replicas``.
 3. **Devices per node**: each candidate is packed into the node's ``G`` devices of ``S``
    slots, all nodes at once: largest first, each round of ``G`` items with the lightest to the
    busiest device so far, then pairwise re-splits of the heaviest and lightest devices of each
-   node (``common.splits``); each node keeps its best candidate.
+   node (``common.pack_nodes``); each node keeps its best candidate.
 
 On the simulator's Zipf traces (``H100_IB``, nodes of 8, expected counts of the first 20
 steps) the modeled step is 1.8% / 3.5% / 4.6% over the perfect bound at ``N = 64 / 512 /
