@@ -88,10 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def to_orbax(args) -> str:
-    from moejax.interop.hf._converted import write_converted
-    from moejax.interop.hf._model import load_hf_model
-    from moejax.interop.hf._model_config import family_of
-    from moejax.interop.hf._outputs import check_output
+    from moejax.interop.hf import check_output, family_of, load_hf_model, save_converted
 
     check_output(args.out, overwrite=args.overwrite, inputs=[args.hf_dir])  # before reading
     cfg, params, hf_config = load_hf_model(
@@ -101,7 +98,7 @@ def to_orbax(args) -> str:
         allow_nonfinite=args.allow_nonfinite,
     )
     family = family_of(hf_config)
-    write_converted(
+    save_converted(
         args.out, cfg, params, hf_config, family, overwrite=args.overwrite, inputs=[args.hf_dir]
     )
     return f"wrote {args.out}: {family}, {cfg.num_layers} layers, " \
@@ -109,14 +106,14 @@ def to_orbax(args) -> str:
 
 
 def to_hf(args) -> str:
-    from moejax.interop.hf import CheckpointError
-    from moejax.interop.hf._converted import (
+    from moejax.interop.hf import (
+        CheckpointError,
+        check_output,
+        load_converted_params,
         params_of_train_checkpoint,
         read_converted,
-        restore_params,
+        save_hf_model,
     )
-    from moejax.interop.hf._model import save_hf_model
-    from moejax.interop.hf._outputs import check_output
 
     if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
         raise CheckpointError(f"--max-shard-gb={args.max_shard_gb}: need a number > 0")
@@ -128,7 +125,7 @@ def to_hf(args) -> str:
             args.checkpoint, cfg, allow_nonfinite=args.allow_nonfinite
         )
     else:
-        params = restore_params(args.converted, cfg, allow_nonfinite=args.allow_nonfinite)
+        params = load_converted_params(args.converted, cfg, allow_nonfinite=args.allow_nonfinite)
     save_hf_model(
         args.out,
         params,

@@ -14,8 +14,7 @@ from collections.abc import Container, Iterable, Mapping
 
 import numpy as np
 
-from moejax._config import MoEConfig
-from moejax._params import param_specs
+from moejax import MoEConfig, param_specs
 from moejax.interop.hf._errors import CheckpointError, MissingTensorError
 from moejax.interop.hf._families import HFFamily, check_layout, get_family
 

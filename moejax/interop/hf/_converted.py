@@ -1,5 +1,7 @@
 """A converted model directory: a Hugging Face model as an orbax checkpoint that training starts
-from (`experiments/train_lm.py --init-from DIR`) and that converts back.
+from (`experiments/train_lm.py --init-from DIR`) and that converts back (`save_converted`,
+`read_converted`, `load_converted_params`; `params_of_train_checkpoint` reads a training
+checkpoint's parameters for the way back).
 
 ```
 DIR/model.json          {"format", "family", "config": LMConfig as JSON}
@@ -25,20 +27,15 @@ import sys
 
 import jax
 
-from moejax._config import MoEConfig
-from moejax.interop.hf._errors import CheckpointError
+from moejax import MoEConfig
+from moejax.interop.hf._config import COUNT_CAPS
+from moejax.interop.hf._errors import ConvertedDirError, NonFiniteError
 from moejax.interop.hf._outputs import OutputDir
-from moejax.interop.hf._safetensors import NonFiniteError
-from moejax.models import LMConfig, RopeScaling
+from moejax.models import LMConfig, RopeScaling, abstract_params, lm_partition_specs
 
 FORMAT = "moejax-hf-converted/1"
 MODEL_JSON, HF_CONFIG_JSON, PARAMS_DIR = "model.json", "hf_config.json", "params"
 CHECKSUMS_JSON = "checksums.json"
-
-
-class ConvertedDirError(CheckpointError):
-    """A directory that is not a converted model, or whose parameters fail their checksums or
-    hold NaN/Inf (names the directory and the array or file)."""
 
 
 def lm_config_to_json(cfg: LMConfig) -> dict:
@@ -55,7 +52,7 @@ def lm_config_from_json(obj: dict) -> LMConfig:
     return LMConfig(**obj)
 
 
-def write_converted(
+def save_converted(
     path: str,
     cfg: LMConfig,
     params: dict,
@@ -124,8 +121,6 @@ def read_converted(path: str) -> tuple[LMConfig, dict, str]:
 def _check_caps(cfg: LMConfig, where: str) -> None:
     """The counts of a converted model's config within the caps of a Hugging Face one (nothing
     is sized from them before)."""
-    from moejax.interop.hf._model_config import COUNT_CAPS
-
     counts = {
         "num_hidden_layers": cfg.num_layers,
         "num_experts": cfg.moe.num_experts,
@@ -139,16 +134,12 @@ def _check_caps(cfg: LMConfig, where: str) -> None:
 
 
 def _target(cfg: LMConfig, mesh):
-    from moejax.models._params import abstract_params
-
     abstract = abstract_params(cfg)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
         )
-    from moejax.models import lm_partition_specs
-
     specs = lm_partition_specs(cfg, mesh)
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(
@@ -159,7 +150,7 @@ def _target(cfg: LMConfig, mesh):
     )
 
 
-def restore_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinite: bool = False):
+def load_converted_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinite: bool = False):
     """The parameters of a converted directory, read straight onto `mesh`'s shardings
     (`moejax.models.lm_partition_specs`; one device without a mesh), verified against the
     directory's checksums.

@@ -1,4 +1,6 @@
-"""The Hugging Face MoE families moejax reads: how each names its block's tensors.
+"""The Hugging Face MoE families moejax reads, in one table (`FAMILIES`): how each names its MoE
+block's tensors, which `MoEConfig` features a block can carry, and, for the families whose whole
+decoders moejax loads (`HFFamily.decoder`), what their `config.json` implies for attention.
 
 Names are local to the block module (the caller adds the block's prefix, e.g.
 `model.layers.3.mlp.`). Two layouts exist:
@@ -22,6 +24,25 @@ LAYOUTS: tuple[str, ...] = Layout.__args__
 
 
 @dataclasses.dataclass(frozen=True)
+class HFDecoder:
+    """The whole-decoder facts of a family whose models `load_hf_model` reads: the `LMConfig`
+    options its `config.json` implies (the rest of the decoder is the same in every family).
+
+    Attributes:
+      qk_norm: `LMConfig.qk_norm` (`"head"`: one RMSNorm per head, `"full"`: over all heads).
+      qkv_bias: q/k/v projection biases: True, False, or the `config.json` field that says.
+      out_bias: the output projection's bias, likewise.
+      window_caps_length: `config.json` `sliding_window`, when set, caps `LMConfig.max_seq_len`
+        (Mixtral: full attention equals the windowed one up to the window).
+    """
+
+    qk_norm: Literal["head", "full"] | None
+    qkv_bias: str | bool
+    out_bias: str | bool
+    window_caps_length: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class HFFamily:
     """How one family names its MoE block's tensors, and which moejax features it can carry.
 
@@ -40,6 +61,8 @@ class HFFamily:
       shared_gate: Qwen2-MoE's `shared_expert_gate` Linear `[1, D]`, or None.
       features: for each tree-shaping `MoEConfig` property, the values the layout can carry.
       prefix: the block's prefix in a whole decoder-only model, per layout, with `{layer}`.
+      decoder: the whole-decoder facts (`HFDecoder`), or None when moejax reads only this
+        family's MoE blocks.
     """
 
     name: str
@@ -54,6 +77,7 @@ class HFFamily:
     shared_gate: str | None
     features: dict[str, frozenset]
     prefix: dict[str, str]
+    decoder: HFDecoder | None = None
 
     @property
     def layouts(self) -> tuple[str, ...]:
@@ -97,6 +121,7 @@ FAMILIES: dict[str, HFFamily] = {
             features=_features(),
             # transformers 5 renames block_sparse_moe to mlp when it fuses the experts.
             prefix={"per_expert": "model.layers.{layer}.block_sparse_moe.", "fused": _DECODER},
+            decoder=HFDecoder(None, False, False, window_caps_length=True),
         ),
         HFFamily(
             name="qwen2_moe",
@@ -111,6 +136,7 @@ FAMILIES: dict[str, HFFamily] = {
             shared_gate="shared_expert_gate",
             features=_features(shared=_YES, shared_gate=_YES),
             prefix={"per_expert": _DECODER, "fused": _DECODER},
+            decoder=HFDecoder(None, True, False),
         ),
         HFFamily(
             name="qwen3_moe",
@@ -125,6 +151,7 @@ FAMILIES: dict[str, HFFamily] = {
             shared_gate=None,
             features=_features(),
             prefix={"per_expert": _DECODER, "fused": _DECODER},
+            decoder=HFDecoder("head", "attention_bias", "attention_bias"),
         ),
         HFFamily(
             name="olmoe",
@@ -139,6 +166,7 @@ FAMILIES: dict[str, HFFamily] = {
             shared_gate=None,
             features=_features(),
             prefix={"per_expert": _DECODER, "fused": _DECODER},
+            decoder=HFDecoder("full", "attention_bias", "attention_bias"),
         ),
         HFFamily(
             name="deepseek_v3",
