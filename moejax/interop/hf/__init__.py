@@ -45,7 +45,6 @@ says which a family has. `FLOAT_DTYPES` are the tensor dtypes a parameter can ha
 True
 """
 
-from moejax.interop.hf._block import FLOAT_DTYPES as FLOAT_DTYPES
 from moejax.interop.hf._block import block_from_hf as block_from_hf
 from moejax.interop.hf._block import block_tensor_names as block_tensor_names
 from moejax.interop.hf._block import block_tensor_shapes as block_tensor_shapes
@@ -65,6 +64,7 @@ from moejax.interop.hf._errors import ConvertedDirError as ConvertedDirError
 from moejax.interop.hf._errors import MissingTensorError as MissingTensorError
 from moejax.interop.hf._errors import NonFiniteError as NonFiniteError
 from moejax.interop.hf._families import FAMILIES as FAMILIES
+from moejax.interop.hf._families import FLOAT_DTYPES as FLOAT_DTYPES
 from moejax.interop.hf._families import LAYOUTS as LAYOUTS
 from moejax.interop.hf._families import HFDecoder as HFDecoder
 from moejax.interop.hf._families import HFFamily as HFFamily

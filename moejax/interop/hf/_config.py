@@ -31,7 +31,7 @@ from typing import Any
 
 from moejax import MoEConfig
 from moejax.interop.hf._errors import CheckpointError
-from moejax.interop.hf._families import FAMILIES, get_family
+from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, get_family
 from moejax.interop.hf._safetensors import read_json
 from moejax.models import LMConfig, RopeScaling
 
@@ -110,7 +110,6 @@ _GATED_ACT = {
     "gelu_pytorch_tanh": "geglu",
 }
 _UNGATED_ACT = {"relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
-_PARAM_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 class _Fields:
@@ -152,8 +151,8 @@ def _common(f: _Fields) -> dict[str, Any]:
         method = (f.config["quantization_config"] or {}).get("quant_method", "?")
         f.bad("quantization_config", method, "quantized checkpoints cannot be loaded; dequantize")
     dtype = stored_dtype(f.config) or "float32"
-    if dtype not in _PARAM_DTYPES:
-        f.bad("dtype", dtype, f"moejax parameters are one of {_PARAM_DTYPES}")
+    if dtype not in FLOAT_DTYPES:
+        f.bad("dtype", dtype, f"moejax parameters are one of {FLOAT_DTYPES}")
     f.source["param_dtype"] = "dtype"
     return {"param_dtype": dtype}
 
@@ -359,63 +358,6 @@ def moe_config_from_hf(
 # Fields of MoEConfig that a config.json does not carry (layer execution, not the model).
 _NOT_IN_CONFIG = frozenset({"block_size", "init_scale", "router_dtype", "capacity_factor"})
 
-_WRITE_KEYS: dict[str, dict[str, str]] = {  # MoEConfig field -> config.json field, per family
-    "mixtral": {
-        "d_model": "hidden_size",
-        "d_ff": "intermediate_size",
-        "num_experts": "num_local_experts",
-        "top_k": "num_experts_per_tok",
-    },
-    "qwen2_moe": {
-        "d_model": "hidden_size",
-        "d_ff": "moe_intermediate_size",
-        "num_experts": "num_experts",
-        "top_k": "num_experts_per_tok",
-        "norm_topk_prob": "norm_topk_prob",
-        "shared_width": "shared_expert_intermediate_size",
-    },
-    "qwen3_moe": {
-        "d_model": "hidden_size",
-        "d_ff": "moe_intermediate_size",
-        "num_experts": "num_experts",
-        "top_k": "num_experts_per_tok",
-        "norm_topk_prob": "norm_topk_prob",
-    },
-    "olmoe": {
-        "d_model": "hidden_size",
-        "d_ff": "intermediate_size",
-        "num_experts": "num_experts",
-        "top_k": "num_experts_per_tok",
-        "norm_topk_prob": "norm_topk_prob",
-    },
-    "deepseek_v3": {
-        "d_model": "hidden_size",
-        "d_ff": "moe_intermediate_size",
-        "num_experts": "n_routed_experts",
-        "top_k": "num_experts_per_tok",
-        "num_groups": "n_group",
-        "topk_groups": "topk_group",
-        "routed_scaling_factor": "routed_scaling_factor",
-        "norm_topk_prob": "norm_topk_prob",
-        "num_shared_experts": "n_shared_experts",
-    },
-    "gpt_oss": {
-        "d_model": "hidden_size",
-        "d_ff": "intermediate_size",
-        "num_experts": "num_local_experts",
-        "top_k": "num_experts_per_tok",
-        "swiglu_limit": "swiglu_limit",
-        "swiglu_alpha": "swiglu_alpha",
-    },
-    "switch": {
-        "d_model": "d_model",
-        "d_ff": "d_ff",
-        "num_experts": "num_experts",
-        "expert_capacity": "expert_capacity",
-        "router_bias": "router_bias",
-    },
-}
-
 _ACT_NAMES = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "relu": "relu", "gelu": "gelu_new"}
 
 
@@ -431,7 +373,7 @@ def moe_config_to_hf(cfg: MoEConfig, family: str) -> dict[str, Any]:
     """
     fam = get_family(family)
     out: dict[str, Any] = {"model_type": fam.model_type}
-    for field, key in _WRITE_KEYS[fam.name].items():
+    for field, key in fam.config_keys.items():
         out[key] = getattr(cfg, field)
     if fam.name == "switch":
         out["dense_act_fn"] = _ACT_NAMES.get(cfg.activation, cfg.activation)

@@ -21,6 +21,8 @@ from typing import Literal
 
 Layout = Literal["fused", "per_expert"]
 LAYOUTS: tuple[str, ...] = Layout.__args__
+# Tensor dtypes a moejax parameter can hold (safetensors F32, BF16, F16, F64).
+FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,8 @@ class HFFamily:
       shared_gate: Qwen2-MoE's `shared_expert_gate` Linear `[1, D]`, or None.
       features: for each tree-shaping `MoEConfig` property, the values the layout can carry.
       prefix: the block's prefix in a whole decoder-only model, per layout, with `{layer}`.
+      config_keys: `MoEConfig` field -> the `config.json` field that carries it
+        (`moe_config_to_hf` writes these; reading also accepts transformers' aliases).
       decoder: the whole-decoder facts (`HFDecoder`), or None when moejax reads only this
         family's MoE blocks.
     """
@@ -77,6 +81,7 @@ class HFFamily:
     shared_gate: str | None
     features: dict[str, frozenset]
     prefix: dict[str, str]
+    config_keys: dict[str, str]
     decoder: HFDecoder | None = None
 
     @property
@@ -122,6 +127,12 @@ FAMILIES: dict[str, HFFamily] = {
             # transformers 5 renames block_sparse_moe to mlp when it fuses the experts.
             prefix={"per_expert": "model.layers.{layer}.block_sparse_moe.", "fused": _DECODER},
             decoder=HFDecoder(None, False, False, window_caps_length=True),
+            config_keys={
+                "d_model": "hidden_size",
+                "d_ff": "intermediate_size",
+                "num_experts": "num_local_experts",
+                "top_k": "num_experts_per_tok",
+            },
         ),
         HFFamily(
             name="qwen2_moe",
@@ -137,6 +148,14 @@ FAMILIES: dict[str, HFFamily] = {
             features=_features(shared=_YES, shared_gate=_YES),
             prefix={"per_expert": _DECODER, "fused": _DECODER},
             decoder=HFDecoder(None, True, False),
+            config_keys={
+                "d_model": "hidden_size",
+                "d_ff": "moe_intermediate_size",
+                "num_experts": "num_experts",
+                "top_k": "num_experts_per_tok",
+                "norm_topk_prob": "norm_topk_prob",
+                "shared_width": "shared_expert_intermediate_size",
+            },
         ),
         HFFamily(
             name="qwen3_moe",
@@ -152,6 +171,13 @@ FAMILIES: dict[str, HFFamily] = {
             features=_features(),
             prefix={"per_expert": _DECODER, "fused": _DECODER},
             decoder=HFDecoder("head", "attention_bias", "attention_bias"),
+            config_keys={
+                "d_model": "hidden_size",
+                "d_ff": "moe_intermediate_size",
+                "num_experts": "num_experts",
+                "top_k": "num_experts_per_tok",
+                "norm_topk_prob": "norm_topk_prob",
+            },
         ),
         HFFamily(
             name="olmoe",
@@ -167,6 +193,13 @@ FAMILIES: dict[str, HFFamily] = {
             features=_features(),
             prefix={"per_expert": _DECODER, "fused": _DECODER},
             decoder=HFDecoder("full", "attention_bias", "attention_bias"),
+            config_keys={
+                "d_model": "hidden_size",
+                "d_ff": "intermediate_size",
+                "num_experts": "num_experts",
+                "top_k": "num_experts_per_tok",
+                "norm_topk_prob": "norm_topk_prob",
+            },
         ),
         HFFamily(
             name="deepseek_v3",
@@ -181,6 +214,17 @@ FAMILIES: dict[str, HFFamily] = {
             shared_gate=None,
             features=_features(score_correction_bias=_YES, shared=_YES),
             prefix={"per_expert": _DECODER, "fused": _DECODER},
+            config_keys={
+                "d_model": "hidden_size",
+                "d_ff": "moe_intermediate_size",
+                "num_experts": "n_routed_experts",
+                "top_k": "num_experts_per_tok",
+                "num_groups": "n_group",
+                "topk_groups": "topk_group",
+                "routed_scaling_factor": "routed_scaling_factor",
+                "norm_topk_prob": "norm_topk_prob",
+                "num_shared_experts": "n_shared_experts",
+            },
         ),
         HFFamily(
             name="gpt_oss",
@@ -195,6 +239,14 @@ FAMILIES: dict[str, HFFamily] = {
             shared_gate=None,
             features=_features(router_bias=_YES, expert_bias=_YES),
             prefix={"fused": _DECODER},
+            config_keys={
+                "d_model": "hidden_size",
+                "d_ff": "intermediate_size",
+                "num_experts": "num_local_experts",
+                "top_k": "num_experts_per_tok",
+                "swiglu_limit": "swiglu_limit",
+                "swiglu_alpha": "swiglu_alpha",
+            },
         ),
         HFFamily(
             name="switch",
@@ -209,6 +261,13 @@ FAMILIES: dict[str, HFFamily] = {
             shared_gate=None,
             features=_features(router_bias=_ANY, gated=_NO),
             prefix={},  # encoder-decoder: `encoder.block.{i}.layer.1.mlp.`, decoder `layer.2`
+            config_keys={
+                "d_model": "d_model",
+                "d_ff": "d_ff",
+                "num_experts": "num_experts",
+                "expert_capacity": "expert_capacity",
+                "router_bias": "router_bias",
+            },
         ),
     )
 }

@@ -51,10 +51,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from moejax.interop.hf._block import FLOAT_DTYPES
 from moejax.interop.hf._config import CONFIG_FILE, lm_config_from_hf, read_config, stored_dtype
 from moejax.interop.hf._errors import CheckpointError
-from moejax.interop.hf._families import FAMILIES, LAYOUTS, Layout, block_prefix
+from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, LAYOUTS, Layout, block_prefix
 from moejax.interop.hf._safetensors import DTYPES, SafetensorsCheckpoint
 from moejax.interop.hf._writer import CheckpointWriter
 from moejax.models import LMConfig, abstract_params
