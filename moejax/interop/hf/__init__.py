@@ -24,9 +24,10 @@ says which a family has. `FLOAT_DTYPES` are the tensor dtypes a parameter can ha
   / `save_safetensors`, the one writer: atomic (a temporary sibling swapped into place; an
   existing directory is replaced only if it is an earlier moejax output and `overwrite=True`);
   `check_output(path, overwrite=..., inputs=...)` refuses an output before anything is read.
-- Converted models (an orbax checkpoint that training starts from, `experiments/convert_hf.py`):
-  `save_converted`, `read_converted`, `load_converted_params` (checksums verified), and
-  `params_of_train_checkpoint` (a `moejax.training` checkpoint's parameters).
+- Converted models (an orbax checkpoint that training starts from): `convert_to_orbax(hf_dir,
+  out)` and `convert_to_hf(converted, out, checkpoint=...)` (what `experiments/convert_hf.py`
+  runs), built on `save_converted`, `read_converted`, `load_converted_params` (checksums
+  verified) and `params_of_train_checkpoint` (a `moejax.training` checkpoint's parameters).
 - Errors, one tree: `CheckpointError` (a `ValueError`) and its subclasses `MissingTensorError`
   (also a `KeyError`), `NonFiniteError`, `ConvertedDirError`; each names the tensor and the
   file, or the `config.json` field.
@@ -55,6 +56,8 @@ from moejax.interop.hf._config import lm_config_from_hf as lm_config_from_hf
 from moejax.interop.hf._config import moe_config_from_hf as moe_config_from_hf
 from moejax.interop.hf._config import moe_config_to_hf as moe_config_to_hf
 from moejax.interop.hf._config import read_config as read_config
+from moejax.interop.hf._converted import convert_to_hf as convert_to_hf
+from moejax.interop.hf._converted import convert_to_orbax as convert_to_orbax
 from moejax.interop.hf._converted import load_converted_params as load_converted_params
 from moejax.interop.hf._converted import params_of_train_checkpoint as params_of_train_checkpoint
 from moejax.interop.hf._converted import read_converted as read_converted
@@ -101,6 +104,8 @@ __all__ = [
     "block_tensor_shapes",
     "block_to_hf",
     "check_output",
+    "convert_to_hf",
+    "convert_to_orbax",
     "detect_layout",
     "family_of",
     "load_converted_params",
