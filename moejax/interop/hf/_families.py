@@ -106,161 +106,110 @@ def _features(**overrides) -> dict[str, frozenset]:
     return {**base, **overrides}
 
 
-_SWIGLU_PROJ = ("gate_proj", "up_proj", "down_proj")
 _DECODER = "model.layers.{layer}.mlp."
+
+
+def _family(
+    name: str, architecture_prefix: str, d_ff: str, experts: str, keys=None, **fields
+) -> HFFamily:
+    """An `HFFamily` with the fields most families share: a `gate` router, per-expert
+    `experts.{i}.{gate,up,down}_proj` and chunked fused tensors, both in the decoder's `mlp.`,
+    `config_keys` `hidden_size`, `d_ff`, `experts`, `num_experts_per_tok`, then `keys`."""
+    base = dict(
+        model_type=name,
+        router="gate",
+        correction_bias=None,
+        expert_pattern="experts.{i}.{proj}.weight",
+        projections=("gate_proj", "up_proj", "down_proj"),
+        fused="chunked",
+        shared=None,
+        shared_gate=None,
+        features=_features(),
+        prefix={"per_expert": _DECODER, "fused": _DECODER},
+    )
+    config_keys = {"d_model": "hidden_size", "d_ff": d_ff, "num_experts": experts}
+    config_keys.update(top_k="num_experts_per_tok", **(keys or {}))
+    fields = {**base, "config_keys": config_keys, **fields}
+    return HFFamily(name, architecture_prefix=architecture_prefix, **fields)
+
+
+_NORM = {"norm_topk_prob": "norm_topk_prob"}
 
 FAMILIES: dict[str, HFFamily] = {
     f.name: f
     for f in (
-        HFFamily(
-            name="mixtral",
-            model_type="mixtral",
-            architecture_prefix="Mixtral",
-            router="gate",
-            correction_bias=None,
-            expert_pattern="experts.{i}.{proj}.weight",
+        _family(
+            "mixtral",
+            "Mixtral",
+            "intermediate_size",
+            "num_local_experts",
             projections=("w1", "w3", "w2"),
-            fused="chunked",
-            shared=None,
-            shared_gate=None,
-            features=_features(),
             # transformers 5 renames block_sparse_moe to mlp when it fuses the experts.
             prefix={"per_expert": "model.layers.{layer}.block_sparse_moe.", "fused": _DECODER},
             decoder=HFDecoder(None, False, False, window_caps_length=True),
-            config_keys={
-                "d_model": "hidden_size",
-                "d_ff": "intermediate_size",
-                "num_experts": "num_local_experts",
-                "top_k": "num_experts_per_tok",
-            },
         ),
-        HFFamily(
-            name="qwen2_moe",
-            model_type="qwen2_moe",
-            architecture_prefix="Qwen2Moe",
-            router="gate",
-            correction_bias=None,
-            expert_pattern="experts.{i}.{proj}.weight",
-            projections=_SWIGLU_PROJ,
-            fused="chunked",
+        _family(
+            "qwen2_moe",
+            "Qwen2Moe",
+            "moe_intermediate_size",
+            "num_experts",
+            {**_NORM, "shared_width": "shared_expert_intermediate_size"},
             shared="shared_expert",
             shared_gate="shared_expert_gate",
             features=_features(shared=_YES, shared_gate=_YES),
-            prefix={"per_expert": _DECODER, "fused": _DECODER},
             decoder=HFDecoder(None, True, False),
-            config_keys={
-                "d_model": "hidden_size",
-                "d_ff": "moe_intermediate_size",
-                "num_experts": "num_experts",
-                "top_k": "num_experts_per_tok",
-                "norm_topk_prob": "norm_topk_prob",
-                "shared_width": "shared_expert_intermediate_size",
-            },
         ),
-        HFFamily(
-            name="qwen3_moe",
-            model_type="qwen3_moe",
-            architecture_prefix="Qwen3Moe",
-            router="gate",
-            correction_bias=None,
-            expert_pattern="experts.{i}.{proj}.weight",
-            projections=_SWIGLU_PROJ,
-            fused="chunked",
-            shared=None,
-            shared_gate=None,
-            features=_features(),
-            prefix={"per_expert": _DECODER, "fused": _DECODER},
+        _family(
+            "qwen3_moe",
+            "Qwen3Moe",
+            "moe_intermediate_size",
+            "num_experts",
+            _NORM,
             decoder=HFDecoder("head", "attention_bias", "attention_bias"),
-            config_keys={
-                "d_model": "hidden_size",
-                "d_ff": "moe_intermediate_size",
-                "num_experts": "num_experts",
-                "top_k": "num_experts_per_tok",
-                "norm_topk_prob": "norm_topk_prob",
-            },
         ),
-        HFFamily(
-            name="olmoe",
-            model_type="olmoe",
-            architecture_prefix="Olmoe",
-            router="gate",
-            correction_bias=None,
-            expert_pattern="experts.{i}.{proj}.weight",
-            projections=_SWIGLU_PROJ,
-            fused="chunked",
-            shared=None,
-            shared_gate=None,
-            features=_features(),
-            prefix={"per_expert": _DECODER, "fused": _DECODER},
+        _family(
+            "olmoe",
+            "Olmoe",
+            "intermediate_size",
+            "num_experts",
+            _NORM,
             decoder=HFDecoder("full", "attention_bias", "attention_bias"),
-            config_keys={
-                "d_model": "hidden_size",
-                "d_ff": "intermediate_size",
-                "num_experts": "num_experts",
-                "top_k": "num_experts_per_tok",
-                "norm_topk_prob": "norm_topk_prob",
-            },
         ),
-        HFFamily(
-            name="deepseek_v3",
-            model_type="deepseek_v3",
-            architecture_prefix="DeepseekV3",
-            router="gate",
-            correction_bias="gate.e_score_correction_bias",
-            expert_pattern="experts.{i}.{proj}.weight",
-            projections=_SWIGLU_PROJ,
-            fused="chunked",
-            shared="shared_experts",
-            shared_gate=None,
-            features=_features(score_correction_bias=_YES, shared=_YES),
-            prefix={"per_expert": _DECODER, "fused": _DECODER},
-            config_keys={
-                "d_model": "hidden_size",
-                "d_ff": "moe_intermediate_size",
-                "num_experts": "n_routed_experts",
-                "top_k": "num_experts_per_tok",
+        _family(
+            "deepseek_v3",
+            "DeepseekV3",
+            "moe_intermediate_size",
+            "n_routed_experts",
+            {
                 "num_groups": "n_group",
                 "topk_groups": "topk_group",
                 "routed_scaling_factor": "routed_scaling_factor",
-                "norm_topk_prob": "norm_topk_prob",
+                **_NORM,
                 "num_shared_experts": "n_shared_experts",
             },
+            correction_bias="gate.e_score_correction_bias",
+            shared="shared_experts",
+            features=_features(score_correction_bias=_YES, shared=_YES),
         ),
-        HFFamily(
-            name="gpt_oss",
-            model_type="gpt_oss",
-            architecture_prefix="GptOss",
+        _family(
+            "gpt_oss",
+            "GptOss",
+            "intermediate_size",
+            "num_local_experts",
+            {"swiglu_limit": "swiglu_limit", "swiglu_alpha": "swiglu_alpha"},
             router="router",
-            correction_bias=None,
             expert_pattern=None,  # GPT-OSS checkpoints store only the fused tensors
             projections=None,
             fused="interleaved",
-            shared=None,
-            shared_gate=None,
             features=_features(router_bias=_YES, expert_bias=_YES),
             prefix={"fused": _DECODER},
-            config_keys={
-                "d_model": "hidden_size",
-                "d_ff": "intermediate_size",
-                "num_experts": "num_local_experts",
-                "top_k": "num_experts_per_tok",
-                "swiglu_limit": "swiglu_limit",
-                "swiglu_alpha": "swiglu_alpha",
-            },
         ),
-        HFFamily(
-            name="switch",
+        _family(
+            "switch",
+            "SwitchTransformers",
+            "d_ff",
+            "num_experts",
             model_type="switch_transformers",
-            architecture_prefix="SwitchTransformers",
-            router="router.classifier",
-            correction_bias=None,
-            expert_pattern="experts.expert_{i}.{proj}.weight",
-            projections=(None, "wi", "wo"),
-            fused=None,
-            shared=None,
-            shared_gate=None,
-            features=_features(router_bias=_ANY, gated=_NO),
-            prefix={},  # encoder-decoder: `encoder.block.{i}.layer.1.mlp.`, decoder `layer.2`
             config_keys={
                 "d_model": "d_model",
                 "d_ff": "d_ff",
@@ -268,6 +217,12 @@ FAMILIES: dict[str, HFFamily] = {
                 "expert_capacity": "expert_capacity",
                 "router_bias": "router_bias",
             },
+            router="router.classifier",
+            expert_pattern="experts.expert_{i}.{proj}.weight",
+            projections=(None, "wi", "wo"),
+            fused=None,
+            features=_features(router_bias=_ANY, gated=_NO),
+            prefix={},  # encoder-decoder: `encoder.block.{i}.layer.1.mlp.`, decoder `layer.2`
         ),
     )
 }
