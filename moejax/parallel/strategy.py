@@ -2,9 +2,10 @@
 
 Fields: the parallel mode (`moejax.parallel.modes`), the dispatcher (expert mode only), the
 pipeline degree and whether its chunks are staggered, and the dropless bucket. Every strategy
-computes the same function as the single-device layer; the autotuner
-(`moejax.parallel.autotune`) picks the fastest.
-`DISPATCHERS` names the dispatchers, `PIPELINE_DEGREES` the allowed pipeline degrees (`chunks`).
+computes the same function as the single-device layer. `strategy_space` lists the ways a layer
+can run (the deviceless compile suite covers them; `moejax.training.tuning` picks among them by
+timing train steps). `DISPATCHERS` names the dispatchers, `PIPELINE_DEGREES` the allowed
+pipeline degrees (`chunks`).
 
 >>> Strategy(mode="expert", dispatcher="dropless", chunks=2, bucket=16).exchange
 'padded'
@@ -79,6 +80,25 @@ class Strategy:
     def replace(self, **changes) -> Strategy:
         """A copy with `changes` applied (and validated)."""
         return dataclasses.replace(self, **changes)
+
+
+def strategy_space(config: MoEConfig) -> tuple[Strategy, ...]:
+    """The strategy space of a layer: the default (`resolve_strategy("auto", config)`) first,
+    the default pipelined (`chunks=2`, staggered), then each other (mode, dispatcher) that can
+    run `config` (the capacity dispatcher only for capacity routing). Buckets are left unset:
+    they follow the routing load.
+
+    >>> [s.dispatcher if s.mode == "expert" else s.mode for s in strategy_space(
+    ...     MoEConfig(d_model=8, d_ff=16, num_experts=4))]
+    ['dropless', 'dropless', 'allgather', 'data', 'tensor']
+    """
+    first = resolve_strategy("auto", config)
+    capacity_routing = config.dispatch == "capacity" or config.router == "expert_choice"
+    dispatchers = ("capacity",) * capacity_routing + ("dropless", "allgather")
+    out = [first, first.replace(chunks=2, stagger=True)]
+    out += [Strategy(dispatcher=d) for d in dispatchers]
+    out += [Strategy(mode=m) for m in MODES if m != "expert"]
+    return tuple(dict.fromkeys(out))
 
 
 def resolve_strategy(strategy: Strategy | str, config: MoEConfig) -> Strategy:
