@@ -41,7 +41,7 @@ from moejax.training import presets as train_presets
 from pallas_kernels import resources, targets
 
 LAYER = moejax.MoEConfig(d_model=1024, d_ff=2048, num_experts=8, top_k=2, param_dtype="bfloat16")
-CAPACITY = LAYER.replace(dispatch="capacity")
+CAPACITY = LAYER.replace(drop_policy="capacity")
 # The layer's strategy space, and the capacity dispatcher (the default of a capacity layer).
 CASES = [
     *((LAYER, s) for s in parallel.strategy_space(LAYER)),

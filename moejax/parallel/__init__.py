@@ -27,8 +27,8 @@ by timing its own steps (`moejax.training.tuning`).
 ((64, 16), 0.0)
 """
 
-from moejax.parallel import cost as cost
 from moejax.parallel import placed as placed
+from moejax.parallel import traffic as traffic
 from moejax.parallel.dispatch_dropless import choose_bucket as choose_bucket
 from moejax.parallel.dispatch_dropless import default_bucket as default_bucket
 from moejax.parallel.dispatch_dropless import max_pair_count as max_pair_count
@@ -56,7 +56,6 @@ __all__ = [
     "Strategy",
     "activation_spec",
     "choose_bucket",
-    "cost",
     "default_bucket",
     "make_mesh",
     "max_pair_count",
@@ -67,4 +66,5 @@ __all__ = [
     "shard_params",
     "slot_table",
     "strategy_space",
+    "traffic",
 ]

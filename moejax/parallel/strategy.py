@@ -33,7 +33,7 @@ class Strategy:
       mode: `"expert"` (send tokens to experts), `"data"` (all-gather expert weights, no token
         exchange) or `"tensor"` (re-slice weights over F, all-gather tokens, reduce-scatter).
       dispatcher: how tokens travel in expert mode: `"capacity"` (GShard all-to-all, fixed
-        per-(device, expert) buffers; needs `config.dispatch == "capacity"`), `"dropless"`
+        per-(device, expert) buffers; needs `config.drop_policy == "capacity"`), `"dropless"`
         (bounded all-to-all in rounds), `"allgather"` (all-gather + reduce-scatter). Ignored by
         the other modes.
       chunks: pipeline degree: dispatch, experts and combine run on this many token chunks
@@ -93,7 +93,7 @@ def strategy_space(config: MoEConfig) -> tuple[Strategy, ...]:
     ['dropless', 'dropless', 'allgather', 'data', 'tensor']
     """
     first = resolve_strategy("auto", config)
-    capacity_routing = config.dispatch == "capacity" or config.router == "expert_choice"
+    capacity_routing = config.drop_policy == "capacity" or config.router == "expert_choice"
     dispatchers = ("capacity",) * capacity_routing + ("dropless", "allgather")
     out = [first, first.replace(chunks=2, stagger=True)]
     out += [Strategy(dispatcher=d) for d in dispatchers]
@@ -107,14 +107,14 @@ def resolve_strategy(strategy: Strategy | str, config: MoEConfig) -> Strategy:
     if isinstance(strategy, str):
         if strategy != "auto":
             raise ValueError(f"strategy={strategy!r}: must be a Strategy or 'auto'")
-        capacity = config.dispatch == "capacity" and config.router != "expert_choice"
+        capacity = config.drop_policy == "capacity" and config.router != "expert_choice"
         return Strategy(dispatcher="capacity" if capacity else "dropless")
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy={strategy!r}: must be a Strategy or 'auto'")
-    capacity_routing = config.dispatch == "capacity" or config.router == "expert_choice"
+    capacity_routing = config.drop_policy == "capacity" or config.router == "expert_choice"
     if strategy.mode == "expert" and strategy.dispatcher == "capacity" and not capacity_routing:
         raise ValueError(
-            "Strategy.dispatcher='capacity': needs MoEConfig.dispatch='capacity' (a dropless "
-            f"layer would drop past the buffers), got dispatch={config.dispatch!r}"
+            "Strategy.dispatcher='capacity': needs MoEConfig.drop_policy='capacity' (a dropless "
+            f"layer would drop past the buffers), got drop_policy={config.drop_policy!r}"
         )
     return strategy

@@ -22,7 +22,7 @@ PLATFORMS = [
 BACKEND = {"cuda": "triton", "tpu": "mosaic"}
 DEVICE_BYTES = {"cuda": 80 * 2**30, "tpu": 16 * 2**30}  # H100 HBM; v5e HBM per chip
 CONFIG = moejax.MoEConfig(d_model=1024, d_ff=2048, num_experts=8, top_k=2, param_dtype="bfloat16")
-CAPACITY = CONFIG.replace(dispatch="capacity")
+CAPACITY = CONFIG.replace(drop_policy="capacity")
 # The layer's strategy space, and the capacity dispatcher (the default of a capacity layer).
 CASES = [
     *((CONFIG, s) for s in parallel.strategy_space(CONFIG)),

@@ -31,7 +31,7 @@ def write(out: str, value: float) -> None:
 
     from moejax.interop.hf._converted import write_converted
     from moejax.models import presets
-    from moejax.models._params import abstract_params
+    from moejax.models._lm_params import abstract_params
 
     cfg = presets.get("micro")
     params = jax.tree.map(lambda a: jnp.full(a.shape, value, a.dtype), abstract_params(cfg))

@@ -20,7 +20,7 @@ from test_convert_hf import convert_hf
 from moejax.interop.hf import CheckpointError, _outputs
 from moejax.interop.hf._converted import read_converted, restore_params, write_converted
 from moejax.models import presets
-from moejax.models._params import abstract_params
+from moejax.models._lm_params import abstract_params
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "_replace_worker.py")

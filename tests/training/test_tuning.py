@@ -266,7 +266,7 @@ def test_train_takes_auto_a_candidate_or_a_tuning_config(tmp_path, strategy):
 @pytest.mark.parametrize("drop_policy", ["dropless", "capacity"])
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_default_candidates_come_from_the_layer_strategy_space(drop_policy, platform):
-    moe = MODEL.moe.replace(dispatch=drop_policy)
+    moe = MODEL.moe.replace(drop_policy=drop_policy)
     space = parallel.strategy_space(moe)
     assert space[0] == parallel.Strategy(dispatcher=drop_policy)  # the "auto" default
     assert len(set(space)) == len(space)

@@ -139,7 +139,7 @@ def _check_caps(cfg: LMConfig, where: str) -> None:
 
 
 def _target(cfg: LMConfig, mesh):
-    from moejax.models._params import abstract_params
+    from moejax.models._lm_params import abstract_params
 
     abstract = abstract_params(cfg)
     if mesh is None:

@@ -61,7 +61,7 @@ from moejax.interop.hf._model_config import (
 from moejax.interop.hf._safetensors import DTYPES, SafetensorsCheckpoint, read_config
 from moejax.interop.hf._writer import CheckpointWriter
 from moejax.models import LMConfig
-from moejax.models._params import abstract_params
+from moejax.models._lm_params import abstract_params
 
 Layout = Literal["per_expert", "fused"]
 LAYOUTS: tuple[str, ...] = Layout.__args__

@@ -163,7 +163,7 @@ def candidate_problems(candidate: Candidate, model_cfg, train_cfg, mesh) -> list
         problems.append(f"chunks={s.chunks} does not divide a shard's tokens")
     if s.mode == "tensor" and (moe.d_ff // m) % n:
         problems.append(f"tensor mode needs d_ff/model={moe.d_ff // m} divisible by expert={n}")
-    capacity_routing = moe.dispatch == "capacity" or moe.router == "expert_choice"
+    capacity_routing = moe.drop_policy == "capacity" or moe.router == "expert_choice"
     if s.mode == "expert" and s.dispatcher == "capacity":
         if not capacity_routing:
             problems.append("the capacity dispatcher needs a capacity config")
