@@ -70,7 +70,7 @@ def parse_args(argv=None):
 
 def row(model, args, k, dispatcher, chunks) -> str:
     if dispatcher == "capacity":
-        model = model.replace(moe=model.moe.replace(dispatch="capacity"))
+        model = model.replace(moe=model.moe.replace(drop_policy="capacity"))
     if args.train_preset:
         train_cfg = train_presets.get(args.train_preset).replace(batch_size=args.batch)
     else:

@@ -28,21 +28,6 @@ from pallas_kernels import introspect, targets
 KERNEL_NAMES = ("gmm", "gmm_t", "tgmm", "gather_gmm")
 
 
-def strategies():
-    """One `Strategy` per way the sharded layer can run (each mode and dispatcher, and a
-    pipelined one): what the deviceless compile suite and report cover."""
-    from moejax.parallel import Strategy
-
-    return (
-        Strategy(mode="expert", dispatcher="dropless"),
-        Strategy(mode="expert", dispatcher="dropless", chunks=2),
-        Strategy(mode="expert", dispatcher="capacity"),
-        Strategy(mode="expert", dispatcher="allgather"),
-        Strategy(mode="data"),
-        Strategy(mode="tensor"),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """One deviceless compile.
@@ -190,6 +175,5 @@ __all__ = [
     "layer_program",
     "mesh",
     "platform_of",
-    "strategies",
     "train_step_program",
 ]

@@ -117,6 +117,8 @@ def on_target(backend: str, interpret, make: Callable[[str, Any], Callable], *ar
     """`make(concrete_backend, interpret)(*args)`, with "auto" and "pallas" resolved by the
     platform the program is lowered for (see the module docstring)."""
     _check_backend(backend)
+    if interpret or backend == "pallas":  # "pallas" interprets where no kernel compiles
+        vma.install_interpret_fix()
     if backend not in ("auto", "pallas"):
         return make(backend, interpret)(*args)
     triton_fn = make("pallas_triton", interpret)

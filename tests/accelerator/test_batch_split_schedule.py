@@ -33,7 +33,7 @@ EXPOSED_RATIO = 0.3
 @functools.cache
 def _compiled(dispatch: str, k: int, sync: bool = False, delay_wgrad=None) -> str:
     cfg = presets.get("tiny")
-    cfg = cfg.replace(moe=cfg.moe.replace(dispatch=dispatch))
+    cfg = cfg.replace(moe=cfg.moe.replace(drop_policy=dispatch))
     train_cfg = training.TrainConfig(
         batch_size=BATCH, steps=10, warmup_steps=1, delay_wgrad=delay_wgrad
     )

@@ -21,7 +21,7 @@ PROJECTIONS = ("bsd,dhk->bshk", "bshk,hkd->bsd")  # the attention projections' e
 
 def test_weight_gradients_sit_in_tpu_all_to_all_windows():
     cfg = presets.get("tiny")
-    cfg = cfg.replace(moe=cfg.moe.replace(dispatch="capacity"))
+    cfg = cfg.replace(moe=cfg.moe.replace(drop_policy="capacity"))
     train_cfg = training.TrainConfig(batch_size=256, steps=10, warmup_steps=1)
     mesh = aot.mesh("tpu", (8,), ("expert",), generation="v5p")
     fn, args = aot.train_step_program(

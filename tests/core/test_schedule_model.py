@@ -353,7 +353,7 @@ def test_staggered_capacity_layer_exposes_less_all_to_all_on_h100():
     import moejax
     from moejax import aot, parallel
 
-    cfg = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2, dispatch="capacity")
+    cfg = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2, drop_policy="capacity")
     mesh = aot.mesh("cuda", (8,), ("expert",))
     strategy = parallel.Strategy(dispatcher="capacity", chunks=4)
     _, (params, x) = aot.layer_program(cfg, mesh, strategy, tokens=64 * 256, seq_len=256)

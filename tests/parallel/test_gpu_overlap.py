@@ -25,7 +25,7 @@ pytestmark = [
 
 
 def test_staged_pipeline_overlaps_gemms_with_all_to_all():
-    cfg = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2, dispatch="capacity")
+    cfg = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2, drop_policy="capacity")
     mesh = aot.mesh("cuda", (8,), ("expert",))
     windows = {}
     for stagger in (True, False):

@@ -4,7 +4,8 @@ What is chosen is a `Candidate`: the MoE layers' `moejax.parallel.Strategy` (mod
 pipeline degree `chunks`, `stagger`, dropless `bucket`) and the model's `batch_split`
 (`moejax.models.lm_forward`). Every candidate computes the same update (within float
 tolerance); only the time differs. `train(strategy=TuningConfig())` (`train_lm.py --strategy
-auto`, the CLI default) lets a `StrategyTuner` choose; a `Strategy` or `Candidate` pins one.
+auto`, the CLI default) lets a `StrategyTuner` choose; a `Candidate` pins one; `"auto"` runs the
+default. The candidates come from the layer's strategy space (`moejax.parallel.strategy_space`).
 
 How the tuner decides (plain Python on the host; no tracing, testable with a fake clock):
 
