@@ -3,13 +3,14 @@
 Each `Device` holds what a vendor publishes for one chip: dense FLOP/s by operand dtype (keys
 from `DTYPES`), HBM capacity and bandwidth, the collective link inside a node (or a TPU slice)
 and the network between nodes. The devices are `H100_SXM`, `H200_SXM`, `TPU_V5E`, `TPU_V5P` and
-`TPU_V6E`; `DEVICES` holds them by short key ("h100", "h200", "v5e", "v5p", "v6e"). The models that need device figures build their own view from this table:
+`TPU_V6E`; `DEVICES` holds them by short key ("h100", "h200", "v5e", "v5p", "v6e"). The models
+that need device figures build their own view from this table:
 
 - `moejax.placement` (`HardwareModel`: bf16 FLOP/s and link bandwidths of the placement cost
   model: `H100_NVLINK`, `H100_IB`, `TPU_V5P_ICI`);
 - `moejax.aot.schedule` (`Hardware`: rates by dtype, HBM and links, plus assumed launch and
   collective latencies, to replay a compiled schedule);
-- `moejax.aot.plan` (`Target`: HBM bytes and bf16 FLOP/s of a slice to compile for).
+- `moejax.aot.fit` (`Target`: HBM bytes and bf16 FLOP/s of a slice to compile for).
 
 Conventions: FLOP/s are dense (NVIDIA's datasheets print the 2:4-sparse figure, twice the dense
 one); link bandwidths are bytes/s per device per direction (datasheets print NVLink and TPU ICI
