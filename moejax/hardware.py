@@ -83,9 +83,10 @@ class Device:
 # (XLA's h100_sxm target config, `device_memory_size`). NVLink 4: 900 GB/s bidirectional =
 # 450 GB/s per direction, 8 GPUs per HGX node; between nodes one 400 Gb/s NDR InfiniBand
 # ConnectX-7 port per GPU (DGX H100 User Guide, "Network Modules") = 50 GB/s per direction.
+_HOPPER_BF16 = 989e12  # FP16 the same
 _HOPPER_FLOPS = (
-    ("bf16", 989e12),
-    ("f16", 989e12),
+    ("bf16", _HOPPER_BF16),
+    ("f16", _HOPPER_BF16),
     ("f32", 494.7e12),
     ("f32_highest", 66.9e12),
     ("f8", 1979e12),
