@@ -18,15 +18,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("moejax", "pallas_kernels")
 
-# Imports that break the rules today, each with what removes it. The test fails when one is
-# no longer there, so the list only shrinks.
-PENDING = {
-    ("moejax.training", "moejax.interop.hf._errors"): (
-        "training/__init__.py's INPUT_ERRORS names the Hugging Face CheckpointError; it goes "
-        "with issue 28 item 1's single interop error tree"
-    ),
-}
-
 
 def layers(design: str | None = None) -> list[tuple[str, ...]]:
     """The names on each line of docs/design.md's layer diagram, top first (`experiments/`,
@@ -192,10 +183,7 @@ def test_no_import_cycle(graph):
 
 def test_no_import_points_up_a_layer(graph):
     found = upward(graph, ranks(graph, layer_names(layers())))
-    arrows = [f"{a}:{n} imports {b} (a higher layer)" for a, b, n in found if (a, b) not in PENDING]
-    assert not arrows, "\n".join(arrows)
-    stale = set(PENDING) - {(a, b) for a, b, _ in found}
-    assert not stale, f"PENDING lists imports that are gone, remove them: {sorted(stale)}"
+    assert not found, "\n".join(f"{a}:{n} imports {b} (a higher layer)" for a, b, n in found)
 
 
 def test_the_checks_catch_a_cycle_and_an_upward_import():

@@ -33,6 +33,7 @@ from moejax.models._model import moe_layer_inputs as moe_layer_inputs
 from moejax.models._model import remat_policy as remat_policy
 from moejax.models._model import split_rows as split_rows
 from moejax.models._params import ParamCounts as ParamCounts
+from moejax.models._params import abstract_params as abstract_params
 from moejax.models._params import init_lm_params as init_lm_params
 from moejax.models._params import param_counts as param_counts
 from moejax.models._sharding import check_lm_mesh as check_lm_mesh
@@ -47,6 +48,7 @@ __all__ = [
     "LMConfig",
     "RopeScaling",
     "ParamCounts",
+    "abstract_params",
     "apply_rope",
     "attention",
     "cast_floating",
