@@ -1,4 +1,4 @@
-"""The schedule model (`moejax.schedule_model`) against hand-computed toy schedules, and on a real
+"""The schedule model (`moejax.aot.schedule`) against hand-computed toy schedules, and on a real
 deviceless H100 compile of the sharded layer (skipped without the CUDA compiler wheels).
 
 Toy device `HW`: 1e12 bf16 FLOP/s, 1e12 HBM bytes/s, 1e11 link bytes/s, 1 us per kernel launch,
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import schedule_model as sm
+from moejax.aot import schedule as sm
 
 US = 1e-6
 HW = sm.Hardware(
