@@ -35,6 +35,7 @@ from moejax.models._model import moe_layer_inputs as moe_layer_inputs
 from moejax.models._model import remat_policy as remat_policy
 from moejax.models._model import split_rows as split_rows
 from moejax.models._params import ParamCounts as ParamCounts
+from moejax.models._params import abstract_params as abstract_params
 from moejax.models._params import init_lm_params as init_lm_params
 from moejax.models._params import param_counts as param_counts
 from moejax.models._patterns import mlp_layer_types_of as mlp_layer_types_of
@@ -51,6 +52,7 @@ __all__ = [
     "MLAConfig",
     "RopeScaling",
     "ParamCounts",
+    "abstract_params",
     "apply_rope",
     "attention",
     "cast_floating",
