@@ -52,23 +52,25 @@ def _unflatten(flat: dict) -> dict:
 
 
 def _train_checkpoint(step_dir: str):
-    """`(LMConfig, params)` of a training checkpoint step directory."""
-    from moejax.interop.hf._converted import lm_config_from_json, params_of_train_checkpoint
-    from moejax.models import MLAConfig
+    """`(LMConfig, params)` of a training checkpoint step directory (the model config is the
+    one its metadata records)."""
+    from moejax import MoEConfig
+    from moejax.interop.hf import params_of_train_checkpoint
+    from moejax.models import LMConfig, MLAConfig, RopeScaling
 
-    meta_path = os.path.join(step_dir, "meta", "metadata")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    fields = _unflatten(meta["model"])
-    if isinstance(fields.get("mla"), dict):
-        fields["mla"] = MLAConfig(**fields["mla"])
-    cfg = lm_config_from_json(fields)
+    with open(os.path.join(step_dir, "meta", "metadata")) as f:
+        fields = _unflatten(json.load(f)["model"])
+    fields["moe"] = MoEConfig(**fields["moe"])
+    for name, kind in (("rope_scaling", RopeScaling), ("mla", MLAConfig)):
+        if isinstance(fields.get(name), dict):
+            fields[name] = kind(**fields[name])
+    cfg = LMConfig(**fields)
     return cfg, params_of_train_checkpoint(step_dir, cfg)
 
 
 def load(path: str):
     """`(LMConfig, params)` from any of the three kinds of `MODEL` directory."""
-    from moejax.interop.hf._converted import read_converted, restore_params
+    from moejax.interop.hf import load_converted_params, read_converted
 
     path = os.path.abspath(path)
     if os.path.isdir(os.path.join(path, "checkpoints")):  # a run: its newest finished step
@@ -79,7 +81,7 @@ def load(path: str):
     if os.path.isdir(os.path.join(path, "meta")) and os.path.isdir(os.path.join(path, "state")):
         return _train_checkpoint(path)
     cfg = read_converted(path)[0]
-    return cfg, restore_params(path, cfg)
+    return cfg, load_converted_params(path, cfg)
 
 
 def main(argv=None) -> int:

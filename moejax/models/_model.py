@@ -232,9 +232,12 @@ def lm_forward(
     if mtp_tokens is None:
         return logits, stats
     mtp = _gathered(p["mtp"], compute and compute["mtp"], mesh)
+    block_compute = compute and compute["mtp"][0]["block"]  # the same for every MTP block
 
     def mtp_block(layer, z):
-        (y,), _, _, _ = block(layer, (constrain(z),), None, is_moe=cfg.mtp_is_moe, compute=None)
+        (y,), _, _, _ = block(
+            layer, (constrain(z),), None, is_moe=cfg.mtp_is_moe, compute=block_compute
+        )
         return y
 
     mtp_logits = _mtp.mtp_logits(mtp, h, mtp_tokens, embed["embedding"], unembed, cfg, mtp_block)
