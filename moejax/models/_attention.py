@@ -106,7 +106,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, dh).astype(q.dtype)
 
 
-def masked_attention(q, k, v, pos, *, scale: float, window=None, sinks=None):
+def masked_attention(q, k, v, pos, *, scale: float, window=None, sinks=None, key_positions=None):
     """`softmax(q k^T * scale) v` of queries at `pos..pos+T-1` over keys `0..Smax-1`, keys after
     each query's position masked (grouped heads as `xla_attention`), the XLA path of every
     variant jax's flash-attention kernels lack.
@@ -117,14 +117,17 @@ def masked_attention(q, k, v, pos, *, scale: float, window=None, sinks=None):
       scale: the score scale.
       window: None, or the sliding window: query `i` sees keys `i - window < j <= i`.
       sinks: None, or `[H]` logits that join each head's softmax denominator (GPT-OSS).
+      key_positions: None (key `j` is at position `j`), or `[Smax]` int positions of the keys
+        (a ring cache; negative: an empty slot, never visible).
     """
     b, t, h, dk = q.shape
     smax, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     q = q.reshape(b, t, hkv, h // hkv, dk)
     k = k.astype(q.dtype)
     scores = jnp.einsum("bsgrk,btgk->bgrst", q, k, preferred_element_type=jnp.float32) * scale
-    qpos, kpos = (pos + jnp.arange(t))[:, None], jnp.arange(smax)[None, :]
-    visible = kpos <= qpos  # [T, Smax]
+    qpos = (pos + jnp.arange(t))[:, None]
+    kpos = (jnp.arange(smax) if key_positions is None else key_positions)[None, :]
+    visible = (kpos <= qpos) & (kpos >= 0)  # [T, Smax]
     if window is not None:
         visible = visible & (qpos - kpos < window)
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)

@@ -5,7 +5,9 @@ each layer's keys and values for positions `0..S0-1` into a cache of `Smax = S0 
 and returns the logits of the last position; the step runs one token `[B, 1]` at position `t`,
 writes its keys and values at `t` and attends to positions `0..t`. Both are `jax.jit`s with the
 model config, the mesh and the lengths static: a second prompt of the same shape reuses them.
-Sampling (greedy, temperature, nucleus) happens on device in the same programs.
+Sampling (greedy, temperature, nucleus) happens on device in the same programs. Multi-head latent
+attention caches its latent (`moejax.models._mla`); a sliding-window layer keeps a ring of its
+last `window` positions.
 
 The blocks are those of `lm_forward` (the same norms, FFNs and MoE layer; attention through
 `cached_attention`), so the step's logits equal the full forward's at every position (up to
@@ -41,11 +43,21 @@ def init_cache(cfg: LMConfig, batch: int, length: int) -> list[dict]:
     if cfg.mla is not None:
         return [_mla.init_cache(cfg, batch, length) for _ in range(cfg.num_layers)]
     dtype = jnp.dtype(cfg.dtype)
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in cfg.mlp_kinds]
+    out = []
+    for i in range(cfg.num_layers):
+        shape = (batch, _cache_length(cfg, i, length), cfg.num_kv_heads, cfg.head_dim)
+        out.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
+    return out
 
 
-def cached_attention(p, x, cache, pos, cos, sin, cfg: LMConfig, window=None):
+def _cache_length(cfg: LMConfig, layer: int, length: int) -> int:
+    """A sliding-window layer keeps its last `window` positions (a ring: position `p` in slot
+    `p % window`), every other layer all `length`."""
+    window = cfg.window(layer)
+    return length if window is None else min(window, length)
+
+
+def cached_attention(p, x, cache, pos, cos, sin, cfg: LMConfig, window=None, prefill=False):
     """Causal GQA attention of `x [B, T, D]` at positions `pos..pos+T-1` against the cache:
     `(out [B, T, D], the cache with this call's keys and values written at pos..pos+T-1)`.
 
@@ -60,8 +72,10 @@ def cached_attention(p, x, cache, pos, cos, sin, cfg: LMConfig, window=None):
       pos: int32 scalar, the position of `x[:, 0]`.
       cos, sin: `[Smax, Dh/2]` RoPE tables of every cache position.
       cfg: the model config.
-      window: the layer's sliding window (None: its whole past); the cache keeps every
-        position all the same.
+      window: the layer's sliding window (None: its whole past). Where its cache is shorter
+        than the sequence (`_cache_length`), it is a ring of the last `window` positions.
+      prefill: `x` is the prompt from position 0 (`pos` 0): a ring-cached layer attends over
+        the prompt's own keys, then keeps their last `window` in its ring.
     """
     if cfg.mla is not None:
         return _mla.cached_mla(p, x, cache, pos, cos, sin, cfg)
@@ -72,6 +86,11 @@ def cached_attention(p, x, cache, pos, cos, sin, cfg: LMConfig, window=None):
         k = _qk_norm(k, p["k_norm"]["scale"], cfg.qk_norm, cfg.norm_eps)
     c, s = (jax.lax.dynamic_slice_in_dim(a, pos, t) for a in (cos, sin))
     q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+    scale, sinks = cfg.head_dim**-0.5, p.get("sinks")
+    if window is not None and cache["k"].shape[1] < cos.shape[0]:
+        out, cache = _ring_attention(q, k, v, cache, pos, window, prefill, scale, sinks)
+        out = jnp.einsum("bshk,hkd->bsd", out, p["wo"])
+        return (out + p["bo"] if "bo" in p else out), cache
     cache = {
         "k": jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), pos, 1),
         "v": jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), pos, 1),
@@ -84,12 +103,44 @@ def cached_attention(p, x, cache, pos, cos, sin, cfg: LMConfig, window=None):
     return (out + p["bo"] if "bo" in p else out), cache
 
 
-def _forward_cached(params, tokens, cache, pos, cfg: LMConfig, mesh, implementation):
-    """Logits `[B, T, V]` (fp32) of `tokens [B, T]` at positions `pos..`, and the new cache."""
+def _ring_attention(q, k, v, cache, pos, window, prefill, scale, sinks):
+    """Sliding-window attention with a ring cache of `W = window` slots (`cached_attention`)."""
+    w, t = cache["k"].shape[1], q.shape[1]
+    if prefill:  # the prompt's own keys, then its last W positions into their slots
+        out = masked_attention(q, k, v, 0, scale=scale, window=window, sinks=sinks)
+        keep = min(t, w)
+        slots = jnp.arange(t - keep, t) % w  # distinct: a permutation of `keep` slots
+        cache = {
+            name: cache[name].at[:, slots].set(new[:, t - keep :].astype(cache[name].dtype))
+            for name, new in (("k", k), ("v", v))
+        }
+        return out, cache
+    if t != 1:
+        raise ValueError(f"a ring-cached layer steps one token at a time, got {t}")
+    slot = pos % w
+    cache = {
+        name: jax.lax.dynamic_update_slice_in_dim(
+            cache[name], new.astype(cache[name].dtype), slot, 1
+        )
+        for name, new in (("k", k), ("v", v))
+    }
+    # Slot s holds the newest position <= pos congruent to s (negative: never written).
+    held = pos - (pos - jnp.arange(w)) % w
+    out = masked_attention(
+        q, cache["k"], cache["v"], pos, scale=scale, window=window, sinks=sinks,
+        key_positions=held,
+    )  # fmt: skip
+    return out, cache
+
+
+def _forward_cached(
+    params, tokens, cache, pos, cfg: LMConfig, mesh, implementation, length, prefill=False
+):
+    """Logits `[B, T, V]` (fp32) of `tokens [B, T]` at positions `pos..`, and the new cache
+    (`length`: the positions the RoPE tables cover)."""
     p = cast_floating(params, cfg.dtype)
     constrain = _batch_constraint(mesh)
-    smax = cache[0][next(iter(cache[0]))].shape[1]
-    cos, sin = _rope(cfg, smax)
+    cos, sin = _rope(cfg, length)
     x = constrain(jnp.take(p["embed"]["embedding"], tokens, axis=0))
     moe = functools.partial(
         _moe_ffn, cfg=cfg, mesh=mesh, strategy="auto", implementation=implementation
@@ -97,7 +148,9 @@ def _forward_cached(params, tokens, cache, pos, cfg: LMConfig, mesh, implementat
     new_cache = []
     for i, layer in enumerate(p["layers"]):
         h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
-        a, c = cached_attention(layer["attn"], h, cache[i], pos, cos, sin, cfg, cfg.window(i))
+        a, c = cached_attention(
+            layer["attn"], h, cache[i], pos, cos, sin, cfg, cfg.window(i), prefill
+        )
         new_cache.append(c)
         x = constrain(x + a)
         x, _, _, _ = _ffn_stage(
@@ -132,17 +185,21 @@ def sample(logits: jax.Array, key, temperature: float, top_p: float) -> jax.Arra
 )
 def _prefill(params, prompt, key, *, cfg, length, mesh, implementation, temperature, top_p):
     cache = init_cache(cfg, prompt.shape[0], length)
-    logits, cache = _forward_cached(params, prompt, cache, jnp.int32(0), cfg, mesh, implementation)
+    logits, cache = _forward_cached(
+        params, prompt, cache, jnp.int32(0), cfg, mesh, implementation, length, prefill=True
+    )
     return sample(logits[:, -1], key, temperature, top_p), logits[:, -1], cache
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "mesh", "implementation", "temperature", "top_p"),
+    static_argnames=("cfg", "length", "mesh", "implementation", "temperature", "top_p"),
     donate_argnames=("cache",),
 )
-def _step(params, token, cache, pos, key, *, cfg, mesh, implementation, temperature, top_p):
-    logits, cache = _forward_cached(params, token[:, None], cache, pos, cfg, mesh, implementation)
+def _step(params, token, cache, pos, key, *, cfg, length, mesh, implementation, temperature, top_p):
+    logits, cache = _forward_cached(
+        params, token[:, None], cache, pos, cfg, mesh, implementation, length
+    )
     return sample(logits[:, -1], key, temperature, top_p), logits[:, -1], cache
 
 
@@ -223,7 +280,7 @@ def generate(
     for i in range(1, max_new_tokens):
         pos = jnp.int32(prompt.shape[1] + i - 1)
         token, logits, cache = _step(
-            params, token, cache, pos, jax.random.fold_in(key, i), **static
+            params, token, cache, pos, jax.random.fold_in(key, i), length=length, **static
         )
         out.append(token)
         if return_logits:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moejax.models import attention, generate, init_lm_params, lm_forward, presets, rope_tables
+from moejax.models._generate import init_cache
 from moejax.models._model import layer_runs
 from moejax.testing import assert_close
 
@@ -86,6 +87,8 @@ def test_alternating_windows_scan_as_pairs_and_cached_steps_equal_the_forward():
         params, tokens
     )
     assert not np.allclose(full, want, atol=1e-3)  # the window changes the answer
+    # Sliding layers cache a ring of their 3 positions; the 4-token prompt already wraps it.
+    assert [c["k"].shape[1] for c in init_cache(CFG, 2, 16)] == [3, 16, 3, 16]
     ids, logits = generate(params, CFG, tokens[:, :4], 12, return_logits=True)
     again, _ = jax.jit(functools.partial(lm_forward, cfg=CFG))(params, jnp.asarray(ids))
     assert_close(logits, again[:, 3:-1])
