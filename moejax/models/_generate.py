@@ -29,7 +29,7 @@ from moejax.models import _mla
 from moejax.models._attention import masked_attention
 from moejax.models._config import LMConfig
 from moejax.models._layers import _project, _qk_norm, apply_rope, rms_norm, rope_tables
-from moejax.models._model import _batch_constraint, _ffn_stage, _moe_ffn, cast_floating
+from moejax.models._lm import _batch_constraint, _ffn_stage, _moe_ffn, cast_floating
 
 
 def _rope(cfg: LMConfig, length: int):

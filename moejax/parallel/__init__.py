@@ -13,8 +13,8 @@ function (outputs, gradients, aux) as `moejax.moe_apply` for every strategy:
 - an optional expert `placement` (`moejax.parallel.placed`): physical `[P, ...]` expert slots
   with replicas of hot experts, chosen by the host controller of `moejax.placement`.
 
-`Autotuner` times compiled candidates per layer shape and routing-load bucket and caches the
-choice.
+`strategy_space(config)` lists the strategies a layer can run; a training run chooses among them
+by timing its own steps (`moejax.training.tuning`).
 
 >>> import jax, jax.numpy as jnp, moejax
 >>> from moejax import parallel
@@ -27,10 +27,8 @@ choice.
 ((64, 16), 0.0)
 """
 
-from moejax.parallel import cost as cost
 from moejax.parallel import placed as placed
-from moejax.parallel.autotune import Autotuner as Autotuner
-from moejax.parallel.autotune import default_candidates as default_candidates
+from moejax.parallel import traffic as traffic
 from moejax.parallel.dispatch_dropless import choose_bucket as choose_bucket
 from moejax.parallel.dispatch_dropless import default_bucket as default_bucket
 from moejax.parallel.dispatch_dropless import max_pair_count as max_pair_count
@@ -47,10 +45,10 @@ from moejax.parallel.placed import slot_table as slot_table
 from moejax.parallel.strategy import DISPATCHERS as DISPATCHERS
 from moejax.parallel.strategy import PIPELINE_DEGREES as PIPELINE_DEGREES
 from moejax.parallel.strategy import Strategy as Strategy
+from moejax.parallel.strategy import strategy_space as strategy_space
 
 __all__ = [
     "AXES",
-    "Autotuner",
     "DISPATCHERS",
     "MODES",
     "PIPELINE_DEGREES",
@@ -58,9 +56,7 @@ __all__ = [
     "Strategy",
     "activation_spec",
     "choose_bucket",
-    "cost",
     "default_bucket",
-    "default_candidates",
     "make_mesh",
     "max_pair_count",
     "moe_apply_sharded",
@@ -69,4 +65,6 @@ __all__ = [
     "shard_activations",
     "shard_params",
     "slot_table",
+    "strategy_space",
+    "traffic",
 ]

@@ -203,7 +203,7 @@ def physical_config(config: MoEConfig, placement: SlotTable) -> MoEConfig:
 def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes, mesh) -> None:
     """Sharding constraints on a non-empty `x` (its dtype, rank and `D` are checked first)."""
     mesh_lib.check_batch(x.shape, mesh)
-    per_sequence = config.dispatch == "capacity" or config.router == "expert_choice"
+    per_sequence = config.drop_policy == "capacity" or config.router == "expert_choice"
     if per_sequence and x.ndim == 2 and axes.token_shards > 1:
         raise ValueError(
             f"x.shape={x.shape}: capacity is per sequence; give x a sequence axis [B, S, D] so "
@@ -230,7 +230,7 @@ def _body(
     xt = x.reshape(-1, config.d_model)
     with jax.named_scope("route"):
         routing = _routing.route(params["router"], xt, config, num_sequences=seqs)
-        if config.dispatch == "capacity" and config.router != "expert_choice":
+        if config.drop_policy == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, seqs)
     aux = sharded_aux(routing, config, axes)
     if placement is not None:

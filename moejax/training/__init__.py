@@ -9,7 +9,8 @@ failing its checksums) and exits 2.
 
 Dynamic expert placement (`TrainConfig.expert_slots_per_device`, `train(controller=...)`,
 `train_lm.py --placement`): `moejax.training.placed`. The parallel strategy chosen by timing
-train steps (`train(strategy="tune")`, `train_lm.py --strategy auto`): `moejax.training.tuning`.
+train steps (`train(strategy=tuning.TuningConfig())`, `train_lm.py --strategy auto`):
+`moejax.training.tuning`.
 """
 
 from moejax.data import DataError as DataError

@@ -320,7 +320,7 @@ def _empty_result(y, aux):
 
 EMPTY_CASES = {
     "dropless": CFG,
-    "sigmoid_capacity": SIGMOID.replace(dispatch="capacity"),
+    "sigmoid_capacity": SIGMOID.replace(drop_policy="capacity"),
     "expert_choice": presets.expert_choice(**SIZES),
 }
 

@@ -109,7 +109,7 @@ def test_migration_moves_state_to_the_new_placement():
 
 
 def test_capacity_dispatcher_with_placement_raises():
-    cfg = moejax.MoEConfig(d_model=16, d_ff=32, num_experts=8, dispatch="capacity")
+    cfg = moejax.MoEConfig(d_model=16, d_ff=32, num_experts=8, drop_policy="capacity")
     params = make_params(cfg)
     table = placed.slot_table(PLACEMENT)
     physical = {**params, "experts": placed.to_physical(params["experts"], table)}

@@ -262,7 +262,7 @@ def _switch(f: _Fields) -> dict:
         "router": "softmax",
         "norm_topk_prob": False,
         "router_bias": bool(f.get("router_bias", False, to="router_bias")),
-        "dispatch": "capacity",
+        "drop_policy": "capacity",
         "capacity_factor": 1.0,  # unused: expert_capacity is set
         "expert_capacity": f.get("expert_capacity", 64, to="expert_capacity"),
         "activation": _UNGATED_ACT.get(act, "relu"),

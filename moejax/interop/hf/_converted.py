@@ -47,8 +47,10 @@ def lm_config_to_json(cfg: LMConfig) -> dict:
 
 def lm_config_from_json(obj: dict) -> LMConfig:
     """The inverse of `lm_config_to_json`."""
-    obj = dict(obj)
-    obj["moe"] = MoEConfig(**obj["moe"])
+    obj, moe = dict(obj), dict(obj["moe"])
+    if "dispatch" in moe and "drop_policy" not in moe:  # written before the rename (CHANGELOG)
+        moe["drop_policy"] = moe.pop("dispatch")
+    obj["moe"] = MoEConfig(**moe)
     if obj.get("rope_scaling") is not None:
         obj["rope_scaling"] = RopeScaling(**obj["rope_scaling"])
     return LMConfig(**obj)
