@@ -56,7 +56,7 @@ def _router_entropy(logits: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
 
-def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, placement, wgrad=None):
+def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, slot_table, wgrad=None):
     """`(y, MoEAux, slots)`: the MoE layer, and with `wgrad` (a `_wgrad.Delayed`) the slots of
     the weight gradients it computes in its backward (None without)."""
     if mesh is None:  # no exchange to bound the delayed weight gradients by
@@ -67,7 +67,7 @@ def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, placement, wgr
 
     out = parallel.moe_apply_sharded(
         p, h, cfg.moe, mesh, strategy=strategy, implementation=implementation,
-        placement=placement, wgrad=wgrad,
+        slot_table=slot_table, wgrad=wgrad,
     )  # fmt: skip
     return out if wgrad is not None else (*out, None)
 
@@ -100,7 +100,7 @@ def lm_forward(
     mesh=None,
     strategy="auto",
     implementation: str = "auto",
-    placements=None,
+    slot_tables=None,
     remat: Remat = "none",
     scan_layers: bool = False,
     batch_split: int = 1,
@@ -125,9 +125,9 @@ def lm_forward(
         `model`) just before the layer uses them.
       strategy: the sharded MoE `Strategy` (or `"auto"`); ignored without a mesh.
       implementation: the grouped-matmul implementation (`moejax.moe_apply`).
-      placements: None (experts in logical order `[E, ...]`), or one
+      slot_tables: None (experts in logical order `[E, ...]`), or one
         `moejax.parallel.SlotTable` per MoE layer (needs a mesh): that layer's `experts/*` are
-        then physical `[P, ...]` slots with identical replicas (`moejax.parallel.placed`).
+        then physical `[P, ...]` slots with identical replicas (`moejax.parallel.slots`).
         Routing statistics stay per logical expert.
       remat: rematerialisation of each block in the backward (`remat_policy`).
       scan_layers: run the blocks as `jax.lax.scan`s over runs of a repeated unit of blocks
@@ -173,12 +173,13 @@ def lm_forward(
                 f"mtp_tokens.shape={mtp_tokens.shape}: need more than the {tokens.shape[1]} "
                 "input positions (the inputs and at least the next token)"
             )
-    if placements is not None:
+    if slot_tables is not None:
         if mesh is None:
-            raise ValueError("placements need a mesh (expert placement is across devices)")
-        if len(placements) != len(cfg.moe_layers):
+            raise ValueError("slot_tables need a mesh (expert placement is across devices)")
+        if len(slot_tables) != len(cfg.moe_layers):
             raise ValueError(
-                f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
+                f"len(slot_tables)={len(slot_tables)}: need one per MoE layer "
+                f"({len(cfg.moe_layers)})"
             )
     if delay_wgrad and cfg.mla is not None:
         raise ValueError("delay_wgrad=True: not implemented for multi-head latent attention")
@@ -213,7 +214,7 @@ def lm_forward(
         ),
         attn_impl=_attention_implementation(implementation),
     )
-    tables = list(placements) if placements is not None else [None] * cfg.num_moe_layers
+    tables = list(slot_tables) if slot_tables is not None else [None] * cfg.num_moe_layers
     if scan_layers:
         xs, stats = _scanned_layers(
             p, xs, cfg, compute, tables, block, policy, mesh=mesh, delay_wgrad=delay_wgrad
@@ -290,7 +291,7 @@ def _ffn_stage(layer, x, table, next_attn, *, is_moe, cfg, constrain, moe):
     if is_moe:
         with jax.named_scope("moe"):
             side = None if next_attn is None else _wgrad.attention_side(h, next_attn)
-            y, aux, slots = moe(layer["moe"], h, placement=table, wgrad=side)
+            y, aux, slots = moe(layer["moe"], h, slot_table=table, wgrad=side)
     else:
         with jax.named_scope("mlp"):
             y, aux = swiglu_mlp(layer["mlp"], h), None
@@ -561,7 +562,7 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
     cos, sin = rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
     x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
 
-    def moe(layer_params, h, placement, wgrad):
+    def moe(layer_params, h, slot_table, wgrad):
         return (*moejax.moe_apply(layer_params, h, cfg.moe), None)
 
     inputs = []

@@ -10,8 +10,8 @@ function (outputs, gradients, aux) as `moejax.moe_apply` for every strategy:
   or `"allgather"` (all-gather tokens, local experts, reduce-scatter);
 - mode `"data"` (all-gather expert weights, ZeRO-style) and `"tensor"` (re-slice weights over F);
 - pipeline degree `chunks` in 1, 2, 4, 8;
-- an optional expert `placement` (`moejax.parallel.placed`): physical `[P, ...]` expert slots
-  with replicas of hot experts, chosen by the host controller of `moejax.placement`.
+- an optional expert placement, `slot_table` (`moejax.parallel.slots`): physical `[P, ...]`
+  expert slots with replicas of hot experts, chosen by the host controller of `moejax.placement`.
 
 `strategy_space(config)` lists the strategies a layer can run; a training run chooses among them
 by timing its own steps (`moejax.training.tuning`).
@@ -27,7 +27,7 @@ by timing its own steps (`moejax.training.tuning`).
 ((64, 16), 0.0)
 """
 
-from moejax.parallel import placed as placed
+from moejax.parallel import slots as slots
 from moejax.parallel import traffic as traffic
 from moejax.parallel.dispatch_dropless import choose_bucket as choose_bucket
 from moejax.parallel.dispatch_dropless import default_bucket as default_bucket
@@ -40,8 +40,8 @@ from moejax.parallel.mesh import param_partition_specs as param_partition_specs
 from moejax.parallel.mesh import shard_activations as shard_activations
 from moejax.parallel.mesh import shard_params as shard_params
 from moejax.parallel.modes import MODES as MODES
-from moejax.parallel.placed import SlotTable as SlotTable
-from moejax.parallel.placed import slot_table as slot_table
+from moejax.parallel.slots import SlotTable as SlotTable
+from moejax.parallel.slots import slot_table as slot_table
 from moejax.parallel.strategy import DISPATCHERS as DISPATCHERS
 from moejax.parallel.strategy import PIPELINE_DEGREES as PIPELINE_DEGREES
 from moejax.parallel.strategy import Strategy as Strategy
@@ -61,10 +61,10 @@ __all__ = [
     "max_pair_count",
     "moe_apply_sharded",
     "param_partition_specs",
-    "placed",
     "shard_activations",
     "shard_params",
     "slot_table",
+    "slots",
     "strategy_space",
     "traffic",
 ]

@@ -395,7 +395,7 @@ def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> flo
     syncs over the in-node link and one spanning nodes over the cross-node link; a device's two
     links work in parallel.
 
-    ``"packed"`` (``moejax.parallel.placed.combine_replica_grads``): one ring all-reduce over all
+    ``"packed"`` (``moejax.parallel.slots.combine_replica_grads``): one ring all-reduce over all
     ``N`` devices of ``B = packed_sync_gradients(placement)`` expert gradients; every device sends
     ``2 (N - 1) / N · B`` gradients, over the in-node link when the ``N`` devices fit in one
     node, else at the cross-node link's speed.
@@ -422,7 +422,7 @@ def packed_sync_gradients(placement: Placement) -> int:
 def packed_buffer(synced: int, num_slots: int, num_experts: int) -> int:
     """``B`` for ``synced`` experts across devices: the smallest of 0, the powers of two below
     ``min(P - E, E)`` and that bound that is ``>= synced`` (the training step compiles one branch
-    per size: ``moejax.parallel.placed.sync_buffer_sizes``, the same rule)."""
+    per size: ``moejax.parallel.slots.sync_buffer_sizes``, the same rule)."""
     if synced <= 0:
         return 0
     return min(1 << (synced - 1).bit_length(), min(num_slots - num_experts, num_experts))

@@ -184,6 +184,6 @@ def test_sharded_placed_pattern_equals_single_device():
         params, cfg, lambda j, e: jax.tree.map(lambda w: w[layouts[j].slot_to_expert], e)
     )
     fwd = functools.partial(lm_forward, cfg=cfg, mesh=mesh, scan_layers=True)
-    got, aux = jax.jit(fwd)(physical, tokens, placements=tables)
+    got, aux = jax.jit(fwd)(physical, tokens, slot_tables=tables)
     assert_close(got, want)
     np.testing.assert_array_equal(aux.expert_counts, want_aux.expert_counts)
