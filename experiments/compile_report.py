@@ -6,6 +6,8 @@ and memory per device.
 Run: python -m pallas_kernels.targets --install   (once: CUDA plugin, ptxas, libtpu; ~1.3 GB)
      python experiments/compile_report.py > compile_report.md
 
+`--sections h100` (or v5e, v5p, layer, train) makes those tables alone.
+
 Markdown on stdout; progress on stderr, one line per compile job (18: three kernel reports,
 each a subprocess compiling every kernel case, 12 sharded layers, 3 train steps) with its time
 and the time so far. Its time is the sum of XLA compiles, all on the CPU: it grows with the
@@ -114,24 +116,42 @@ def train_step_rows(progress: Progress) -> list[str]:
     return rows
 
 
+SECTIONS = ("h100", "v5e", "v5p", "layer", "train")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args()
-    for platform in ("cuda", "tpu"):
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+        help="tables to make (default: all): h100, v5e, v5p (kernels), layer, train",
+    )  # fmt: skip
+    sections = parser.parse_args().sections
+    platforms = {"cuda"} if "h100" in sections else set()
+    if {"v5e", "v5p"} & set(sections):
+        platforms.add("tpu")
+    if {"layer", "train"} & set(sections):
+        platforms |= {"cuda", "tpu"}
+    for platform in sorted(platforms):
         if (why := targets.missing(platform)) is not None:
             raise SystemExit(f"cannot compile for {platform}: {why}")
-    # libtpu prints a warning to stderr when it first loads: before the Markdown starts.
-    aot.mesh("tpu", (2, 4), ("data", "expert"), generation="v5e")
-    progress = Progress(JOBS)
+    if "tpu" in platforms:
+        # libtpu prints a warning to stderr when it first loads: before the Markdown starts.
+        aot.mesh("tpu", (2, 4), ("data", "expert"), generation="v5e")
+    jobs = sum(s in sections for s in ("h100", "v5e", "v5p"))
+    jobs += len(TARGETS) * len(STRATEGIES) * ("layer" in sections)
+    progress = Progress(jobs + len(TRAIN_TARGETS) * ("train" in sections))
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     print(f"# compile_report {datetime.date.today()} jax {jax.__version__} commit {commit}\n")
-    print("## Kernels, forward + VJP, H100 (ptxas -v, XLA thunk sequence)\n")
-    cases = len(resources.default_cases("cuda"))
-    report = progress(f"kernels ({cases} cases), H100", lambda: resources.report("cuda"))
-    print(resources.markdown(report), flush=True)
+    if "h100" in sections:
+        print("## Kernels, forward + VJP, H100 (ptxas -v, XLA thunk sequence)\n")
+        cases = len(resources.default_cases("cuda"))
+        report = progress(f"kernels ({cases} cases), H100", lambda: resources.report("cuda"))
+        print(resources.markdown(report), flush=True)
     for generation in ("v5e", "v5p"):
+        if generation not in sections:
+            continue
         print(f"\n## Kernels, forward + VJP, TPU {generation} (Mosaic scoped VMEM)\n")
         cases = len(resources.default_cases("tpu"))
         report = progress(
@@ -139,10 +159,12 @@ def main() -> None:
             lambda g=generation: resources.report("tpu", generation=g),
         )
         print(resources.markdown(report), flush=True)
-    print("\n## Sharded layer fwd+bwd, D=1024 F=2048 E=8 top-2 bf16, 16384 tokens, 2x4 mesh\n")
-    print("\n".join(layer_rows(progress)), flush=True)
-    print("\n## Tiny LM train step, 2x4 data x expert mesh\n")
-    print("\n".join(train_step_rows(progress)))
+    if "layer" in sections:
+        print("\n## Sharded layer fwd+bwd, D=1024 F=2048 E=8 top-2 bf16, 16384 tokens, 2x4 mesh\n")
+        print("\n".join(layer_rows(progress)), flush=True)
+    if "train" in sections:
+        print("\n## Tiny LM train step, 2x4 data x expert mesh\n")
+        print("\n".join(train_step_rows(progress)))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ alignment it wants the permute phase to pad groups to.
   carry starts varying like the operands and the VJP's cotangents vary like their primals (see
   `pallas_kernels.vma`), so each device of `moejax.parallel` runs it as is; the single-device
   layer runs the fused loop of `moejax._fused` instead.
-- `pallas`: `pallas_kernels.grouped_matmul` (Triton on GPU, Mosaic on TPU, and the Triton kernel
-  in interpret mode on CPU; chosen when the program is lowered, not from the host).
+- `pallas`: `pallas_kernels.grouped_matmul` (Mosaic GPU on Hopper, Triton on other GPUs, Mosaic on
+  TPU, and the Triton kernel in interpret mode on CPU; chosen when the program is lowered, not
+  from the host). Alignment `pallas_kernels.group_alignment()`: 128 when compiling for a Hopper
+  GPU (its kernels need every expert on their 128-row tile), else 1.
 """
 
 from __future__ import annotations
@@ -124,9 +126,12 @@ def _blocked_gmm_bwd(block, res, dout):
 blocked_gmm.defvjp(_blocked_gmm_fwd, _blocked_gmm_bwd)
 
 
-def pallas_gmm(lhs, rhs, group_sizes):
+def pallas_gmm(lhs, rhs, group_sizes, group_alignment: int = 1):
     """`pallas_kernels.grouped_matmul` with `backend="pallas"`: decided by the compile target,
-    Triton on GPU, Mosaic on TPU, the Triton kernel in interpret mode elsewhere (CPU)."""
+    Mosaic GPU on Hopper, Triton on other GPUs, Mosaic on TPU, the Triton kernel in interpret
+    mode elsewhere (CPU). `group_alignment`: what the permute padded every group to."""
     import pallas_kernels
 
-    return pallas_kernels.grouped_matmul(lhs, rhs, group_sizes, backend="pallas")
+    return pallas_kernels.grouped_matmul(
+        lhs, rhs, group_sizes, backend="pallas", group_alignment=group_alignment
+    )

@@ -70,7 +70,10 @@ def _gmm_for(implementation: str, config: MoEConfig):
     if implementation == "blocked":
         return functools.partial(_gmm.blocked_gmm, block=config.block_size), config.block_size
     if implementation == "pallas":
-        return _gmm.pallas_gmm, 1
+        import pallas_kernels
+
+        alignment = pallas_kernels.group_alignment()  # 128 for Hopper's Mosaic GPU kernels
+        return functools.partial(_gmm.pallas_gmm, group_alignment=alignment), alignment
     raise ValueError(f"no grouped matmul for implementation={implementation!r}")
 
 

@@ -1,4 +1,5 @@
-"""Grouped matmul kernels for Mixture-of-Experts: Pallas TPU, Pallas Triton and a jnp reference.
+"""Grouped matmul kernels for Mixture-of-Experts: Pallas Mosaic GPU (Hopper), Pallas Triton
+(other GPUs), Pallas TPU and a jnp reference.
 
 Depends on jax only. Shape letters: M rows, K contraction, N output columns, G groups.
 `grouped_matmul` is the differentiable op layers call; `gather_grouped_matmul` fuses the MoE
@@ -12,12 +13,14 @@ dtype and shape, and `fits` says whether a Config fits a target's shared memory 
 from pallas_kernels.autotune import autotune_gmm as autotune_gmm
 from pallas_kernels.config import BACKENDS as BACKENDS
 from pallas_kernels.config import DEFAULT_CONFIG as DEFAULT_CONFIG
+from pallas_kernels.config import GROUP_ALIGNMENT as GROUP_ALIGNMENT
 from pallas_kernels.config import KERNELS as KERNELS
 from pallas_kernels.config import Config as Config
 from pallas_kernels.config import default_config as default_config
 from pallas_kernels.config import fits as fits
 from pallas_kernels.fused import gather_grouped_matmul as gather_grouped_matmul
 from pallas_kernels.ops import gmm as gmm
+from pallas_kernels.ops import group_alignment as group_alignment
 from pallas_kernels.ops import grouped_matmul as grouped_matmul
 from pallas_kernels.ops import tgmm as tgmm
 from pallas_kernels.reference import reference_gmm as reference_gmm
@@ -26,6 +29,7 @@ from pallas_kernels.reference import reference_tgmm as reference_tgmm
 __all__ = [
     "BACKENDS",
     "DEFAULT_CONFIG",
+    "GROUP_ALIGNMENT",
     "KERNELS",
     "Config",
     "autotune_gmm",
@@ -33,6 +37,7 @@ __all__ = [
     "fits",
     "gather_grouped_matmul",
     "gmm",
+    "group_alignment",
     "grouped_matmul",
     "reference_gmm",
     "reference_tgmm",

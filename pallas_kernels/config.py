@@ -2,7 +2,8 @@
 
 Shape letters (docs/design.md): `M` rows of lhs, `K` contraction, `N` output columns, `G` groups.
 
-Backends (`BACKENDS`, see `ops`): "auto", "pallas", "reference", "pallas_triton", "pallas_tpu".
+Backends (`BACKENDS`, see `ops`): "auto", "pallas", "reference", "pallas_triton",
+"pallas_mosaic_gpu", "pallas_tpu".
 
 Kernels (`KERNELS`), each with its own tiles:
   * `"gmm"`: `out[rows of g] = lhs[rows of g] @ rhs[g]` (the forward expert matmul);
@@ -14,8 +15,13 @@ What fits (checked by `check_fits` before a kernel is traced, so a bad tile is a
 names the config and the limit, not a compiler failure):
   * Pallas-Triton (H100): the shared memory Triton allocates for its software pipeline must stay
     within the 232,448 bytes a block may opt into. Triton keeps `num_stages` copies of each
-    operand tile (one fewer lhs copy for fp32 gmm); `triton_smem_bytes` is that count, equal byte
-    for byte to what XLA's thunk sequence reports on a deviceless H100 compile (tested).
+    operand tile; `triton_smem_bytes` is that count, equal byte for byte to what XLA's thunk
+    sequence reports on a deviceless H100 compile (tested).
+  * Pallas Mosaic GPU (Hopper): the shared-memory ring of `num_stages` slots of both operand
+    tiles plus the epilogue's TMA-store slots and the pipeline's barriers
+    (`mosaic_gpu_smem_bytes`, equal byte for byte to what Mosaic GPU computes when it lowers a
+    kernel) within the same 232,448 bytes; 16-bit operands only (Hopper's tf32 wgmma reads no
+    transposed operand), and tiles at least wgmma's: 64 rows of output per warpgroup.
   * Pallas-TPU (Mosaic): VMEM holds two buffers of every block (double buffering), the fp32
     accumulator, and scratch Mosaic adds itself (its "register allocator spill slots": up to
     13 MiB for big bf16 tgmm tiles). `mosaic_vmem_bytes` is the blocks exactly plus an upper
@@ -37,12 +43,23 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-Backend = Literal["auto", "pallas", "reference", "pallas_triton", "pallas_tpu"]
-BACKENDS: tuple[str, ...] = ("auto", "pallas", "reference", "pallas_triton", "pallas_tpu")
+Backend = Literal["auto", "pallas", "reference", "pallas_triton", "pallas_mosaic_gpu", "pallas_tpu"]
+BACKENDS: tuple[str, ...] = (
+    "auto", "pallas", "reference", "pallas_triton", "pallas_mosaic_gpu", "pallas_tpu",
+)  # fmt: skip
 Kernel = Literal["gmm", "gmm_t", "tgmm", "gather_gmm"]
 KERNELS: tuple[str, ...] = ("gmm", "gmm_t", "tgmm", "gather_gmm")
 
 TRITON_SMEM_LIMIT = 232_448  # H100 `sharedMemPerBlockOptin` (also what Triton may request)
+MOSAIC_GPU_SMEM_LIMIT = TRITON_SMEM_LIMIT  # the same opt-in limit, as Mosaic GPU checks it
+# Row alignment of the groups at which the Mosaic GPU kernels run without realigning rows: a
+# multiple of their default row tiles (gmm 128, tgmm 64). `moejax` pads experts to it.
+GROUP_ALIGNMENT = 128
+MOSAIC_GPU_EPILOGUE_TILE = 64  # rows and columns of one TMA store of the epilogue
+# Smallest (tm, tk, tn) of the Mosaic GPU kernels: each consumer warpgroup's wgmma covers 64
+# output rows (gmm: tm; tgmm: tk) and K in steps of 16; TMA swizzles rows of >= 32 bytes, so
+# tn // 2 >= 16 columns per warpgroup.
+_MOSAIC_GPU_MIN = {"gmm": (64, 16, 32), "gmm_t": (64, 16, 32), "tgmm": (16, 64, 32)}
 MOSAIC_VMEM_LIMIT = 16 * 2**20  # scoped VMEM default of TPU v4, v5e, v5p (v6e: 32 MiB)
 _MOSAIC_ALIGN = (8, 128, 128)  # (tm, tk, tn) multiples compiled Mosaic blocks need
 
@@ -57,7 +74,11 @@ class Config:
       tk: contraction columns per step of the inner loop.
       tn: output columns per tile.
       num_warps: Triton only: warps per program.
-      num_stages: Triton only: software-pipelining depth (operand tiles kept in shared memory).
+      num_stages: Triton and Mosaic GPU: software-pipelining depth (operand tiles kept in
+        shared memory).
+      raster: Mosaic GPU only: the persistent schedule walks `raster` m-tiles (gmm) or k-tiles
+        (tgmm) before moving to the next n-tile, snaking, so the CTAs in flight share operand
+        tiles in L2.
 
     Tiles are clamped to the problem (see `effective_tiles`), so a large default is safe on small
     inputs. Triton needs power-of-two tiles. Compiled Mosaic (TPU) needs tk and tn >= 128 and
@@ -70,9 +91,10 @@ class Config:
     tn: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    raster: int = 8
 
     def __post_init__(self):
-        for name in ("tm", "tk", "tn", "num_warps", "num_stages"):
+        for name in ("tm", "tk", "tn", "num_warps", "num_stages", "raster"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Config.{name} must be a positive int, got {value!r}")
@@ -102,17 +124,24 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def effective_tiles(config: Config, m: int, k: int, n: int) -> tuple[int, int, int]:
+def effective_tiles(
+    config: Config, m: int, k: int, n: int, *, kernel: str = "gmm", backend: str | None = None
+) -> tuple[int, int, int]:
     """Clamps (tm, tk, tn) to the problem so a tile never exceeds the next power of two of its dim.
 
     Why: interpret mode and small tests use large tiles on small shapes; a 128-row tile over 12
-    rows would otherwise pad 10x. Clamped tiles stay powers of two (Triton's requirement).
+    rows would otherwise pad 10x. Clamped tiles stay powers of two (Triton's requirement). On
+    "pallas_mosaic_gpu" no tile goes below what wgmma needs (`_MOSAIC_GPU_MIN`; padded instead).
     """
-    return (
+    tiles = (
         min(config.tm, next_power_of_2(m)),
         min(config.tk, next_power_of_2(k)),
         min(config.tn, next_power_of_2(n)),
     )
+    if backend == "pallas_mosaic_gpu":
+        floor = _MOSAIC_GPU_MIN[kernel]
+        tiles = tuple(max(t, f) for t, f in zip(tiles, floor, strict=True))
+    return tiles
 
 
 def _operand_tiles(kernel: str, tiles: tuple[int, int, int]) -> tuple[int, int]:
@@ -126,16 +155,44 @@ def _operand_tiles(kernel: str, tiles: tuple[int, int, int]) -> tuple[int, int]:
 def triton_smem_bytes(kernel: str, tiles: tuple[int, int, int], config: Config, dtype) -> int:
     """Shared memory Triton allocates for one program: its pipelined operand buffers.
 
-    `num_stages` buffers of each operand tile; for fp32 gmm, one lhs buffer fewer (fp32 dots
-    run as TF32 and Triton stages the lhs one step shorter). Matches the compiled kernels'
-    launch shared memory exactly (measured on deviceless H100 compiles, see BENCHMARKS.md).
+    `num_stages` buffers of each operand tile. Matches the compiled kernels' launch shared
+    memory exactly (measured on deviceless H100 compiles, see BENCHMARKS.md).
     """
     itemsize = jnp.dtype(dtype).itemsize
     lhs, rhs = _operand_tiles(kernel, tiles)
-    lhs_stages = config.num_stages
-    if itemsize == 4 and kernel != "tgmm":
-        lhs_stages -= 1
-    return (lhs_stages * lhs + config.num_stages * rhs) * itemsize
+    return config.num_stages * (lhs + rhs) * itemsize
+
+
+def mosaic_gpu_smem_bytes(
+    kernel: str, tiles: tuple[int, int, int], config: Config, dtype, out_dtype
+) -> int:
+    """Shared memory of one Mosaic GPU CTA (`mosaic_gpu.py`): `num_stages` slots of both operand
+    tiles, two epilogue slots of 64 x 64 per consumer warpgroup (one if a warpgroup's tile is
+    one store), and one "loaded" and one "consumed" 8-byte mbarrier per stage.
+
+    Tiles: gmm, gmm_t: (tm, tk, tn) = CTA rows, contraction step, CTA columns; tgmm: (tm, tk, tn)
+    = rows contracted per step, output rows (of K) and columns (of N) per CTA. Each of the two
+    consumer warpgroups owns tn // 2 columns.
+    """
+    tm, tk, tn = tiles
+    itemsize, out_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    operands, out_rows = (tm * tk + tm * tn, tk) if kernel == "tgmm" else (tm * tk + tk * tn, tm)
+    cols = tn // 2
+    epi_m, epi_n = min(MOSAIC_GPU_EPILOGUE_TILE, out_rows), min(MOSAIC_GPU_EPILOGUE_TILE, cols)
+    slots = min(2, (out_rows * cols) // (epi_m * epi_n))
+    epilogue = 2 * slots * epi_m * epi_n * out_itemsize
+    return config.num_stages * (operands * itemsize + 2 * 8) + epilogue
+
+
+def check_mosaic_gpu_dtype(dtype) -> None:
+    """Raises TypeError unless `dtype` is one the Mosaic GPU kernels multiply (16-bit)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(
+            f"backend='pallas_mosaic_gpu' multiplies bfloat16 or float16 operands, got "
+            f"{jnp.dtype(dtype).name}: Hopper's tf32 wgmma cannot read the transposed operands "
+            "these kernels need. Use backend='pallas' (Triton's TF32 kernel for fp32 on GPU) "
+            "or 'pallas_triton'."
+        )
 
 
 def mosaic_block_bytes(kernel: str, tiles: tuple[int, int, int], dtype, out_dtype) -> int:
@@ -194,6 +251,13 @@ def check_fits(
             TRITON_SMEM_LIMIT,
             ("shared memory per block on H100"),
         )
+    elif backend == "pallas_mosaic_gpu":
+        check_mosaic_gpu_dtype(dtype)
+        need, limit, what = (
+            mosaic_gpu_smem_bytes(kernel, tiles, config, dtype, out_dtype),
+            MOSAIC_GPU_SMEM_LIMIT,
+            "shared memory per block on H100",
+        )
     elif backend == "pallas_tpu":
         need, limit, what = (
             mosaic_vmem_bytes(kernel, tiles, dtype, out_dtype),
@@ -215,7 +279,7 @@ def fits(kernel: str, backend: str, config: Config, dtype, out_dtype=None) -> bo
     tiles = (config.tm, config.tk, config.tn)
     try:
         check_fits(kernel, backend, config, tiles, dtype, out_dtype or dtype, dims=tiles)
-    except ValueError:
+    except (ValueError, TypeError):
         return False
     return True
 
@@ -228,14 +292,18 @@ def _divisor_tile(dim: int, target: int, floor: int) -> int:
     return tile if dim % tile == 0 else target
 
 
-def default_config(kernel: str, backend: str, dtype, m: int, k: int, n: int, g: int) -> Config:
+def default_config(
+    kernel: str, backend: str, dtype, m: int, k: int, n: int, g: int, *, out_dtype=None
+) -> Config:
     """Tiles for one kernel on one backend, by dtype and shape (see the module docstring).
 
     Args:
       kernel: one of `KERNELS`.
-      backend: "pallas_triton" or "pallas_tpu" (anything else gets `DEFAULT_CONFIG`).
+      backend: "pallas_triton", "pallas_mosaic_gpu" or "pallas_tpu" (anything else gets
+        `DEFAULT_CONFIG`).
       dtype: operand dtype.
       m, k, n, g: the problem (`M` rows, `K` contraction, `N` output columns, `G` groups).
+      out_dtype: output dtype (None: dtype); Mosaic GPU's epilogue slots hold it.
 
     Returns:
       A Config that fits the backend's target (`fits`).
@@ -261,11 +329,18 @@ def default_config(kernel: str, backend: str, dtype, m: int, k: int, n: int, g: 
         if not wide and kernel in ("gmm", "gmm_t"):
             # bf16, measured on one H100 (experiments/tune_kernels.py, BENCHMARKS.md): 64 x 256
             # output tiles run 1.4x faster than 128 x 128 at the Mixtral shape (416-445 vs
-            # 300-309 TFLOP/s) and 1.1-1.4x at the fine-grained one. 128 x 256 is 5-9% faster
-            # still at Mixtral's, but its two fp32 accumulators spill registers.
+            # 300-309 TFLOP/s) and 1.1-1.4x at the fine-grained one; 128 x 256 was 5-9% faster
+            # still at Mixtral's while it spilled. With one accumulator (`triton.gmm`) it spills
+            # nothing (216-245 registers, 3 stages): where groups are large it takes tokamax's
+            # winning Triton ragged-dot tile, 128 x 256 x 64, 8 warps, 3 stages.
+            if tm == 128:
+                return Config(tm=128, tk=64, tn=_divisor_tile(n, 256, 16), num_warps=8,
+                              num_stages=3)  # fmt: skip
             return Config(tm=64, tk=64, tn=_divisor_tile(n, 256, 16), num_warps=8, num_stages=4)
         return Config(tm=tm, tk=32 if wide else 64, tn=_divisor_tile(n, 128, 16),
                       num_warps=8, num_stages=3 if wide else 4)  # fmt: skip
+    if backend == "pallas_mosaic_gpu":
+        return _mosaic_gpu_config(kernel, dtype, out_dtype or dtype, k, n)
     if backend == "pallas_tpu":
         # Mosaic pays per grid step, so tiles are large: 256-row tiles where the revisits stay
         # under 1/8 of the work (128 otherwise, the MXU's size), 1024 columns in bf16 and 512 in
@@ -277,3 +352,22 @@ def default_config(kernel: str, backend: str, dtype, m: int, k: int, n: int, g: 
             tm=tm, tk=_divisor_tile(k, wide_tile, 128), tn=_divisor_tile(n, wide_tile, 128)
         )
     return DEFAULT_CONFIG
+
+
+def _mosaic_gpu_config(kernel: str, dtype, out_dtype, k: int, n: int) -> Config:
+    """Hopper tiles (deviceless ptxas: 168 registers, no spills at the model shapes): CTA
+    128 x 256 (two consumer warpgroups of 128 x 128) with 64-deep contraction steps for gmm;
+    for tgmm 128 x 256 output tiles over 64 rows a step. As many stages as shared memory holds,
+    up to 4 (4 fit with a 16-bit output, 3 with fp32); the raster walks 16 m-tiles
+    (gmm) or 8 k-tiles (tgmm) per n-tile, whose operands then fit L2 together."""
+    if kernel == "tgmm":
+        tiles = (64, _divisor_tile(k, 128, 64), _divisor_tile(n, 256, 16))
+        raster = 8
+    else:
+        tiles = (128, _divisor_tile(k, 64, 16), _divisor_tile(n, 256, 16))
+        raster = 16
+    for stages in (4, 3, 2):
+        config = Config(*tiles, num_warps=4, num_stages=stages, raster=raster)
+        if mosaic_gpu_smem_bytes(kernel, tiles, config, dtype, out_dtype) <= MOSAIC_GPU_SMEM_LIMIT:
+            return config
+    return config

@@ -30,7 +30,8 @@ class KernelCall:
 
     Attributes:
       name: the kernel's name ("gmm", "gmm_t", "tgmm", "gather_gmm" for this package's).
-      backend: "triton", "mosaic" (TPU) or "interpret" (any kernel in interpret mode).
+      backend: "triton", "mosaic_gpu" (Hopper), "mosaic" (TPU) or "interpret" (any kernel in
+        interpret mode).
     """
 
     name: str
@@ -44,7 +45,14 @@ def _backend(params) -> str:
     if params.get("interpret"):
         return "interpret"
     module = type(params.get("compiler_params")).__module__
+    if "mosaic_gpu" in module:
+        return "mosaic_gpu"
     return "mosaic" if "mosaic" in module or ".tpu" in module else "triton"
+
+
+# Primitives of a Pallas kernel in a jaxpr: `pallas_call`, and `mpmd_map` for `plgpu.kernel`
+# (Mosaic GPU kernels with several warpgroups).
+_KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
 
 
 def _kept_branch(branches_platforms, platform: str) -> int:
@@ -72,7 +80,7 @@ def kernel_calls(jaxpr, platform: str) -> list[KernelCall]:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     calls: list[KernelCall] = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
+        if eqn.primitive.name in _KERNEL_PRIMITIVES:
             calls.append(KernelCall(eqn.params.get("name") or "kernel", _backend(eqn.params)))
             continue
         branches_platforms = eqn.params.get("branches_platforms")
@@ -90,24 +98,33 @@ def traced_kernel_calls(fn, *args, platform: str, **kwargs) -> list[KernelCall]:
     return kernel_calls(jax.make_jaxpr(fn)(*args, **kwargs), platform)
 
 
-# A kernel call in compiled HLO: a custom call to Triton or Mosaic whose op_name metadata ends
-# with "<kernel name>/pallas_call". Kernels without a name show their caller's scope there:
-# "jit(flash_attention)", or a scope carrying its parameters ("flash_mha_bwd_dq_block_q=128_...").
+# A kernel call in compiled HLO: a custom call to Triton, Mosaic GPU or Mosaic (TPU) whose
+# op_name metadata ends with "<kernel name>/pallas_call" ("/mpmd_map" for `plgpu.kernel`).
+# Kernels without a name show their caller's scope there: "jit(flash_attention)", or a scope
+# carrying its parameters ("flash_mha_bwd_dq_block_q=128_...").
 _COMPILED_CALL = re.compile(
-    r'custom_call_target="(__gpu\$xla\.gpu\.triton|tpu_custom_call)".*?'
-    r'op_name="(?:[^"]*/)?([^/"]+)/pallas_call"'
+    r'custom_call_target="(__gpu\$xla\.gpu\.triton|mosaic_gpu(?:_v2)?|tpu_custom_call)".*?'
+    r'op_name="(?:[^"]*/)?([^/"]+)/(?:pallas_call|mpmd_map)"'
 )
 
 
+_WRAPPED = re.compile(r"\w+\((.*)\)")  # a transformation's scope: jit(f), transpose(jvp(f))
+
+
 def _kernel_name(scope: str) -> str:
-    if scope.startswith("jit(") and scope.endswith(")"):
-        scope = scope[4:-1]
+    while m := _WRAPPED.fullmatch(scope):
+        scope = m.group(1)
     if "=" in scope:  # a scope named after its parameters: keep the name before them
         scope = scope.split("=")[0].rsplit("_block", 1)[0]
     return scope
 
 
-_COMPILED_BACKENDS = {"__gpu$xla.gpu.triton": "triton", "tpu_custom_call": "mosaic"}
+_COMPILED_BACKENDS = {
+    "__gpu$xla.gpu.triton": "triton",
+    "mosaic_gpu": "mosaic_gpu",
+    "mosaic_gpu_v2": "mosaic_gpu",
+    "tpu_custom_call": "mosaic",
+}
 
 
 def compiled_kernel_calls(hlo_text: str) -> list[KernelCall]:

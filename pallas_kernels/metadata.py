@@ -43,6 +43,15 @@ class GroupMetadata(NamedTuple):
     m_tile_ids: jax.Array
 
 
+def _searchsorted(sorted_values: jax.Array, queries: jax.Array, *, side: str) -> jax.Array:
+    """`jnp.searchsorted` as one dense comparison ([queries, G] booleans summed), int32. Why:
+    the default binary search lowers to a `while` loop, which on GPU copies its condition to
+    the host every iteration; these tables are small (tiles or rows times groups)."""
+    return jnp.searchsorted(sorted_values, queries, side=side, method="compare_all").astype(
+        jnp.int32
+    )
+
+
 def group_offsets(group_sizes: jax.Array) -> jax.Array:
     """Exclusive cumsum with the total appended: [G] -> [G + 1] int32, offsets[0] = 0."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
@@ -132,9 +141,9 @@ def tile_group_ranges(group_sizes: jax.Array, *, m: int, tm: int) -> tuple[jax.A
     starts, ends = offsets[:-1], offsets[1:]
     tile_lo = jnp.arange(m // tm, dtype=jnp.int32) * tm
     # (1) first group that ends after the tile's first row.
-    first = jnp.searchsorted(ends, tile_lo, side="right").astype(jnp.int32)
+    first = _searchsorted(ends, tile_lo, side="right")
     # (2) groups that start before the tile's end.
-    stop = jnp.searchsorted(starts, tile_lo + tm, side="left").astype(jnp.int32)
+    stop = _searchsorted(starts, tile_lo + tm, side="left")
     # (3) a tile past the sum gets first = G >= stop: clamp to an empty range.
     stop = jnp.maximum(stop, first)
     return first, stop
@@ -157,3 +166,87 @@ def group_tile_ranges(group_sizes: jax.Array, *, tm: int) -> tuple[jax.Array, ja
     lo = jnp.where(nonempty, starts // tm, 0).astype(jnp.int32)
     hi = jnp.where(nonempty, (ends + tm - 1) // tm, 0).astype(jnp.int32)
     return lo, hi
+
+
+def aligned_tile_groups(group_sizes: jax.Array, *, m: int, tm: int) -> jax.Array:
+    """The group of each m-tile when every group size is a multiple of tm (Mosaic GPU gmm).
+
+    Args:
+      group_sizes: [G] int32, each a multiple of tm, sum <= m.
+      m: rows of lhs, a multiple of tm.
+      tm: m-tile size.
+
+    Returns:
+      [m // tm] int32: tile i holds rows of group result[i] only; G for tiles past the sum.
+      Empty groups own no tile.
+    """
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    tile_lo = jnp.arange(m // tm, dtype=jnp.int32) * tm
+    # The first group that ends after the tile's first row (empty groups end where they start).
+    return _searchsorted(ends, tile_lo, side="right")
+
+
+def largest_first(group_sizes: jax.Array, *, tm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The tgmm schedule for groups aligned to tm: groups by size, largest first.
+
+    Args:
+      group_sizes: [G] int32, each a multiple of tm.
+      tm: rows contracted per step.
+
+    Returns:
+      (order, first, steps), three [G] int32 arrays: order[i] is the i-th largest group (ties
+      by index), first[g] its first m-tile, steps[g] its number of m-tiles (0 when empty).
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    order = jnp.argsort(-sizes, stable=True).astype(jnp.int32)
+    first = (jnp.cumsum(sizes) - sizes) // tm
+    return order, first.astype(jnp.int32), sizes // tm
+
+
+class AlignedRows(NamedTuple):
+    """Rows of unaligned groups moved so that every group starts on a tile (Mosaic GPU).
+
+    Attributes:
+      group_sizes: [G] int32, each group's size rounded up to the tile.
+      source: [R] int32, the original row each aligned row holds; M for padding rows.
+      dest: [M] int32, the aligned row of each original row; R for rows past sum(sizes).
+    """
+
+    group_sizes: jax.Array
+    source: jax.Array
+    dest: jax.Array
+
+
+def aligned_rows_bound(m: int, num_groups: int, tm: int) -> int:
+    """Static R >= the rows of any aligned layout of M rows in G groups: each non-empty group
+    adds less than one tile, and at most min(G, M) groups are non-empty."""
+    return (m // tm + min(num_groups, m)) * tm
+
+
+def align_rows(group_sizes: jax.Array, *, m: int, tm: int) -> AlignedRows:
+    """Pads every group to a multiple of tm rows (the layout `aligned_tile_groups` needs).
+
+    Args:
+      group_sizes: [G] int32, sum <= m.
+      m: rows of lhs.
+      tm: the row tile.
+
+    Returns:
+      An `AlignedRows` over R = `aligned_rows_bound(m, G, tm)` rows: gather lhs rows by
+      `source` (zeros for padding), run the aligned kernel, gather output rows back by `dest`.
+      Invariants: group g's rows keep their order and start at a multiple of tm; padding and
+      rows past the groups read row M (out of range: zero with `mode="fill"`).
+    """
+    num_groups = group_sizes.shape[0]
+    r = aligned_rows_bound(m, num_groups, tm)
+    sizes = group_sizes.astype(jnp.int32)
+    padded = (sizes + tm - 1) // tm * tm
+    starts = jnp.cumsum(sizes) - sizes
+    aligned_starts = jnp.cumsum(padded) - padded
+    rows = jnp.arange(m, dtype=jnp.int32)
+    group = _searchsorted(jnp.cumsum(sizes), rows, side="right")  # G past the groups
+    inside = group < num_groups
+    g = jnp.minimum(group, num_groups - 1)
+    dest = jnp.where(inside, aligned_starts[g] + rows - starts[g], r).astype(jnp.int32)
+    source = jnp.full((r,), m, jnp.int32).at[dest].set(rows, mode="drop")
+    return AlignedRows(padded, source, dest)

@@ -2,13 +2,25 @@
 
 Backends (`backend=`):
   * "auto": by the platform the program is compiled for (`jax.lax.platform_dependent`, decided
-    at lowering, not from the host): Pallas-TPU (Mosaic) on TPU, Pallas-Triton on GPU, the
-    pure-jnp reference elsewhere (CPU).
-  * "pallas": the Pallas kernels everywhere: Mosaic on TPU, Triton on GPU, and on any other
+    at lowering, not from the host): Pallas-TPU (Mosaic) on TPU; on an NVIDIA GPU, Pallas
+    Mosaic GPU (warp-specialized wgmma kernels) for a Hopper target with 16-bit operands and
+    Pallas-Triton otherwise (older GPUs, fp32, ROCm); the pure-jnp reference elsewhere (CPU).
+  * "pallas": the Pallas kernels everywhere: as "auto" on GPU and TPU, and on any other
     platform the Triton kernel in interpret mode (Triton semantics, what the CPU tests run).
-  * "reference", "pallas_triton", "pallas_tpu": that one, whatever the target. `interpret=True`
-    runs a Pallas kernel in interpret mode on any platform (`pltpu.InterpretParams()` for the
-    TPU kernel's memory semantics).
+  * "reference", "pallas_triton", "pallas_mosaic_gpu", "pallas_tpu": that one, whatever the
+    target. `interpret=True` runs a Pallas kernel in interpret mode on any platform
+    (`pltpu.InterpretParams()` for the TPU kernel's memory semantics; the Mosaic GPU kernels
+    always run under their own interpreter, `mgpu_compat.interpret_params()`).
+
+Which GPU a program is compiled for is read from the compile target, never from the host:
+the current abstract mesh's device (`jax.set_mesh` / `targets.lowering` on a deviceless mesh),
+else the default device (`targets.gpu_kind`); a GPU target that names no device (a bare
+`.lower(lowering_platforms=("cuda",))`) is taken to be a Hopper GPU.
+
+The Mosaic GPU kernels need every group to start on their row tile. `group_alignment` is the
+caller's static promise that every group size is a multiple of it (`moejax`'s permute pads
+experts to `GROUP_ALIGNMENT`); otherwise the op moves rows into an aligned layout and back (two
+gathers, `metadata.align_rows`).
 
 Because "auto" and "pallas" are decided at lowering, a deviceless compile for an H100 or TPU mesh
 on a CPU host runs the real kernels: the compiled program holds the Triton or Mosaic calls.
@@ -29,11 +41,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import tpu, triton, tuned, vma
+from pallas_kernels import mosaic_gpu, targets, tpu, triton, tuned, vma
+from pallas_kernels import metadata as md
 from pallas_kernels.config import (
     BACKENDS,
+    GROUP_ALIGNMENT,
     Config,
     check_fits,
+    check_mosaic_gpu_dtype,
     default_config,
     effective_tiles,
     round_up,
@@ -58,6 +73,11 @@ def _validate(lhs, rhs, group_sizes, *, rhs_ndim: int) -> jax.Array:
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _check_alignment(group_alignment) -> None:
+    if not isinstance(group_alignment, int) or group_alignment <= 0:
+        raise ValueError(f"group_alignment must be a positive int, got {group_alignment!r}")
 
 
 def _pad(x: jax.Array, multiples: tuple[int, ...]) -> jax.Array:
@@ -89,7 +109,9 @@ def _out_dtype(preferred_element_type, lhs: jax.Array):
     return jnp.dtype(preferred_element_type or lhs.dtype)
 
 
-def kernel_config(configs: Configs, kernel: str, backend: str, dtype, m, k, n, g) -> Config:
+def kernel_config(
+    configs: Configs, kernel: str, backend: str, dtype, m, k, n, g, out_dtype=None
+) -> Config:
     """The Config for `kernel`: given (one for all kernels, or by kernel name), else autotuned
     (Pallas-Triton gmm, if cached), else `default_config`."""
     if isinstance(configs, Config):
@@ -100,35 +122,106 @@ def kernel_config(configs: Configs, kernel: str, backend: str, dtype, m, k, n, g
         found = tuned.cached_config(tuned.cache_key(m, k, n, g, dtype, kernel=kernel))
         if found is not None:
             return found
-    return default_config(kernel, backend, dtype, m, k, n, g)
+    return default_config(kernel, backend, dtype, m, k, n, g, out_dtype=out_dtype)
 
 
 def tiled(configs: Configs, kernel: str, backend: str, interpret, dtype, out_dtype, m, k, n, g):
     """(config, effective tiles) for one kernel call, checked against the target unless the
     kernel is interpreted (interpret mode has no shared memory or VMEM limit)."""
-    config = kernel_config(configs, kernel, backend, dtype, m, k, n, g)
-    tiles = effective_tiles(config, m, k, n)
+    config = kernel_config(configs, kernel, backend, dtype, m, k, n, g, out_dtype)
+    tiles = effective_tiles(config, m, k, n, kernel=kernel, backend=backend)
     if not interpret:
         check_fits(kernel, backend, config, tiles, dtype, out_dtype, dims=(m, k, n))
     return config, tiles
 
 
+def gpu_backend(dtype) -> str:
+    """The NVIDIA GPU kernels "auto" and "pallas" compile to for operands of `dtype`:
+    "pallas_mosaic_gpu" on a Hopper target (or a GPU target that names no device) for 16-bit
+    operands, else "pallas_triton" (pre-Hopper GPUs, fp32: Triton's TF32 kernels)."""
+    kind = targets.gpu_kind()
+    hopper = kind is None or targets.is_hopper(kind)
+    try:
+        check_mosaic_gpu_dtype(dtype)
+    except TypeError:
+        return "pallas_triton"
+    return "pallas_mosaic_gpu" if hopper else "pallas_triton"
+
+
+def group_alignment() -> int:
+    """The group alignment at which `backend="pallas"` runs without moving rows on the current
+    compile target: `GROUP_ALIGNMENT` (128) for a Hopper GPU (`targets.gpu_kind`), whose Mosaic
+    GPU kernels need groups on their row tile, else 1 (no padding: other kernels handle groups
+    that straddle tiles). What `moejax` pads experts to for `implementation="pallas"`."""
+    return GROUP_ALIGNMENT if targets.is_hopper(targets.gpu_kind()) else 1
+
+
 def on_target(backend: str, interpret, make: Callable[[str, Any], Callable], *args):
     """`make(concrete_backend, interpret)(*args)`, with "auto" and "pallas" resolved by the
-    platform the program is lowered for (see the module docstring)."""
+    platform the program is lowered for (see the module docstring); args[0] is the lhs, whose
+    dtype picks the GPU kernels."""
     _check_backend(backend)
     if interpret or backend == "pallas":  # "pallas" interprets where no kernel compiles
         vma.install_interpret_fix()
     if backend not in ("auto", "pallas"):
         return make(backend, interpret)(*args)
-    triton_fn = make("pallas_triton", interpret)
     if backend == "auto":
         fallback = make("reference", False)
     else:
         fallback = make("pallas_triton", interpret or True)
     return jax.lax.platform_dependent(
-        *args, tpu=make("pallas_tpu", interpret), cuda=triton_fn, rocm=triton_fn, default=fallback
+        *args,
+        tpu=make("pallas_tpu", interpret),
+        cuda=make(gpu_backend(args[0].dtype), interpret),
+        rocm=make("pallas_triton", interpret),
+        default=fallback,
     )
+
+
+def _mosaic_interpret(interpret):
+    """The Mosaic GPU kernels' `interpret`: False, or their own interpreter's params (`True`
+    and other interpreters' params mean its defaults)."""
+    if not interpret:
+        return False
+    return interpret if type(interpret).__name__ == "InterpretGPUParams" else True
+
+
+def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _mosaic_gmm(lhs, rhs, group_sizes, cfg, tiles, *, transpose_rhs, out_dtype, interpret,
+                group_alignment):  # fmt: skip
+    """gmm on Mosaic GPU: rows realigned to the row tile unless the caller's groups are."""
+    check_mosaic_gpu_dtype(lhs.dtype)
+    tm, tk, tn = tiles
+    m = lhs.shape[0]
+    aligned = group_alignment % tm == 0
+    if not aligned:
+        layout = md.align_rows(group_sizes, m=m, tm=tm)
+        lhs, group_sizes = _take_rows(lhs, layout.source), layout.group_sizes
+    lhs_p = _pad(lhs, (tm, tk))
+    rhs_p = _pad(rhs, (1, tn, tk) if transpose_rhs else (1, tk, tn))
+    tile_group = md.aligned_tile_groups(group_sizes, m=lhs_p.shape[0], tm=tm)
+    out = mosaic_gpu.gmm(
+        lhs_p, rhs_p, tile_group, tiles=tiles, config=cfg, transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype, interpret=_mosaic_interpret(interpret),
+    )  # fmt: skip
+    return out[:m] if aligned else _take_rows(out, layout.dest)
+
+
+def _mosaic_tgmm(lhs, rhs, group_sizes, cfg, tiles, *, out_dtype, interpret, group_alignment):
+    """tgmm on Mosaic GPU: rows realigned to the contraction tile unless the groups are."""
+    check_mosaic_gpu_dtype(lhs.dtype)
+    tm, tk, tn = tiles
+    if group_alignment % tm:
+        layout = md.align_rows(group_sizes, m=lhs.shape[0], tm=tm)
+        lhs, rhs = _take_rows(lhs, layout.source), _take_rows(rhs, layout.source)
+        group_sizes = layout.group_sizes
+    return mosaic_gpu.tgmm(
+        _pad(lhs, (tm, tk)), _pad(rhs, (tm, tn)), group_sizes, tiles=tiles, config=cfg,
+        out_dtype=out_dtype, interpret=_mosaic_interpret(interpret),
+    )  # fmt: skip
 
 
 def gmm(
@@ -141,6 +234,7 @@ def gmm(
     backend: str = "auto",
     config: Configs = None,
     interpret: Any = False,
+    group_alignment: int = 1,
 ) -> jax.Array:
     """Grouped matmul: rows of group g of lhs times rhs[g]. Not differentiable (see
     `grouped_matmul`).
@@ -156,6 +250,9 @@ def gmm(
         "auto" or "pallas" a given Config is used (and checked) on every target the program
         may be compiled for; name a backend to tile for one.
       interpret: run Pallas kernels in interpret mode.
+      group_alignment: every group size is a multiple of this (a static promise, not checked:
+        the sizes are traced); Mosaic GPU skips realigning rows when it is a multiple of its
+        row tile (see the module docstring).
 
     Returns:
       [M, N]; rows past sum(group_sizes) are zero.
@@ -167,6 +264,7 @@ def gmm(
     """
     group_sizes = _validate(lhs, rhs, group_sizes, rhs_ndim=3)
     _check_backend(backend)
+    _check_alignment(group_alignment)
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
     m, k, n, g = lhs.shape[0], lhs.shape[1], rhs.shape[n_axis], group_sizes.shape[0]
     if rhs.shape[k_axis] != k or rhs.shape[0] != g:
@@ -187,6 +285,11 @@ def gmm(
                     preferred_element_type=out_dtype,
                 )  # fmt: skip
             cfg, tiles = tiled(config, kernel, concrete, interp, lhs.dtype, out_dtype, m, k, n, g)
+            if concrete == "pallas_mosaic_gpu":
+                return _mosaic_gmm(
+                    lhs, rhs, group_sizes, cfg, tiles, transpose_rhs=transpose_rhs,
+                    out_dtype=out_dtype, interpret=interp, group_alignment=group_alignment,
+                )[:, :n]  # fmt: skip
             tm, tk, tn = tiles
             lhs_p = _pad(lhs, (tm, tk))
             rhs_p = _pad(rhs, (1, tn, tk) if transpose_rhs else (1, tk, tn))
@@ -215,6 +318,7 @@ def tgmm(
     backend: str = "auto",
     config: Configs = None,
     interpret: Any = False,
+    group_alignment: int = 1,
 ) -> jax.Array:
     """Per-group transposed product, the weight gradient of gmm: out[g] = lhs_g^T @ rhs_g.
 
@@ -224,13 +328,15 @@ def tgmm(
       group_sizes: [G] integer, sum(group_sizes) <= M.
       num_groups: G; must equal group_sizes.shape[0] if given.
       preferred_element_type: output dtype; None means lhs.dtype. Accumulation is fp32.
-      backend, config, interpret: as for `gmm` (tgmm has its own default tiles).
+      backend, config, interpret, group_alignment: as for `gmm` (tgmm has its own default
+        tiles).
 
     Returns:
       [G, K, N]; empty groups give zeros.
     """
     group_sizes = _validate(lhs, rhs, group_sizes, rhs_ndim=2)
     _check_backend(backend)
+    _check_alignment(group_alignment)
     _check_num_groups(num_groups, group_sizes)
     if rhs.shape[0] != lhs.shape[0]:
         raise ValueError(f"lhs {lhs.shape} and rhs {rhs.shape} must have the same M")
@@ -244,6 +350,12 @@ def tgmm(
             if concrete == "reference":
                 return reference_tgmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
             cfg, tiles = tiled(config, "tgmm", concrete, interp, lhs.dtype, out_dtype, m, k, n, g)
+            if concrete == "pallas_mosaic_gpu":
+                out = _mosaic_tgmm(
+                    lhs, rhs, group_sizes, cfg, tiles, out_dtype=out_dtype, interpret=interp,
+                    group_alignment=group_alignment,
+                )  # fmt: skip
+                return out[:, :k, :n]
             tm, tk, tn = tiles
             lhs_p, rhs_p = _pad(lhs, (tm, tk)), _pad(rhs, (tm, tn))
             kw = dict(tiles=tiles, out_dtype=out_dtype, interpret=interp)
@@ -270,24 +382,28 @@ def _configs(static) -> Configs:
     return dict(static) if isinstance(static, tuple) else static
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _grouped_matmul(
+    lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, interpret, alignment
+):
     return gmm(
         lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype,
-        backend=backend, config=_configs(config), interpret=interpret,
+        backend=backend, config=_configs(config), interpret=interpret, group_alignment=alignment,
     )  # fmt: skip
 
 
-def _fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, interpret):
+def _fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, interpret, alignment):
     out = _grouped_matmul(
-        lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, interpret
+        lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, config, interpret, alignment
     )
     return out, (lhs, rhs, group_sizes)
 
 
-def _bwd(transpose_rhs, out_dtype, backend, config, interpret, residuals, dout):
+def _bwd(transpose_rhs, out_dtype, backend, config, interpret, alignment, residuals, dout):
     lhs, rhs, group_sizes = residuals
-    opts = dict(backend=backend, config=_configs(config), interpret=interpret)
+    opts = dict(
+        backend=backend, config=_configs(config), interpret=interpret, group_alignment=alignment
+    )
     # dlhs[rows of g] = dout[rows of g] @ rhs[g]^T: the same gmm with the other rhs layout.
     dlhs = gmm(
         dout, rhs, group_sizes, transpose_rhs=not transpose_rhs,
@@ -314,6 +430,7 @@ def grouped_matmul(
     backend: str = "auto",
     config: Configs = None,
     interpret: Any = False,
+    group_alignment: int = 1,
 ) -> jax.Array:
     """Differentiable `gmm` (custom VJP: dlhs by gmm with the transposed rhs, drhs by tgmm).
 
@@ -324,7 +441,7 @@ def grouped_matmul(
       lhs: [M, K], rows sorted by group.
       rhs: [G, K, N], or [G, N, K] with transpose_rhs.
       group_sizes: [G] integer, sum(group_sizes) <= M; not differentiated.
-      transpose_rhs, preferred_element_type, backend, interpret: as for `gmm`.
+      transpose_rhs, preferred_element_type, backend, interpret, group_alignment: as for `gmm`.
       config: one Config for all three kernels, or a dict from "gmm", "gmm_t", "tgmm" to
         Configs (missing kernels get their defaults); None: every kernel's default.
 
@@ -338,9 +455,10 @@ def grouped_matmul(
     """
     group_sizes = _validate(lhs, rhs, group_sizes, rhs_ndim=3)
     _check_backend(backend)
+    _check_alignment(group_alignment)
     out_dtype = _out_dtype(preferred_element_type, lhs)
     lhs, rhs, group_sizes = same_varying_axes(lhs, rhs, group_sizes)
     return _grouped_matmul(
         lhs, rhs, group_sizes, transpose_rhs, out_dtype, backend, hashable_configs(config),
-        interpret,
+        interpret, group_alignment,
     )  # fmt: skip

@@ -1,17 +1,21 @@
 """What each kernel costs on the real target, read from deviceless compiles (no GPU or TPU).
 
 For H100, the compiler's own reports: ptxas's registers and spill stores per kernel (XLA logs
-`ptxas -v` with `TF_CPP_VMODULE=subprocess_compilation=3`) and each launch's grid and shared
-memory (XLA's thunk sequence, `--xla_dump_to`). For TPU, Mosaic compiles each kernel for real
-(an oversized block fails); its VMEM use is not reported, so the report gives the block model
-(`config.mosaic_vmem_bytes`) and the compile time.
+`ptxas -v` with `TF_CPP_VMODULE=subprocess_compilation=3`, Mosaic GPU kernels included) and
+each Triton launch's grid and shared memory (XLA's thunk sequence, `--xla_dump_to`). A Mosaic
+GPU kernel is a custom call there, without either: its shared memory is the model
+(`config.mosaic_gpu_smem_bytes`), which equals what Mosaic GPU computes and checks against the
+limit when it lowers the kernel (tested), and its grid is one CTA per SM. For TPU, Mosaic
+compiles each kernel for real (an oversized block fails); its VMEM use is not reported, so the
+report gives the block model (`config.mosaic_vmem_bytes`) and the compile time.
 
 Both logs are per process, so `report(platform, cases)` runs the compiles in a subprocess
 (`python -m pallas_kernels.resources`) and parses what it printed and dumped.
 
 A `Case` is one differentiable expert matmul at a named model shape (`shapes.SHAPES`), compiled
 as forward and VJP together (kernels gmm, gmm_t, tgmm), or the fused row-gather gmm
-(`kernel="gather_gmm"`, forward, Triton only).
+(`kernel="gather_gmm"`, forward, Triton only), on one backend: "pallas" (what the target gets:
+on H100, Mosaic GPU for bf16 and Triton for fp32) or a named one ("pallas_triton").
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pallas_kernels import config as config_lib
 from pallas_kernels import introspect, shapes, targets
 
 MODEL_SHAPES = ("mixtral_8x7b", "fine_grained")
+MOSAIC_GPU_SHAPES = (*MODEL_SHAPES, "deepseek_v3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +49,14 @@ class Case:
       dtype: "float32" or "bfloat16".
       projection: "in" (lhs [M, D] times [E, D, F]) or "out" (lhs [M, F] times [E, F, D]).
       kernel: "vjp" (gmm forward with its VJP: gmm, gmm_t, tgmm) or "gather_gmm".
+      backend: "pallas" (the target decides) or a concrete backend of `config.BACKENDS`.
     """
 
     shape: str
     dtype: str
     projection: str = "in"
     kernel: str = "vjp"
+    backend: str = "pallas"
 
     def dims(self) -> tuple[int, int, int, int]:
         """(M, K, N, G) of the forward gmm."""
@@ -61,28 +68,44 @@ class Case:
         return ("gather_gmm",) if self.kernel == "gather_gmm" else ("gmm", "gmm_t", "tgmm")
 
     def name(self) -> str:
-        return f"{self.kernel}_{self.shape}_{self.projection}_{self.dtype}"
+        return f"{self.kernel}_{self.shape}_{self.projection}_{self.dtype}_{self.backend}"
+
+    def concrete_backend(self, platform: str) -> str:
+        """The backend the kernels run on when compiled for `platform` ("cuda": an H100)."""
+        if self.backend != "pallas":
+            return self.backend
+        if platform == "tpu":
+            return "pallas_tpu"
+        from pallas_kernels import ops
+
+        with jax.sharding.use_abstract_mesh(targets.abstract_gpu_mesh()):
+            return ops.gpu_backend(self.dtype)
 
 
 def default_cases(platform: str) -> list[Case]:
-    """Every kernel at both model shapes, fp32 and bf16, both projections (and, on GPU, the
-    fused gather gmm)."""
+    """Every kernel at both model shapes, fp32 and bf16, both projections. On GPU these are the
+    Triton kernels (H100 runs them for fp32, older GPUs for every dtype), with the fused gather
+    gmm, and then what H100 runs for bf16, the Mosaic GPU kernels, also at DeepSeek-V3's shape."""
+    backend = "pallas_triton" if platform == "cuda" else "pallas"
     cases = [
-        Case(shape, dtype, projection)
+        Case(shape, dtype, projection, backend=backend)
         for shape in MODEL_SHAPES
         for dtype in ("float32", "bfloat16")
         for projection in ("in", "out")
     ]
     if platform == "cuda":
         cases += [
-            Case(s, d, "in", "gather_gmm") for s in MODEL_SHAPES for d in ("float32", "bfloat16")
+            Case(s, d, "in", "gather_gmm", backend)
+            for s in MODEL_SHAPES
+            for d in ("float32", "bfloat16")
         ]
+        cases += [Case(s, "bfloat16", p) for s in MOSAIC_GPU_SHAPES for p in ("in", "out")]
     return cases
 
 
 def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
     """Per kernel of `case`: the Config and tiles the ops pick and the modelled memory."""
-    backend = "pallas_triton" if platform == "cuda" else "pallas_tpu"
+    backend = case.concrete_backend(platform)
     m, k, n, g = case.dims()
     # (M, K, N) of each kernel as the VJP calls it: gmm_t multiplies dout [M, N] by rhs^T,
     # tgmm contracts lhs [M, K] with dout [M, N] over the rows.
@@ -91,9 +114,13 @@ def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
     for kernel in case.kernels():
         pm, pk_, pn = problems[kernel]
         cfg = config_lib.default_config(kernel, backend, case.dtype, pm, pk_, pn, g)
-        tiles = config_lib.effective_tiles(cfg, pm, pk_, pn)
-        row = dict(config=dataclasses.asdict(cfg), tiles=list(tiles))
-        if platform == "cuda":
+        tiles = config_lib.effective_tiles(cfg, pm, pk_, pn, kernel=kernel, backend=backend)
+        row = dict(config=dataclasses.asdict(cfg), tiles=list(tiles), backend=backend)
+        if backend == "pallas_mosaic_gpu":
+            row["smem_model"] = config_lib.mosaic_gpu_smem_bytes(
+                kernel, tiles, cfg, case.dtype, case.dtype
+            )
+        elif platform == "cuda":
             row["smem_model"] = config_lib.triton_smem_bytes(kernel, tiles, cfg, case.dtype)
         else:
             row["vmem_model"] = config_lib.mosaic_vmem_bytes(kernel, tiles, case.dtype, case.dtype)
@@ -111,7 +138,7 @@ def _program(case: Case):
         tokens = m // 2
 
         def fn(x, w, sizes, index, weight):
-            return pk.gather_grouped_matmul(x, w, sizes, index, weight, backend="pallas")
+            return pk.gather_grouped_matmul(x, w, sizes, index, weight, backend=case.backend)
 
         args = (
             jax.ShapeDtypeStruct((tokens, k), dtype),
@@ -123,7 +150,13 @@ def _program(case: Case):
         return fn, args
 
     def fn(x, w, sizes):
-        out, vjp = jax.vjp(lambda a, b: pk.grouped_matmul(a, b, sizes, backend="pallas"), x, w)
+        # The named shapes' balanced groups are multiples of the alignment moejax pads to.
+        def op(a, b):
+            return pk.grouped_matmul(
+                a, b, sizes, backend=case.backend, group_alignment=pk.GROUP_ALIGNMENT
+            )
+
+        out, vjp = jax.vjp(op, x, w)
         return out, *vjp(out)
 
     args = (
@@ -175,6 +208,7 @@ def _scoped_vmem(line: str) -> int | None:
 
 
 _PTXAS_FN = re.compile(r"Function properties for (\w+)")
+_MOSAIC_GPU_SUFFIX = "_mosaic_gpu_kernel"  # a Mosaic GPU kernel's PTX function name
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _THUNK = re.compile(
@@ -192,7 +226,7 @@ def _parse_ptxas(stderr: str) -> dict[int, dict[str, dict]]:
             result[case] = {}
         elif case is not None:
             if m := _PTXAS_FN.search(line):
-                fn = m.group(1)
+                fn = m.group(1).removesuffix(_MOSAIC_GPU_SUFFIX)
             elif (m := _PTXAS_SPILL.search(line)) and fn:
                 result[case].setdefault(fn, {}).update(
                     spill_stores=int(m.group(1)), spill_loads=int(m.group(2))
@@ -205,7 +239,10 @@ def _parse_ptxas(stderr: str) -> dict[int, dict[str, dict]]:
 def _parse_thunks(dump: pathlib.Path, index: int) -> dict[str, dict]:
     """Launch grid, threads and shared memory of each kernel of case `index`."""
     rows = {}
-    for path in dump.glob(f"*jit_case{index}.thunk_sequence_after_thunk_passes.txt"):
+    # XLA writes "thunk_sequence_after_thunk_passes" when its thunk passes changed the
+    # sequence, else only "thunk_sequence": read the last one written.
+    paths = sorted(dump.glob(f"*jit_case{index}.thunk_sequence*.txt"))
+    for path in paths[-1:]:
         for m in _THUNK.finditer(path.read_text()):
             grid = [int(v) for v in m.group(2).split(",")]
             threads = [int(v) for v in m.group(3).split(",")]
@@ -270,8 +307,8 @@ def markdown(rows: list[dict]) -> str:
     """The rows as a BENCHMARKS.md table."""
     gpu = rows and rows[0]["platform"] == "cuda"
     head = (
-        "| shape | proj | dtype | kernel | tm, tk, tn / warps, stages | grid | regs | spill "
-        "stores | smem (model) | compile s |"
+        "| shape | proj | dtype | kernel | backend | tm, tk, tn / warps, stages | grid | regs | "
+        "spill stores | smem (model) | compile s |"
         if gpu
         else "| shape | proj | dtype | kernel | tm, tk, tn | VMEM (model) | compile s |"
     )
@@ -280,10 +317,17 @@ def markdown(rows: list[dict]) -> str:
         c, cfg = r["case"], r["config"]
         tiles = ", ".join(map(str, r["tiles"]))
         prefix = f"| {c['shape']} | {c['projection']} | {c['dtype']} | {r['kernel']} |"
-        if gpu:
+        if gpu and r["backend"] == "pallas_mosaic_gpu":
+            # 3 warpgroups (TMA producer + 2 wgmma consumers), one CTA per SM (132 on H100).
+            lines.append(
+                f"{prefix} mosaic_gpu | {tiles} / 3 WG, {cfg['num_stages']} | 132 (persistent) "
+                f"| {r.get('registers', '?')} | {r.get('spill_stores', '?')} | "
+                f"({r['smem_model']}) | {r['compile_s']:.1f} |"
+            )
+        elif gpu:
             grid = "x".join(map(str, r.get("grid", [])))
             lines.append(
-                f"{prefix} {tiles} / {cfg['num_warps']}, {cfg['num_stages']} | {grid} | "
+                f"{prefix} triton | {tiles} / {cfg['num_warps']}, {cfg['num_stages']} | {grid} | "
                 f"{r.get('registers', '?')} | {r.get('spill_stores', '?')} | "
                 f"{r.get('smem', '?')} ({r['smem_model']}) | {r['compile_s']:.1f} |"
             )

@@ -99,5 +99,7 @@ SHAPES: dict[str, ShapeSpec] = {
         # Fine-grained (DeepSeek/Qwen-MoE-like): E=128, D=2048, F=768, top-8.
         ShapeSpec("fine_grained", m=8192 * 8, k=2048, n=768, g=128),
         ShapeSpec("fine_grained_zipf", m=8192 * 8, k=2048, n=768, g=128, routing="zipf"),
+        # DeepSeek-V3: E=256, D=7168, F=2048, top-8, at T=16384 tokens.
+        ShapeSpec("deepseek_v3", m=16384 * 8, k=7168, n=2048, g=256),
     )
 }

@@ -197,6 +197,29 @@ def lowering_platform(platform: str, shape=(1,), axis_names=("x",)):
     return jax.sharding.use_abstract_mesh(abstract_gpu_mesh(shape, axis_names))
 
 
+# Hopper data-center GPUs (sm_90): what the Mosaic GPU kernels compile for.
+_HOPPER_KIND = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def gpu_kind() -> str | None:
+    """The device kind of the GPU being compiled for, or None if no GPU is known: the current
+    abstract mesh's device (a deviceless or sharded compile), else the default device (what an
+    unsharded `jit` compiles for). Never `jax.devices()`: during a deviceless compile that is
+    the CPU."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None:
+        return device.device_kind if device.platform in ("gpu", "cuda") else None
+    from jax.extend import backend
+
+    default = backend.get_default_device()
+    return default.device_kind if default.platform in ("gpu", "cuda") else None
+
+
+def is_hopper(kind: str | None) -> bool:
+    """Whether a device kind (`gpu_kind()`) is a Hopper GPU (H100, H200, H800, H20, GH200)."""
+    return kind is not None and _HOPPER_KIND.search(kind) is not None
+
+
 def _target_field(name: str) -> str:
     """One scalar field of `H100_TARGET_CONFIG` (quotes stripped)."""
     match = re.search(rf"^\s*{name}: (.+)$", H100_TARGET_CONFIG, re.MULTILINE)

@@ -88,24 +88,36 @@ def gmm(
         index_ref = extra_refs.pop(0) if row_index is not None else None
         weight_ref = extra_refs.pop(0) if row_weight is not None else None
         i, j = pl.program_id(0), pl.program_id(1)
-        rows = i * tm + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         # Fused gather: this tile's lhs rows, read straight from the unpermuted [T, K] array.
         lhs_rows = pl.ds(i * tm, tm) if index_ref is None else index_ref[pl.ds(i * tm, tm)]
 
-        def group_body(g, acc):
-            def k_body(kk, part):
+        def k_loop(g, acc, row_mask):
+            def k_body(kk, acc):
                 x = lhs_ref[lhs_rows, pl.ds(kk * tk, tk)]
+                if row_mask is not None:  # rows of other groups may hold anything, even inf
+                    x = jnp.where(row_mask, x, 0)
                 if transpose_rhs:
                     w = rhs_ref[g, pl.ds(j * tn, tn), pl.ds(kk * tk, tk)].T
                 else:
                     w = rhs_ref[g, pl.ds(kk * tk, tk), pl.ds(j * tn, tn)]
-                return part + jnp.dot(
+                return acc + jnp.dot(
                     x, w, precision=KERNEL_PRECISION, preferred_element_type=jnp.float32
                 )
 
-            part = lax.fori_loop(0, tiles_k, k_body, jnp.zeros((tm, tn), jnp.float32))
-            in_group = (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
-            return acc + jnp.where(in_group, part, 0.0)
+            return lax.fori_loop(0, tiles_k, k_body, acc)
+
+        def group_body(g, acc):
+            # One fp32 accumulator: a tile wholly inside group g (most tiles) multiplies its
+            # lhs rows as they are; a straddling tile zeroes the other groups' lhs rows first,
+            # so each output row only ever sums its own group's product (two [tm, tn]
+            # accumulators, a group's part and the tile's sum, spill at 128 x 256 tiles).
+            start, end = offsets_ref[g], offsets_ref[g + 1]
+            whole = (start <= i * tm) & (i * tm + tm <= end)
+            rows = i * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+            in_group = (rows >= start) & (rows < end)
+            return lax.cond(
+                whole, lambda a: k_loop(g, a, None), lambda a: k_loop(g, a, in_group), acc
+            )
 
         acc = lax.fori_loop(first_ref[i], stop_ref[i], group_body, jnp.zeros((tm, tn), jnp.float32))
         if weight_ref is not None:  # fused routing weight, applied once in the epilogue
@@ -169,17 +181,27 @@ def tgmm(
         g, a, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         start, end = offsets_ref[g], offsets_ref[g + 1]
 
-        def body(t, acc):
-            rows = t * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
-            in_group = (rows >= start) & (rows < end)
-            # Mask both operands: rows of other groups may hold anything, even inf.
-            x = jnp.where(in_group, lhs_ref[pl.ds(t * tm, tm), pl.ds(a * tk, tk)], 0)
-            y = jnp.where(in_group, rhs_ref[pl.ds(t * tm, tm), pl.ds(b * tn, tn)], 0)
+        def product(t, acc, masked):
+            x = lhs_ref[pl.ds(t * tm, tm), pl.ds(a * tk, tk)]
+            y = rhs_ref[pl.ds(t * tm, tm), pl.ds(b * tn, tn)]
+            if masked:  # mask both operands: rows of other groups may hold anything, even inf
+                rows = t * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+                in_group = (rows >= start) & (rows < end)
+                x, y = jnp.where(in_group, x, 0), jnp.where(in_group, y, 0)
             return acc + jnp.dot(
                 x.T, y, precision=KERNEL_PRECISION, preferred_element_type=jnp.float32
             )
 
-        acc = lax.fori_loop(lo_ref[g], hi_ref[g], body, jnp.zeros((tk, tn), jnp.float32))
+        # Only a group's first and last m-tiles can hold other groups' rows: three loops (the
+        # first tile masked, the middle ones as they are, the last masked) keep the masks out
+        # of the middle loop, whose operands go from shared memory to the tensor cores
+        # untouched. (A branch inside one loop would stop Triton pipelining its loads.)
+        lo, hi = lo_ref[g], hi_ref[g]
+        masked = lambda t, acc: product(t, acc, True)  # noqa: E731
+        acc = jnp.zeros((tk, tn), jnp.float32)
+        acc = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), masked, acc)
+        acc = lax.fori_loop(lo + 1, hi - 1, lambda t, c: product(t, c, False), acc)
+        acc = lax.fori_loop(jnp.maximum(hi - 1, lo + 1), hi, masked, acc)
         out_ref[...] = acc.astype(out_ref.dtype)
 
     whole = pl.BlockSpec(memory_space=pl.ANY)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +143,7 @@ def test_named_shape_patterns():
 def test_shared_memory_model_matches_what_the_h100_compiler_requested():
     """Figures the deviceless H100 compile reported (tests/accelerator checks every default)."""
     smem = config.triton_smem_bytes
-    assert smem("gmm", (128, 128, 128), pk.Config(num_stages=3), jnp.float32) == 327680
+    assert smem("gmm", (128, 128, 128), pk.Config(num_stages=3), jnp.float32) == 393216
     assert smem("tgmm", (128, 128, 128), pk.Config(num_stages=3), jnp.float32) == 393216
     assert smem("gmm", (128, 64, 128), pk.Config(num_stages=4), jnp.bfloat16) == 131072
     assert smem("tgmm", (64, 128, 128), pk.Config(num_stages=3), jnp.bfloat16) == 98304
@@ -157,26 +158,35 @@ def test_config_that_cannot_fit_is_rejected_before_tracing_naming_config_and_lim
             *args
         )
 
-    match = r"Config\(tm=128, tk=128, tn=128.*gmm at float32 on pallas_triton needs 327680 bytes"
+    match = r"Config\(tm=128, tk=128, tn=128.*gmm at float32 on pallas_triton needs 393216 bytes"
     with pytest.raises(ValueError, match=match + r".*limit is 232448"):
         trace("pallas_triton", big)
     with pytest.raises(ValueError, match=r"tk=32 must be a multiple of 128"):
         trace("pallas_tpu", pk.Config(64, 32, 128))
-    with pytest.raises(ValueError, match="pallas_triton needs 327680"):  # "pallas" checks every
+    with pytest.raises(ValueError, match="pallas_triton needs 393216"):  # "pallas" checks every
         trace("pallas", big)  # target it may be compiled for
     trace("pallas_triton", big, interpret=True)  # interpret mode has no shared-memory limit
     assert not pk.fits("gmm", "pallas_triton", big, jnp.float32)
     assert pk.fits("gmm", "pallas_triton", big, jnp.bfloat16)  # 196608 bytes in bf16
 
 
-@pytest.mark.parametrize("name", ["mixtral_8x7b", "fine_grained"])
+@pytest.mark.parametrize("name", ["mixtral_8x7b", "fine_grained", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_default_tiles_fit_every_target_at_the_model_shapes(name, dtype):
     spec = shapes.SHAPES[name]
+    backends = ["pallas_triton", "pallas_tpu"]
+    if dtype == jnp.bfloat16:
+        backends.append("pallas_mosaic_gpu")  # 16-bit only
     for k, n in ((spec.k, spec.n), (spec.n, spec.k)):  # up and down projections
-        for kernel in pk.KERNELS:
-            for backend in ("pallas_triton", "pallas_tpu"):
-                cfg = pk.default_config(kernel, backend, dtype, spec.m, k, n, spec.g)
-                tiles = config.effective_tiles(cfg, spec.m, k, n)
-                config.check_fits(kernel, backend, cfg, tiles, dtype, dtype, dims=(spec.m, k, n))
+        for kernel, backend in itertools.product(pk.KERNELS, backends):
+            if backend == "pallas_mosaic_gpu" and kernel == "gather_gmm":
+                continue  # composed from gmm there
+            for out_dtype in {dtype, jnp.float32} if backend == "pallas_mosaic_gpu" else {dtype}:
+                cfg = pk.default_config(
+                    kernel, backend, dtype, spec.m, k, n, spec.g, out_dtype=out_dtype
+                )
+                tiles = config.effective_tiles(cfg, spec.m, k, n, kernel=kernel, backend=backend)
+                config.check_fits(
+                    kernel, backend, cfg, tiles, dtype, out_dtype, dims=(spec.m, k, n)
+                )
                 assert n % tiles[2] == 0 and k % tiles[1] == 0  # no padding of model dims

@@ -1,0 +1,110 @@
+"""What differs in Mosaic GPU between jax 0.10.2, 0.11 and 0.12, in one place.
+
+* `interpret_params`: the Mosaic GPU interpreter's parameters, `plgpu.InterpretGPUParams`
+  from jax 0.11, a private module in 0.10.
+* `kernel`: `plgpu.kernel`, passing a `pl.CostEstimate` where jax takes one (0.11+).
+* `races_found`: the interpreter's race detector, read the same way in every version.
+* jax 0.10's interpreter cannot read a transposed wgmma operand (`ref.T`: the dlhs kernel's
+  weights, both tgmm operands); `_install_transposed_wgmma_fix` teaches it, as 0.11 does.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def interpret_params(**kwargs):
+    """`plgpu.InterpretGPUParams(**kwargs)`: the Mosaic GPU interpreter (CPU), simulating
+    warpgroups, barriers, TMA and wgmma (`detect_races=True` checks shared-memory races)."""
+    cls = getattr(plgpu, "InterpretGPUParams", None)
+    if cls is None:  # jax 0.10
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
+    return cls(**kwargs)
+
+
+_TAKES_COST = "cost_estimate" in inspect.signature(plgpu.kernel).parameters
+
+
+def kernel(body, *, cost_estimate: pl.CostEstimate, **kwargs):
+    """`plgpu.kernel(body, **kwargs)` with the cost estimate where jax accepts one."""
+    if _TAKES_COST:
+        kwargs["cost_estimate"] = cost_estimate
+    return plgpu.kernel(body, **kwargs)
+
+
+def _install_transposed_wgmma_fix() -> bool:
+    """Replaces jax 0.10's interpreted wgmma with one that reads operands transposed by
+    trailing `ref.T` / `ref.transpose` (the 0.11 interpreter does the same through its
+    `access` of a buffer). Returns False, changing nothing, on jax >= 0.11 (not needed) or
+    where the 0.10 internals are laid out otherwise."""
+    try:
+        import numpy as np
+        from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
+        from jax._src.state import types as state_types
+
+        original = cb.wgmma
+        params = inspect.signature(original).parameters
+    except (ImportError, AttributeError, ValueError):
+        return False
+    if "device_id" not in params or "acc_dtype" not in params:  # not the 0.10 callback
+        return False
+
+    def split(transforms):
+        """(transforms without trailing transposes, the permutation they make, or None)."""
+        transforms = jax.tree.map(int, cb._remove_noop_transforms(tuple(transforms)))
+        perm = None
+        while transforms and isinstance(transforms[-1], state_types.TransposeTransform):
+            step = tuple(int(p) for p in transforms[-1].permutation)
+            perm = step if perm is None else tuple(perm[p] for p in step)
+            transforms = transforms[:-1]
+        return transforms, perm
+
+    def wgmma(*, a_transforms, b_transforms, **kwargs):
+        a_transforms, a_perm = split(a_transforms)
+        b_transforms, b_perm = split(b_transforms)
+        if a_perm is None and b_perm is None:
+            return original(a_transforms=a_transforms, b_transforms=b_transforms, **kwargs)
+        device_id, thread_id = int(kwargs["device_id"]), int(kwargs["thread_id"])
+        coords = tuple(int(x) for x in kwargs["grid_point_coords"])
+        memory = cb._get_shared_memory()
+        thread = memory.get_global_thread_id(device_id, thread_id)
+        info = interpret_utils.GPULoggingInfo(
+            device_id=device_id,
+            grid_point_coords=coords,
+            thread_id=thread_id,
+            source_info=kwargs.get("source_info"),
+        )
+
+        def read(key, transforms, perm):
+            key = cb.HostAllocationKey.from_array(key)
+            rnge = interpret_utils.to_range(transforms)
+            value, _, _ = memory.get_buffer_content(key, rnge, thread, logging_info=info)
+            return key, rnge, value if perm is None else np.transpose(value, perm)
+
+        _, _, a = read(kwargs["a_allocation_key_as_array"], a_transforms, a_perm)
+        _, _, b = read(kwargs["b_allocation_key_as_array"], b_transforms, b_perm)
+        acc_transforms, _ = split(kwargs["acc_transforms"])
+        key, rnge, acc = read(kwargs["acc_allocation_key_as_array"], acc_transforms, None)
+        out = acc + np.matmul(a, b, dtype=kwargs["acc_dtype"])
+        memory.store_buffer_content(key, rnge, out, thread, logging_info=info)
+        return kwargs["token"]
+
+    cb.wgmma = wgmma
+    return True
+
+
+TRANSPOSED_WGMMA_FIX_INSTALLED = _install_transposed_wgmma_fix()
+
+
+def races_found() -> bool:
+    """Whether the last Mosaic GPU interpretation with `detect_races=True` saw a shared-memory
+    race (jax 0.11+ also raises on one by default)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    races = interpret_pallas_call.get_races()
+    return bool(races is not None and races.races_found)

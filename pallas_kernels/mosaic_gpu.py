@@ -1,0 +1,343 @@
+"""Pallas Mosaic GPU grouped-matmul kernels for Hopper (sm_90a): gmm (and gmm_t, the lhs
+gradient, reading the weights transposed in shared memory) and tgmm (the weight gradient).
+
+Every kernel is persistent and warp-specialized, after jax's dense Hopper recipe
+(`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`): one CTA per SM walks a list of output
+tiles; in each CTA one warpgroup issues TMA copies into a ring of `num_stages` shared-memory
+slots and two consumer warpgroups run wgmma on them, each owning half of the CTA tile's
+columns, with registers moved from the producer to the consumers (`set_max_registers`). The
+epilogue casts the fp32 accumulator and stores it with TMA through two 64 x 64 shared-memory
+slots per warpgroup, double-buffered, so the next tile's loads overlap the last stores.
+
+Groups must be aligned to the row tile: every group's size is a multiple of `tm` (gmm) or of
+the contraction tile (tgmm), so every M tile belongs to one group and nothing is masked or
+revisited. `ops` pads the rows of unaligned groups (`metadata.align_rows`); `moejax`'s permute
+phase pads experts itself (`pallas_kernels.GROUP_ALIGNMENT`). The schedule is device-side data
+computed by pure jnp (`metadata.aligned_tile_groups`, `metadata.largest_first`):
+  * gmm: work item (m-tile, n-tile), ordered by a snaking raster `Config.raster` m-tiles wide,
+    so the CTAs in flight share weight panels and token tiles in L2; the m-tile's group is one
+    load from a [M / tm] table. Tiles past sum(group_sizes) run zero steps and store zeros.
+  * tgmm: work item (group, k-tile, n-tile), groups largest first (the longest items start first,
+    so the persistent CTAs finish together); each item accumulates over its group's rows.
+
+Only 16-bit operands (bf16, fp16): Hopper's tf32 wgmma cannot read a transposed operand, which
+the weight layout [G, K, N] and every tgmm need (`ops` keeps fp32 on Triton).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import metadata as md
+from pallas_kernels import mgpu_compat, vma
+from pallas_kernels.config import MOSAIC_GPU_EPILOGUE_TILE, Config
+
+MEMORY_REGISTERS = 40  # the TMA warpgroup's registers; the two consumers share the rest
+NUM_SMS_H100 = 132
+INTERPRET_SMS = 2
+
+
+def num_sms() -> int:
+    """SMs of the compile target: the current abstract mesh's GPU, else H100's 132 (never
+    `jax.devices()`, which is the CPU during a deviceless compile)."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None and device.platform in ("gpu", "cuda") and device.num_cores:
+        return int(device.num_cores)
+    return NUM_SMS_H100
+
+
+def _transforms(minor: int, dtype) -> tuple:
+    """Tiling and swizzle of a shared-memory tile whose last dim has `minor` elements."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor * bits)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(body, *, out_type, name: str, interpret, cost: pl.CostEstimate, sms: int):
+    """`plgpu.kernel`: one CTA per SM, three warpgroups (two consumers, one producer).
+
+    Inside `shard_map(check_vma=True)`, `plgpu.kernel` runs its body with the check off and
+    types its outputs as varying over no axis: callers cast them back to their operands' axes
+    (each device's output is its own, so that is what they are)."""
+    if interpret is True:
+        interpret = mgpu_compat.interpret_params()
+    if interpret:
+        # The interpreter simulates every CTA's three warpgroups as threads: 132 of them cost
+        # minutes at test sizes. Two CTAs still walk several work items each.
+        sms = min(sms, INTERPRET_SMS)
+    return mgpu_compat.kernel(
+        body,
+        cost_estimate=cost,
+        out_type=out_type,
+        grid=(sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        kernel_name=name,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret or None,
+    )
+
+
+def _epilogue(acc, out_smem, out_gmem, wg, out_dtype):
+    """Stores one warpgroup's [rows, cols] fp32 accumulator to `out_gmem` (a [rows, cols] view)
+    through its two shared-memory slots, one 64 x 64 TMA store at a time."""
+    rows, cols = acc.shape
+    epi_m, epi_n = out_smem.shape[-2:]
+    slots = out_smem.shape[1]
+    acc = acc.astype(out_dtype)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read
+    for a in range(rows // epi_m):
+        for b in range(cols // epi_n):
+            slot = (a * (cols // epi_n) + b) % slots
+            part_m, part_n = slice(a * epi_m, (a + 1) * epi_m), slice(b * epi_n, (b + 1) * epi_n)
+            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # this slot is free
+            out_smem[wg, slot] = acc[part_m, part_n]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[part_m, part_n])
+
+
+def _out_smem(rows: int, cols: int, out_dtype):
+    """Epilogue slots: [2 warpgroups, slots, 64, 64] (one slot when a tile is one store)."""
+    epi_m = min(MOSAIC_GPU_EPILOGUE_TILE, rows)
+    epi_n = min(MOSAIC_GPU_EPILOGUE_TILE, cols)
+    slots = min(2, (rows * cols) // (epi_m * epi_n))
+    return plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype, transforms=_transforms(epi_n, out_dtype))
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    tile_group: jax.Array,
+    *,
+    tiles: tuple[int, int, int],
+    config: Config,
+    transpose_rhs: bool,
+    out_dtype,
+    interpret,
+) -> jax.Array:
+    """out[rows of g] = lhs[rows of g] @ rhs[g] for groups aligned to the row tile.
+
+    Args:
+      lhs: [M, K] 16-bit, M % tm == 0, K % tk == 0.
+      rhs: [G, K, N] ([G, N, K] if transpose_rhs), N % tn == 0.
+      tile_group: [M // tm] int32, the group of each m-tile; G for tiles past the groups
+        (`metadata.aligned_tile_groups`).
+      tiles: (tm, tk, tn), the CTA tile; each consumer warpgroup owns tn // 2 columns.
+      config: supplies num_stages (the shared-memory ring) and raster.
+      transpose_rhs: contract with rhs's last axis (the TMA loads [tn, tk] tiles of rhs[g] and
+        wgmma reads them transposed; W^T is never written to memory).
+      out_dtype: output dtype (accumulation is fp32).
+      interpret: False, or Mosaic GPU interpreter params (True: the defaults).
+
+    Returns:
+      [M, N] of out_dtype; tiles past the groups are zero.
+    """
+    tm, tk, tn = tiles
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    m_iters, n_iters, k_iters = m // tm, n // tn, k // tk
+    cols = tn // 2  # per consumer warpgroup
+    stages = min(config.num_stages, k_iters)
+    operand = _transforms(tk, lhs.dtype)
+    rhs_spec = (
+        plgpu.BlockSpec((tn, tk), lambda kk: (0, kk), transforms=operand)
+        if transpose_rhs
+        else plgpu.BlockSpec((tk, tn), lambda kk: (kk, 0), transforms=_transforms(tn, rhs.dtype))
+    )
+
+    def pipeline(step, context, steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(steps,),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=[plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=operand), rhs_spec],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=context,
+        )
+
+    def body(tile_group_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+        allocations = pipeline(ignore, ignore, k_iters).get_allocations(lhs_gmem, rhs_gmem.at[0])
+
+        @functools.partial(
+            pl.run_scoped,
+            allocations=allocations,
+            out_smem=_out_smem(tm, cols, out_dtype),
+            collective_axes="wg",
+        )
+        def _scope(allocations, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            def _tile(info):
+                mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 0, config.raster)
+                group = tile_group_gmem[mi]
+                live = group < num_groups
+                steps = jnp.where(live, k_iters, 0)  # a tile past the groups stores zeros
+                g = jnp.minimum(group, num_groups - 1)
+                rows, wg_cols = pl.ds(mi * tm, tm), pl.ds(wg * cols, cols)
+
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, cols), jnp.float32))
+                    def _acc(acc):
+                        run(acc)
+                        out = out_gmem.at[rows, pl.ds(ni * tn, tn)].at[:, wg_cols]
+                        _epilogue(acc[...], out_smem, out, wg, out_dtype)
+
+                def step(_, lhs_smem, rhs_smem, acc):
+                    # With transpose_rhs, wgmma reads the [tn, tk] weight tile transposed.
+                    w = rhs_smem.at[wg_cols, :].T if transpose_rhs else rhs_smem.at[:, wg_cols]
+                    plgpu.wgmma(acc, lhs_smem, w)
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                if transpose_rhs:
+                    w_gmem = rhs_gmem.at[g, pl.ds(ni * tn, tn), :]
+                else:
+                    w_gmem = rhs_gmem.at[g, :, pl.ds(ni * tn, tn)]
+                pipeline(step, context, steps)(
+                    lhs_gmem.at[rows, :], w_gmem, allocations=allocations
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    itemsize = lhs.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=m * k * itemsize * n_iters
+        + rhs.size * itemsize * m_iters // num_groups
+        + m * n * jnp.dtype(out_dtype).itemsize,
+    )
+    kernel = _kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        name="gmm_t" if transpose_rhs else "gmm",
+        interpret=interpret,
+        cost=cost,
+        sms=num_sms(),
+    )
+    return vma.cast_varying(kernel(tile_group, lhs, rhs), vma.varying_axes(lhs))
+
+
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    tiles: tuple[int, int, int],
+    config: Config,
+    out_dtype,
+    interpret,
+) -> jax.Array:
+    """out[g] = lhs[rows of g]^T @ rhs[rows of g] for groups aligned to the row tile.
+
+    Args:
+      lhs: [M, K] 16-bit, M % tm == 0, K % tk == 0.
+      rhs: [M, N], N % tn == 0.
+      group_sizes: [G] int32, each a multiple of tm, sum <= M.
+      tiles: (tm, tk, tn): rows contracted per step, output rows (of K) and columns (of N) per
+        CTA; each consumer warpgroup owns tn // 2 columns.
+      config: supplies num_stages and raster.
+      out_dtype: output dtype (accumulation is fp32).
+      interpret: False, or Mosaic GPU interpreter params (True: the defaults).
+
+    Returns:
+      [G, K, N] of out_dtype; empty groups are zero.
+    """
+    tm, tk, tn = tiles
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    num_groups = group_sizes.shape[0]
+    k_iters, n_iters = k // tk, n // tn
+    cols = tn // 2
+    order, first_block, steps = md.largest_first(group_sizes, tm=tm)
+    lhs_t, rhs_t = _transforms(tk, lhs.dtype), _transforms(tn, rhs.dtype)
+
+    def pipeline(step, context, num_steps, first):
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(num_steps,),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=[  # row tiles r of the group, from its first tile on
+                plgpu.BlockSpec((tm, tk), lambda r: (first + r, 0), transforms=lhs_t),
+                plgpu.BlockSpec((tm, tn), lambda r: (first + r, 0), transforms=rhs_t),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.num_stages,
+            compute_context=context,
+        )
+
+    def body(order_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+        allocations = pipeline(ignore, ignore, config.num_stages, 0).get_allocations(
+            lhs_gmem, rhs_gmem
+        )
+
+        @functools.partial(
+            pl.run_scoped,
+            allocations=allocations,
+            out_smem=_out_smem(tk, cols, out_dtype),
+            collective_axes="wg",
+        )
+        def _scope(allocations, out_smem):
+            wg = lax.axis_index("wg")
+            per_group = k_iters * n_iters
+
+            @plgpu.nd_loop((num_groups * per_group,), collective_axes="sm")
+            def _tile(info):
+                (lin,) = info.index
+                g = order_gmem[lax.div(lin, per_group)]  # largest groups first
+                ki, ni = plgpu.planar_snake(
+                    lax.rem(lin, per_group), (k_iters, n_iters), 0, config.raster
+                )
+                wg_cols = pl.ds(wg * cols, cols)
+
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((tk, cols), jnp.float32))
+                    def _acc(acc):
+                        run(acc)  # zero steps for an empty group: its gradient is zero
+                        out = out_gmem.at[g, pl.ds(ki * tk, tk), pl.ds(ni * tn, tn)]
+                        _epilogue(acc[...], out_smem, out.at[:, wg_cols], wg, out_dtype)
+
+                def step(_, lhs_smem, rhs_smem, acc):
+                    # lhs rows^T: wgmma reads the [tm, tk] tile transposed in shared memory.
+                    plgpu.wgmma(acc, lhs_smem.T, rhs_smem.at[:, wg_cols])
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                pipeline(step, context, steps_gmem[g], first_gmem[g])(
+                    lhs_gmem.at[:, pl.ds(ki * tk, tk)],
+                    rhs_gmem.at[:, pl.ds(ni * tn, tn)],
+                    allocations=allocations,
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    itemsize = lhs.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=(lhs.size * n_iters + rhs.size * k_iters) * itemsize
+        + num_groups * k * n * jnp.dtype(out_dtype).itemsize,
+    )
+    kernel = _kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        name="tgmm",
+        interpret=interpret,
+        cost=cost,
+        sms=num_sms(),
+    )
+    return vma.cast_varying(kernel(order, first_block, steps, lhs, rhs), vma.varying_axes(lhs))

@@ -1,0 +1,78 @@
+"""`experiments/gpu_check.py`, the script a session with a lent GPU runs first, on this CPU
+machine: `--dry-run` takes every code path at tiny shapes (the kernels in their interpreters,
+checked against `jax.lax.ragged_dot`), and the time limit ends the script with what it has.
+What it measures on a GPU needs one (BENCHMARKS.md)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "experiments" / "gpu_check.py"
+OURS = ("ours: Mosaic GPU", "ours: Triton")
+
+
+def _run(*args, timeout=900):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
+        timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_help_says_time_and_needs():
+    out = _run("--help", timeout=120)
+    assert out.returncode == 0, out.stderr
+    for words in ("~7 min", "--time-limit", "Needs:", "no wheels to carry", "--dry-run"):
+        assert words in out.stdout, words
+
+
+def test_time_limit_writes_results_and_exits(tmp_path):
+    """Past --time-limit the script stops mid-part with status 3, results marked aborted."""
+    out = _run("--dry-run", "--parts", "train", "--time-limit", "1", "--out", str(tmp_path))
+    assert out.returncode == 3, out.stdout + out.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "time limit (1 s)" in results["aborted"]
+    assert "**Aborted**" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow  # ~2.5 min on 2 idle cores (6.5 with other jobs beside it)
+def test_dry_run_takes_every_path(tmp_path):
+    out = _run("--dry-run", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "errors" not in results and "aborted" not in results
+    assert set(results["part_seconds"]) == {"numerics", "kernels", "layer", "train"}
+
+    # Numerics: every kernel on both backends, every case, against a non-zero reference.
+    rows = results["numerics"]
+    assert results["numerics_ok"] and all(r["ok"] and r["ref_max"] > 0 for r in rows)
+    kernels = {(r["case"], r["backend"], r["kernel"]) for r in rows}
+    cases = ("zipf_aligned", "unaligned_partial", "empty_groups_aligned", "balanced_aligned")
+    backends = ("pallas_mosaic_gpu", "pallas_triton")
+    assert kernels >= {(c, b, k) for c in cases for b in backends for k in ("gmm", "gmm_t", "tgmm")}
+    assert {k for c, _, k in kernels if c == "grouped_matmul_vjp"} == {"out", "dlhs", "drhs"}
+    assert all(r["zero_past_groups"] for r in rows if "zero_past_groups" in r)
+
+    # Kernels: both routings, three kernels, ours and the baselines timed; what needs a GPU is
+    # named, not silently missing.
+    rows = results["kernels"]
+    assert {(r["routing"], r["kernel"]) for r in rows} == {
+        (routing, k) for routing in ("balanced", "zipf") for k in ("gmm", "gmm_t", "tgmm")
+    }
+    for r in rows:
+        assert set(r["tflops"]) == {"dense jnp", *OURS, "jax.lax.ragged_dot"}, r
+        assert {"jax ragged_dot_mgpu", "torch._grouped_mm"} <= set(r["unavailable"]), r
+        assert r["rows"] > 0 and r["rows"] % 64 == 0
+
+    assert [r["config"] for r in results["layer"]] == ["tiny"]
+    assert results["layer"][0]["layer_ms"] > 0
+    assert results["train"]["moejax_step_ms"] > 0
+    md = (tmp_path / "results.md").read_text()
+    for title in ("**Numerics**", "**Kernels", "**MoE layer", "**Train step"):
+        assert title in md
