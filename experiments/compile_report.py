@@ -78,7 +78,6 @@ class Progress:
 
 
 TRAIN_TARGETS = (*TARGETS, ("tpu", {"generation": "v5p"}, "TPU v5p 2x2x2"))
-JOBS = 3 + len(TARGETS) * len(CASES) + len(TRAIN_TARGETS)
 
 
 def layer_rows(progress: Progress) -> list[str]:
@@ -138,7 +137,7 @@ def main() -> None:
         # libtpu prints a warning to stderr when it first loads: before the Markdown starts.
         aot.mesh("tpu", (2, 4), ("data", "expert"), generation="v5e")
     jobs = sum(s in sections for s in ("h100", "v5e", "v5p"))
-    jobs += len(TARGETS) * len(STRATEGIES) * ("layer" in sections)
+    jobs += len(TARGETS) * len(CASES) * ("layer" in sections)
     progress = Progress(jobs + len(TRAIN_TARGETS) * ("train" in sections))
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False

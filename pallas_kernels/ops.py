@@ -41,8 +41,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_gpu, targets, tpu, triton, tuned, vma
 from pallas_kernels import metadata as md
+from pallas_kernels import mosaic_gpu, targets, tpu, triton, tuned, vma
 from pallas_kernels.config import (
     BACKENDS,
     GROUP_ALIGNMENT,
