@@ -146,7 +146,7 @@ def _moe_apply(params, x, config, implementation):
     if config.shared_width:
         with jax.named_scope("shared_experts"):
             y = y + shared_mlp(params["shared"], xt, config)
-    return y.reshape(shape), make_aux(routing, config)
+    return y.reshape(shape), make_aux(routing, config, num_sequences)
 
 
 _moe_apply_jit = jax.jit(_moe_apply, static_argnums=(2, 3))
@@ -199,8 +199,9 @@ def empty_outputs(router_params: dict, x: jax.Array, config: MoEConfig) -> tuple
     return jnp.zeros(x.shape, x.dtype), aux
 
 
-def make_aux(routing: Routing, config: MoEConfig) -> MoEAux:
-    """Routing statistics and auxiliary losses of one call."""
+def make_aux(routing: Routing, config: MoEConfig, num_sequences: int = 1) -> MoEAux:
+    """Routing statistics and auxiliary losses of one call (`num_sequences` sequence-major
+    sequences for the sequence-wise balance loss)."""
     e = config.num_experts
     dropped = ~routing.kept
     if config.router == "expert_choice":
@@ -222,4 +223,6 @@ def make_aux(routing: Routing, config: MoEConfig) -> MoEAux:
         routed_fraction=_routing.expert_counts(routing.expert_index, e).astype(jnp.float32)
         / routing.expert_index.size,
         mean_probs=routing.probs.mean(0).astype(jnp.float32),
+        sequence_balance_loss=_routing.sequence_balance_sum(routing, e, num_sequences)
+        / num_sequences,
     )

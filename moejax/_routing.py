@@ -163,6 +163,23 @@ def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
     return num_experts * jnp.sum(f * p)
 
 
+def sequence_balance_sum(routing: Routing, num_experts: int, num_sequences: int) -> jax.Array:
+    """Sum over sequences of DeepSeek-V3's sequence-wise balance loss (before the mean).
+
+    For each sequence of `S` tokens, `(E / (K S)) * sum_e c_e * P_e`, where `c_e` counts the
+    sequence's assignments to expert e and `P_e` is the sequence's mean of the normalised router
+    probabilities (`Routing.probs`: for the sigmoid router the scores divided by their sum, as
+    DeepSeek-V3's `s'`). 1.0 per sequence at perfect balance. Returned summed over the
+    `num_sequences` sequences of `T = num_sequences * S` sequence-major tokens, so shards add.
+    """
+    t, k = routing.expert_index.shape
+    s = t // num_sequences
+    onehot = jax.nn.one_hot(routing.expert_index.reshape(num_sequences, s * k), num_experts)
+    counts = onehot.sum(1)  # [B, E]
+    p = routing.probs.reshape(num_sequences, s, num_experts).mean(1)  # [B, E]
+    return jnp.sum(counts * p) * (num_experts / (k * s))
+
+
 def z_loss(logits: jax.Array) -> jax.Array:
     """Router z-loss `mean(logsumexp(logits)^2)` (ST-MoE)."""
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)

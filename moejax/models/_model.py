@@ -36,6 +36,8 @@ class LMAux:
     #                            softmax(router logits)
     routed_fraction: jax.Array  # [Lm, E] fp32 f: fraction of the assignments to each expert
     mean_probs: jax.Array  # [Lm, E] fp32 P: mean router probability of each expert
+    sequence_balance_loss: jax.Array  # [Lm] fp32 DeepSeek-V3 sequence-wise balance loss per
+    #                                   layer (mean over sequences; 1.0 = balanced)
 
 
 def cast_floating(tree, dtype):
@@ -225,6 +227,7 @@ def _layer_stats(aux) -> LMAux:
         router_entropy=_router_entropy(aux.router_logits),
         routed_fraction=aux.routed_fraction,
         mean_probs=aux.mean_probs,
+        sequence_balance_loss=aux.sequence_balance_loss,
     )
 
 

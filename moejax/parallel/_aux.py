@@ -16,8 +16,11 @@ from moejax._types import MoEAux, Routing
 from moejax.parallel import _collectives as col
 
 
-def sharded_aux(routing: Routing, config: MoEConfig, axes: col.MeshAxes) -> MoEAux:
-    """Aux of the whole mesh's tokens from this device's `routing` (`[T, K]` local fields)."""
+def sharded_aux(
+    routing: Routing, config: MoEConfig, axes: col.MeshAxes, num_sequences: int = 1
+) -> MoEAux:
+    """Aux of the whole mesh's tokens from this device's `routing` (`[T, K]` local fields;
+    `num_sequences` whole sequences on this device, as many on every token shard)."""
     e = config.num_experts
     t, k = routing.expert_index.shape
     tg = t * axes.token_shards  # global tokens
@@ -47,4 +50,8 @@ def sharded_aux(routing: Routing, config: MoEConfig, axes: col.MeshAxes) -> MoEA
         z_loss=lse2 / tg,
         routed_fraction=f,
         mean_probs=p.astype(jnp.float32),
+        sequence_balance_loss=col.psum(
+            _routing.sequence_balance_sum(routing, e, num_sequences), axes.token
+        )
+        / (num_sequences * axes.token_shards),
     )

@@ -157,7 +157,7 @@ def _sharded(
     pspecs = mesh_lib.param_partition_specs(expert_config, mesh)
     xspec = mesh_lib.activation_spec(mesh, x.ndim)
     tspec = P(axes.token or None)
-    aux_spec = MoEAux(tspec, tspec, tspec, tspec, *[P()] * 7)
+    aux_spec = MoEAux(tspec, tspec, tspec, tspec, *[P()] * 8)
     body = functools.partial(
         _body,
         config=config,
@@ -232,7 +232,7 @@ def _body(
         routing = _routing.route(params["router"], xt, config, num_sequences=seqs)
         if config.dispatch == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, seqs)
-    aux = sharded_aux(routing, config, axes)
+    aux = sharded_aux(routing, config, axes, seqs)
     if placement is not None:
         with jax.named_scope("assign_slots"):
             slots = assign_slots(routing.expert_index, routing.kept, placement, _shard(axes))

@@ -40,7 +40,8 @@ class StepMetrics:
 
     loss: jax.Array  # [] fp32 mean next-token cross-entropy (nats)
     total_loss: jax.Array  # [] fp32 loss + weighted aux losses (what is differentiated)
-    load_balance_loss: jax.Array  # [] fp32 mean over MoE layers
+    load_balance_loss: jax.Array  # [] fp32 the active balance loss (`TrainConfig.load_balance`),
+    #                               mean over MoE layers
     z_loss: jax.Array  # [] fp32 mean over MoE layers
     grad_norm: jax.Array  # [] fp32 global norm before clipping
     learning_rate: jax.Array  # [] fp32 of this step's update
@@ -50,7 +51,27 @@ class StepMetrics:
     router_entropy: jax.Array  # [Lm] fp32 nats
 
 
-def lm_loss(params, batch, model_cfg: LMConfig, train_cfg: TrainConfig, **forward_kw):
+def balance_loss(aux: LMAux, train_cfg: TrainConfig, fraction=None) -> jax.Array:
+    """The balance loss `TrainConfig.load_balance` selects, mean over the MoE layers `[]`.
+
+    Args:
+      aux: the forward's statistics.
+      train_cfg: the config.
+      fraction: for `"global_batch"` with micro-batches, `[Lm, E]` the fraction of the whole
+        step's assignments routed to each expert (a constant: counts carry no gradient); None
+        when the forward covers the whole batch (then the Switch form over it is the global one).
+    """
+    if train_cfg.load_balance == "sequence":
+        return aux.sequence_balance_loss.mean()
+    if train_cfg.load_balance == "global_batch" and fraction is not None:
+        e = aux.mean_probs.shape[-1]
+        return (e * jnp.sum(jax.lax.stop_gradient(fraction) * aux.mean_probs, axis=-1)).mean()
+    return aux.load_balance_loss.mean()
+
+
+def lm_loss(
+    params, batch, model_cfg: LMConfig, train_cfg: TrainConfig, balance_fraction=None, **forward_kw
+):
     # (`forward_kw` may carry `placements`, one `SlotTable` per MoE layer.)
     """Training objective of one batch.
 
@@ -58,21 +79,37 @@ def lm_loss(params, batch, model_cfg: LMConfig, train_cfg: TrainConfig, **forwar
       params: the model parameters.
       batch: `[B, S + 1]` int32 windows: inputs `[:, :-1]`, targets `[:, 1:]`.
       model_cfg, train_cfg: the configs.
+      balance_fraction: `[Lm, E]` expert fractions of the whole step (`balance_loss`), or None.
       **forward_kw: `mesh`, `strategy`, `implementation` for `lm_forward`.
 
     Returns:
       `(total, (cross_entropy, LMAux))` with `total = cross_entropy + load_balance_weight *
-      mean(load_balance_loss) + z_loss_weight * mean(z_loss)`. Aux losses are averaged over the
-      MoE layers so that their weights do not scale with depth.
+      balance_loss + z_loss_weight * mean(z_loss)`. Aux losses are averaged over the MoE layers
+      so that their weights do not scale with depth.
     """
     logits, aux = lm_forward(params, batch[:, :-1], model_cfg, **forward_kw)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
     total = (
         ce
-        + train_cfg.load_balance_weight * aux.load_balance_loss.mean()
+        + train_cfg.load_balance_weight * balance_loss(aux, train_cfg, balance_fraction)
         + train_cfg.z_loss_weight * aux.z_loss.mean()
     )
     return total, (ce, aux)
+
+
+def _global_fraction(params, micro, model_cfg, forward_kw):
+    """`[Lm, E]` expert fractions over all micro-batches `micro [n, B / n, S + 1]`: a forward
+    pass per micro-batch (no backward), on device. Equal-sized micro-batches, so the mean of
+    their fractions is the whole batch's."""
+
+    def body(acc, mb):
+        _, aux = lm_forward(params, mb[:, :-1], model_cfg, **forward_kw)
+        return acc + aux.routed_fraction, None
+
+    e = model_cfg.moe.num_experts
+    zeros = jnp.zeros((model_cfg.num_moe_layers, e), jnp.float32)
+    total, _ = jax.lax.scan(body, zeros, micro)
+    return total / micro.shape[0]
 
 
 def _accumulated(grad_fn, params, batch, model_cfg, train_cfg, forward_kw):
@@ -83,20 +120,28 @@ def _accumulated(grad_fn, params, batch, model_cfg, train_cfg, forward_kw):
     Micro-batch `j` takes rows `j, j + n, j + 2n, ...`, so each device keeps its own rows (the
     batch is split over the token axes in contiguous blocks; each block's size is a multiple of
     `n`, checked by `TrainConfig` against the mesh in `moejax.training.loop`). Cross-entropy,
-    z-loss and their gradients equal the whole batch's; the load-balance loss, nonlinear in
-    the batch's statistics, is the mean of the micro-batches' (as Megatron-LM and MaxText do).
+    z-loss and their gradients equal the whole batch's; the `"micro_batch"` load-balance loss,
+    nonlinear in the batch's statistics, is the mean of the micro-batches' (as Megatron-LM and
+    MaxText do); the `"global_batch"` one takes the whole batch's expert fractions from a
+    forward pass over all micro-batches first (`_global_fraction`), and so equals the whole
+    batch's, gradients included. Also returns those fractions (None for other losses).
     """
     n = train_cfg.microbatches
     rows, width = batch.shape
     micro = batch.reshape(rows // n, n, width).swapaxes(0, 1)  # [n, B / n, S + 1]
+    fraction = None
+    if train_cfg.load_balance == "global_batch":
+        fraction = _global_fraction(params, micro, model_cfg, forward_kw)
 
     def body(acc, mb):
-        out, grads = grad_fn(params, mb, model_cfg, train_cfg, **forward_kw)
+        out, grads = grad_fn(params, mb, model_cfg, train_cfg, fraction, **forward_kw)
         return jax.tree.map(jnp.add, acc, (out, grads)), None
 
     zeros = jax.tree.map(
         jnp.zeros_like,
-        jax.eval_shape(lambda: grad_fn(params, micro[0], model_cfg, train_cfg, **forward_kw)),
+        jax.eval_shape(
+            lambda: grad_fn(params, micro[0], model_cfg, train_cfg, fraction, **forward_kw)
+        ),
     )
     (out, grads), _ = jax.lax.scan(body, zeros, micro)
     total, (ce, aux) = out
@@ -104,7 +149,7 @@ def _accumulated(grad_fn, params, batch, model_cfg, train_cfg, forward_kw):
     aux = dataclasses.replace(
         jax.tree.map(mean, aux), expert_counts=aux.expert_counts
     )  # counts add up; every other statistic is a mean over tokens or layers
-    return (mean(total), (mean(ce), aux)), jax.tree.map(mean, grads)
+    return (mean(total), (mean(ce), aux)), jax.tree.map(mean, grads), fraction
 
 
 def _update_correction_biases(params, counts, model_cfg: LMConfig, rate: float):
@@ -149,11 +194,12 @@ def train_step(
         delay_wgrad=train_cfg.delay_wgrad,
     )
     if train_cfg.microbatches > 1:
-        (total, (ce, aux)), grads = _accumulated(
+        (total, (ce, aux)), grads, fraction = _accumulated(
             grad_fn, state.params, batch, model_cfg, train_cfg, forward_kw
         )
     else:
         (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
+        fraction = None
     aux: LMAux
     if tables:
         grads = placed.combine_grads(grads, tables, model_cfg, mesh)
@@ -180,7 +226,7 @@ def train_step(
     metrics = StepMetrics(
         loss=ce,
         total_loss=total,
-        load_balance_loss=aux.load_balance_loss.mean(),
+        load_balance_loss=balance_loss(aux, train_cfg, fraction),
         z_loss=aux.z_loss.mean(),
         grad_norm=grad_norm,
         learning_rate=learning_rate_schedule(train_cfg)(state.updates).astype(jnp.float32),
