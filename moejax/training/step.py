@@ -77,7 +77,9 @@ def lm_loss(
 
     Args:
       params: the model parameters.
-      batch: `[B, S + 1]` int32 windows: inputs `[:, :-1]`, targets `[:, 1:]`.
+      batch: `[B, S + 1]` int32 windows: inputs `[:, :-1]`, targets `[:, 1:]`; or a dict of
+        them (`"tokens"`) and `"replay_experts"`: `[Lm, B, S, K]` int experts recorded per MoE
+        layer for the inputs (router replay, `moejax.models.lm_forward`).
       model_cfg, train_cfg: the configs.
       balance_fraction: `[Lm, E]` expert fractions of the whole step (`balance_loss`), or None.
       **forward_kw: `mesh`, `strategy`, `implementation` for `lm_forward`.
@@ -87,8 +89,9 @@ def lm_loss(
       balance_loss + z_loss_weight * mean(z_loss)`. Aux losses are averaged over the MoE layers
       so that their weights do not scale with depth.
     """
-    logits, aux = lm_forward(params, batch[:, :-1], model_cfg, **forward_kw)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    tokens, replay = batch_parts(batch)
+    logits, aux = lm_forward(params, tokens[:, :-1], model_cfg, replay_experts=replay, **forward_kw)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     total = (
         ce
         + train_cfg.load_balance_weight * balance_loss(aux, train_cfg, balance_fraction)
@@ -97,19 +100,45 @@ def lm_loss(
     return total, (ce, aux)
 
 
+def batch_parts(batch):
+    """`(tokens [B, S + 1], replay_experts [Lm, B, S, K] or None)` of a step's batch: an array
+    of tokens, or a dict with `"tokens"` and optionally `"replay_experts"`."""
+    if not isinstance(batch, dict):
+        return batch, None
+    unknown = set(batch) - {"tokens", "replay_experts"}
+    if unknown or "tokens" not in batch:
+        raise ValueError(
+            f"batch keys {sorted(batch)}: need 'tokens' and optionally 'replay_experts'"
+        )
+    return batch["tokens"], batch.get("replay_experts")
+
+
+def _split_batch(batch, n):
+    """`[n, ...]` micro-batches of a batch: micro-batch `j` takes rows `j, j + n, ...`."""
+    tokens, replay = batch_parts(batch)
+    rows, width = tokens.shape
+    tokens = tokens.reshape(rows // n, n, width).swapaxes(0, 1)  # [n, B / n, S + 1]
+    if replay is None:
+        return tokens
+    lm, _, s, k = replay.shape
+    replay = replay.reshape(lm, rows // n, n, s, k).transpose(2, 0, 1, 3, 4)  # [n, Lm, B/n, S, K]
+    return {"tokens": tokens, "replay_experts": replay}
+
+
 def _global_fraction(params, micro, model_cfg, forward_kw):
     """`[Lm, E]` expert fractions over all micro-batches `micro [n, B / n, S + 1]`: a forward
     pass per micro-batch (no backward), on device. Equal-sized micro-batches, so the mean of
     their fractions is the whole batch's."""
 
     def body(acc, mb):
-        _, aux = lm_forward(params, mb[:, :-1], model_cfg, **forward_kw)
+        tokens, replay = batch_parts(mb)
+        _, aux = lm_forward(params, tokens[:, :-1], model_cfg, replay_experts=replay, **forward_kw)
         return acc + aux.routed_fraction, None
 
     e = model_cfg.moe.num_experts
     zeros = jnp.zeros((model_cfg.num_moe_layers, e), jnp.float32)
     total, _ = jax.lax.scan(body, zeros, micro)
-    return total / micro.shape[0]
+    return total / jax.tree.leaves(micro)[0].shape[0]
 
 
 def _accumulated(grad_fn, params, batch, model_cfg, train_cfg, forward_kw):
@@ -127,8 +156,7 @@ def _accumulated(grad_fn, params, batch, model_cfg, train_cfg, forward_kw):
     batch's, gradients included. Also returns those fractions (None for other losses).
     """
     n = train_cfg.microbatches
-    rows, width = batch.shape
-    micro = batch.reshape(rows // n, n, width).swapaxes(0, 1)  # [n, B / n, S + 1]
+    micro = _split_batch(batch, n)  # [n, B / n, S + 1] (and [n, Lm, B / n, S, K])
     fraction = None
     if train_cfg.load_balance == "global_batch":
         fraction = _global_fraction(params, micro, model_cfg, forward_kw)
@@ -140,7 +168,14 @@ def _accumulated(grad_fn, params, batch, model_cfg, train_cfg, forward_kw):
     zeros = jax.tree.map(
         jnp.zeros_like,
         jax.eval_shape(
-            lambda: grad_fn(params, micro[0], model_cfg, train_cfg, fraction, **forward_kw)
+            lambda: grad_fn(
+                params,
+                jax.tree.map(lambda a: a[0], micro),
+                model_cfg,
+                train_cfg,
+                fraction,
+                **forward_kw,
+            )  # fmt: skip
         ),
     )
     (out, grads), _ = jax.lax.scan(body, zeros, micro)
@@ -176,6 +211,9 @@ def train_step(
 ) -> tuple[TrainState, StepMetrics]:
     """One training step (module docstring); pure, to be jitted by `make_train_step`.
 
+    `batch`: `[B, S + 1]` tokens, or a dict with `"tokens"` and `"replay_experts"`
+    `[Lm, B, S, K]` (router replay: the experts recorded per MoE layer, e.g. at rollout with
+    `lm_forward(..., return_experts=True)`; see `lm_loss`).
     `tables`: one `moejax.parallel.SlotTable` per MoE layer when the state's experts are
     physical slots (`moejax.training.placed`), else `()`. `strategy` (the sharded MoE
     layers' `Strategy`) and `batch_split` (micro-batches side by side through every block,
@@ -247,8 +285,13 @@ def make_train_step(
     strategy="auto",
     implementation: str = "auto",
     batch_split: int = 1,
+    replay_experts: bool = False,
 ):
     """`train_step` jitted: `(state, batch [B, S + 1][, tables]) -> (state, StepMetrics)`.
+
+    `replay_experts=True`: the batch is `{"tokens": [B, S + 1], "replay_experts":
+    [Lm, B, S, K]}` (router replay, `train_step`); on a mesh both are split over the token
+    axes along B.
 
     Cached on its (hashable) arguments, so repeated runs in one process reuse the compiled
     step. The state is donated (updated in place). On a mesh, the state keeps the shardings of
@@ -269,6 +312,10 @@ def make_train_step(
     sh = state_shardings(model_cfg, train_cfg, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     in_shardings = (sh, batch_sharding(mesh))
+    if replay_experts:
+        tokens_spec = batch_sharding(mesh).spec
+        replay = NamedSharding(mesh, PartitionSpec(None, tokens_spec[0], None, None))
+        in_shardings = (sh, {"tokens": batch_sharding(mesh), "replay_experts": replay})
     if train_cfg.expert_slots_per_device:
         in_shardings += (replicated,)  # the slot tables
     return jax.jit(
