@@ -242,7 +242,7 @@ def _body(
         routing = _routing.route(params["router"], xt, config, num_sequences=seqs, replay=replay)
         if config.dispatch == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, seqs)
-    aux = sharded_aux(routing, config, axes, seqs)
+    aux = sharded_aux(routing, config, axes, seqs if x.ndim >= 3 else None)
     if placement is not None:
         with jax.named_scope("assign_slots"):
             slots = assign_slots(routing.expert_index, routing.kept, placement, _shard(axes))
