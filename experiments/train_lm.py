@@ -346,7 +346,7 @@ def _configs(args):
 
     model_cfg = presets.get(args.preset)
     if args.init_from:
-        from moejax.interop.hf._converted import read_converted
+        from moejax.interop.hf import read_converted
 
         model_cfg = read_converted(args.init_from)[0]
     if args.upcycle_from:
@@ -697,9 +697,9 @@ def _init_params(args, model_cfg):
         return place
     if not args.init_from:
         return None
-    from moejax.interop.hf._converted import restore_params
+    from moejax.interop.hf import load_converted_params
 
-    return lambda mesh: restore_params(
+    return lambda mesh: load_converted_params(
         args.init_from, model_cfg, mesh, allow_nonfinite=args.allow_nonfinite
     )
 
@@ -711,12 +711,16 @@ def main(argv=None) -> int:
             inputs = _setup(args)
         except ValueError as err:
             return _fail(err, args)
+        from moejax.interop.hf import CheckpointError as HFCheckpointError
         from moejax.training import INPUT_ERRORS
 
-        try:  # inside training only the library's input errors are one line; bugs keep tracebacks
+        # Inside training only the library's input errors are one line; bugs keep tracebacks.
+        # `--init-from`'s converted model is read inside `train`: its errors are input errors.
+        input_errors = (*INPUT_ERRORS, HFCheckpointError)
+        try:
             with _run_lock(args):  # around the outputs too
                 return run(args, *inputs)
-        except INPUT_ERRORS as err:
+        except input_errors as err:
             return _fail(err, args)
     except KeyboardInterrupt:  # before the training loop, or a second Ctrl-C inside it
         if args.debug:

@@ -14,7 +14,7 @@ from moejax import _gmm, _routing
 from moejax._config import MoEConfig
 from moejax._experts import grouped_ffn, reference_experts, shared_mlp
 from moejax._fused import fused_moe
-from moejax._permute import combine, dispatch, make_layout
+from moejax._permute import combine, make_layout, permute
 from moejax._types import MoEAux, Routing
 from moejax._validate import check_layer_inputs, is_empty
 
@@ -147,7 +147,7 @@ def _moe_apply(params, x, config, implementation, replay=None):
         routing = _routing.route(
             params["router"], xt, config, num_sequences=num_sequences, replay=replay
         )
-        if config.dispatch == "capacity" and config.router != "expert_choice":
+        if config.drop_policy == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, num_sequences)
 
     max_kept = _max_kept(xt, config, num_sequences)
@@ -176,7 +176,7 @@ def _routed_phases(xt, routing, experts, implementation, *, config, max_kept):
     gmm, alignment = _gmm_for(implementation, config)
     with jax.named_scope("permute"):
         layout = make_layout(routing, config.num_experts, alignment, max_kept)
-        rows = dispatch(xt, layout)
+        rows = permute(xt, layout)
     with jax.named_scope("experts"):
         out = grouped_ffn(rows, layout.group_sizes, layout.group_of_row, experts, config, gmm)
     with jax.named_scope("unpermute"):
@@ -185,7 +185,7 @@ def _routed_phases(xt, routing, experts, implementation, *, config, max_kept):
 
 def _max_kept(xt, config, num_sequences) -> int | None:
     """Static bound on kept assignments (smaller R for capacity mode and expert choice)."""
-    if config.dispatch == "capacity" or config.router == "expert_choice":
+    if config.drop_policy == "capacity" or config.router == "expert_choice":
         s = xt.shape[0] // num_sequences
         cap = min(config.capacity(s), s) if config.router == "expert_choice" else config.capacity(s)
         return num_sequences * config.num_experts * cap

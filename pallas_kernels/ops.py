@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import autotune, tpu, triton, vma
+from pallas_kernels import tpu, triton, tuned, vma
 from pallas_kernels.config import (
     BACKENDS,
     Config,
@@ -97,9 +97,9 @@ def kernel_config(configs: Configs, kernel: str, backend: str, dtype, m, k, n, g
     if configs is not None and kernel in configs:
         return configs[kernel]
     if backend == "pallas_triton" and kernel in ("gmm", "gmm_t"):
-        tuned = autotune.cached_config(autotune.cache_key(m, k, n, g, dtype, kernel=kernel))
-        if tuned is not None:
-            return tuned
+        found = tuned.cached_config(tuned.cache_key(m, k, n, g, dtype, kernel=kernel))
+        if found is not None:
+            return found
     return default_config(kernel, backend, dtype, m, k, n, g)
 
 
@@ -117,6 +117,8 @@ def on_target(backend: str, interpret, make: Callable[[str, Any], Callable], *ar
     """`make(concrete_backend, interpret)(*args)`, with "auto" and "pallas" resolved by the
     platform the program is lowered for (see the module docstring)."""
     _check_backend(backend)
+    if interpret or backend == "pallas":  # "pallas" interprets where no kernel compiles
+        vma.install_interpret_fix()
     if backend not in ("auto", "pallas"):
         return make(backend, interpret)(*args)
     triton_fn = make("pallas_triton", interpret)

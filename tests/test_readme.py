@@ -1,6 +1,6 @@
-"""Every ```python block of README.md runs as written, each in a fresh process, as a user pasting
-it would run it: without the 8 simulated devices of conftest.py (a block that needs them asks for
-them itself) and from an empty directory.
+"""Every ```python block of README.md and of the pages under docs/ runs as written, each in a fresh
+process, as a user pasting it would run it: without the 8 simulated devices of conftest.py (a
+block that needs them asks for them itself) and from an empty directory.
 
 A block that cannot run on a CPU (or takes minutes) is marked by a `<!-- norun: why -->` line
 right above it; it is reported as skipped with its reason, never dropped silently. Commands that
@@ -27,6 +27,10 @@ from moejax.placement import H100_NVLINK as H100
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+# The pages checked: the README and every page under docs/ (paths relative to ROOT).
+PAGES = ["README.md"] + sorted(
+    f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")
+)
 _BLOCK = re.compile(
     r"^(?:<!--\s*norun:?(?P<why>[^>]*?)\s*-->\n)?```python\n(?P<code>.*?)^```", re.M | re.S
 )
@@ -35,24 +39,35 @@ _DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    line: int  # README line of the opening fence
+    line: int  # line of the opening fence
     code: str
     norun: str | None  # why it is not run (None: it runs)
+    page: str = "README.md"
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The ```python blocks of `text`, in order."""
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
+    """The ```python blocks of `text` (the page `page`), in order."""
     blocks = []
     for m in _BLOCK.finditer(text):
         fence = m.start("code") - len("```python\n")
         why = m.group("why")
         norun = None if why is None else (why.strip() or "no reason given")
-        blocks.append(Block(text.count("\n", 0, fence) + 1, m.group("code"), norun))
+        blocks.append(Block(text.count("\n", 0, fence) + 1, m.group("code"), norun, page))
     return blocks
 
 
-with open(README) as _f:
-    BLOCKS = readme_blocks(_f.read())
+def _read(page: str) -> str:
+    with open(os.path.join(ROOT, page)) as f:
+        return f.read()
+
+
+def _id(page: str, line: int) -> str:
+    """`README.md`, 12 -> `line12`; `docs/hf.md`, 30 -> `hf-line30`."""
+    stem = os.path.splitext(os.path.basename(page))[0]
+    return f"line{line}" if page == "README.md" else f"{stem}-line{line}"
+
+
+BLOCKS = [b for page in PAGES for b in readme_blocks(_read(page), page)]
 
 
 def _user_env() -> dict:
@@ -67,15 +82,16 @@ def _user_env() -> dict:
 
 
 def test_readme_has_python_blocks_and_the_parser_finds_markers():
-    assert len([b for b in BLOCKS if b.norun is None]) >= 2
+    assert len([b for b in BLOCKS if b.norun is None and b.page == "README.md"]) >= 2
+    assert {"README.md", "docs/layer.md", "docs/hf.md"} <= set(PAGES)
     text = "a\n```python\nx = 1\n```\n<!-- norun: needs a GPU -->\n```python\ny = 2\n```\n"
     assert readme_blocks(text) == [Block(2, "x = 1\n", None), Block(6, "y = 2\n", "needs a GPU")]
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}" for b in BLOCKS])
+@pytest.mark.parametrize("block", BLOCKS, ids=[_id(b.page, b.line) for b in BLOCKS])
 def test_readme_python_block_runs(block, tmp_path):
     if block.norun is not None:
-        pytest.skip(f"README.md line {block.line} is marked norun: {block.norun}")
+        pytest.skip(f"{block.page} line {block.line} is marked norun: {block.norun}")
     proc = subprocess.run(
         [sys.executable, "-c", block.code],
         cwd=tmp_path,
@@ -85,15 +101,16 @@ def test_readme_python_block_runs(block, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, (
-        f"README.md line {block.line}:\n{block.code}\n--- stderr ---\n{proc.stderr[-3000:]}"
+        f"{block.page} line {block.line}:\n{block.code}\n--- stderr ---\n{proc.stderr[-3000:]}"
     )
 
 
 # --- Shell commands -------------------------------------------------------------------------
 #
-# Every command line of the README's ```bash blocks (continuations joined, comments dropped) has
-# a plan below, and a test fails on a command without one (or a plan without its command), so a
-# new README command is classified, never dropped silently:
+# Every command line of the ```bash blocks of the README and docs/ pages (continuations joined,
+# comments dropped) has a plan below, and a test fails on a command without one (or a plan
+# without its command), so a new command is classified, never dropped silently. A command that
+# appears on several pages is run (or checked) once, where it first appears:
 #
 # - "run": run as written, from a scratch directory that stands for the repository root
 #   (`experiments/` and `tests/` linked in), with the interpreter (and `jupyter`) of this venv.
@@ -185,12 +202,13 @@ COMMANDS: dict[str, Plan] = {
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    line: int  # README line where the command starts
+    line: int  # line where the command starts
     text: str  # tokens joined by single spaces (the key of COMMANDS)
+    page: str = "README.md"
 
 
-def shell_commands(text: str) -> list[Command]:
-    """The command lines of the ```bash blocks of `text`, in order."""
+def shell_commands(text: str, page: str = "README.md") -> list[Command]:
+    """The command lines of the ```bash blocks of `text` (the page `page`), in order."""
     out, lang, start, lines = [], None, 0, []
     for i, raw in enumerate(text.splitlines(), 1):
         fence = _FENCE.match(raw)
@@ -198,14 +216,14 @@ def shell_commands(text: str) -> list[Command]:
             lang, start, lines = fence.group(1), i, []
         elif lang is not None and raw.strip() == "```":
             if lang in ("bash", "sh"):
-                out += _logical_lines(start, lines)
+                out += _logical_lines(start, lines, page)
             lang = None
         elif lang is not None:
             lines.append(raw)
     return out
 
 
-def _logical_lines(fence_line: int, lines: list[str]) -> list[Command]:
+def _logical_lines(fence_line: int, lines: list[str], page: str) -> list[Command]:
     out, pending, first = [], "", None
     for offset, raw in enumerate(lines, 1):
         first = first or fence_line + offset
@@ -214,13 +232,12 @@ def _logical_lines(fence_line: int, lines: list[str]) -> list[Command]:
             continue
         tokens = shlex.split(pending + raw, comments=True)
         if tokens:
-            out.append(Command(first, " ".join(tokens)))
+            out.append(Command(first, " ".join(tokens), page))
         pending, first = "", None
     return out
 
 
-with open(README) as _f:
-    COMMAND_LINES = shell_commands(_f.read())
+COMMAND_LINES = [c for page in PAGES for c in shell_commands(_read(page), page)]
 
 
 def test_the_shell_command_parser():
@@ -231,17 +248,18 @@ def test_the_shell_command_parser():
 
 def test_every_readme_command_has_a_plan():
     found = [c.text for c in COMMAND_LINES]
-    missing = [
-        f"README.md line {c.line}: {c.text}" for c in COMMAND_LINES if c.text not in COMMANDS
-    ]
+    missing = [f"{c.page} line {c.line}: {c.text}" for c in COMMAND_LINES if c.text not in COMMANDS]
     assert not missing, "classify in COMMANDS:\n" + "\n".join(missing)
     stale = [k for k in COMMANDS if k not in found]
-    assert not stale, f"no longer in README.md: {stale}"
+    assert not stale, f"no longer in README.md or docs/: {stale}"
 
 
 def _params(kind: str):
-    out = []
+    out, seen = [], set()
     for c in COMMAND_LINES:
+        if c.text in seen:  # the same command on another page: checked once
+            continue
+        seen.add(c.text)
         plan = COMMANDS.get(c.text)
         if plan is None or (kind == "run" and plan.how == "flags" and not plan.extra):
             continue
@@ -249,7 +267,7 @@ def _params(kind: str):
             continue
         slow = plan.slow or (kind == "run" and plan.how == "flags")
         marks = [pytest.mark.slow] if slow else []
-        out.append(pytest.param(c, id=f"line{c.line}-{_slug(c.text)}", marks=marks))
+        out.append(pytest.param(c, id=f"{_id(c.page, c.line)}-{_slug(c.text)}", marks=marks))
     return out
 
 
@@ -280,7 +298,7 @@ def _prepare(tmp_path, setups) -> None:
         shutil.copy(fixture, tmp_path / "runs" / "tiny" / "routing_trace.npy")
     if "placed_run" in setups:  # what train_lm.py --placement leaves for the replay
         from moejax.placement import Placement, PlacementController, Workload
-        from moejax.placement.replay import SPEC_FILE, controller_spec
+        from moejax.placement.controller import SPEC_FILE
         from moejax.training.placed import TRAINING_CONTROLLER
 
         run = tmp_path / "runs" / "tiny_placed"
@@ -288,7 +306,7 @@ def _prepare(tmp_path, setups) -> None:
         shutil.copy(fixture, run / "routing_trace.npy")
         wl = Workload(tokens_per_device=256, top_k=2, d_model=128, d_ff=256, replica_sync="packed")
         ctl = PlacementController([Placement.identity(8, 4, 3)] * 4, H100, wl, TRAINING_CONTROLLER)
-        (run / SPEC_FILE).write_text(json.dumps(controller_spec(ctl)))
+        (run / SPEC_FILE).write_text(json.dumps(ctl.spec()))
     if "text" in setups:
         (tmp_path / "notes").mkdir()
         for i in range(3):
@@ -320,7 +338,7 @@ def test_readme_train_command_is_accepted(command, tmp_path, monkeypatch):
 def test_readme_command_runs(command, tmp_path):
     plan = COMMANDS[command.text]
     if plan.how == "skip":
-        pytest.skip(f"README.md line {command.line}: {plan.why}")
+        pytest.skip(f"{command.page} line {command.line}: {plan.why}")
     bin_dir = os.path.dirname(sys.executable)
     if plan.needs == "jupyter" and not os.path.exists(os.path.join(bin_dir, "jupyter")):
         pytest.skip("jupyter is not installed: pip install -e '.[notebook]'")
@@ -340,14 +358,14 @@ def test_readme_command_runs(command, tmp_path):
         argv, cwd=tmp_path, env=_user_env(), capture_output=True, text=True, timeout=1800
     )
     assert proc.returncode == 0, (
-        f"README.md line {command.line}: {command.text}\n--- stdout ---\n{proc.stdout[-3000:]}"
+        f"{command.page} line {command.line}: {command.text}\n--- stdout ---\n{proc.stdout[-3000:]}"
         f"\n--- stderr ---\n{proc.stderr[-3000:]}"
     )
     _check_outputs(command, tmp_path, proc.stdout)
 
 
 def _check_outputs(command, tmp_path, stdout: str) -> None:
-    """What the README says each command leaves behind."""
+    """What the page says each command leaves behind."""
     if "simulate_placement.py --trace" in command.text:
         out = tmp_path / "runs" / "placement" / "tiny"
         assert (out / "placement.png").exists() and (out / "placement.json").exists()

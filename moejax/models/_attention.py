@@ -63,7 +63,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-# Importing pallas_kernels.vma also lets interpret-mode kernels lower under check_vma shard_map.
 from pallas_kernels import vma as _vma
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -239,6 +238,8 @@ def _kernels():
 
 
 def _triton(q, k, v, *, interpret: bool = False):
+    if interpret:  # the interpreted kernel inside the check_vma shard_map of `_sharded`
+        _vma.install_interpret_fix()
     gpu_attention, _ = _kernels()
     b, s, h, dh = q.shape
     tiles = triton_blocks(s, dh, q.dtype)

@@ -111,7 +111,7 @@ def spec(axes: tuple, shape: tuple[int, ...], mesh, rules: dict) -> PartitionSpe
 
 
 def _specs(cfg: LMConfig, mesh, rules: dict) -> dict:
-    from moejax.models._params import abstract_params
+    from moejax.models._lm_params import abstract_params
 
     is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
     axes = lm_logical_axes(cfg)

@@ -7,7 +7,7 @@ One step, on device, with nothing read back to the host:
 2. the optax update (clipping, AdamW) on the trained leaves;
 3. the correction-bias update of every MoE layer from its expert counts (models with
    `score_correction_bias`), outside the optimizer;
-4. with expert placement (`TrainConfig.expert_slots_per_device`, `tables` given): replica
+4. with expert placement (`TrainConfig.expert_slots_per_device`, `slot_tables` given): replica
    gradients are combined and clipping uses the logical norm, so the update is the unreplicated
    one (`moejax.training.placed`);
 5. the guard: if the loss or the gradient norm is not finite, the new parameters and optimizer
@@ -72,7 +72,7 @@ def balance_loss(aux: LMAux, train_cfg: TrainConfig, fraction=None) -> jax.Array
 def lm_loss(
     params, batch, model_cfg: LMConfig, train_cfg: TrainConfig, balance_fraction=None, **forward_kw
 ):
-    # (`forward_kw` may carry `placements`, one `SlotTable` per MoE layer.)
+    # (`forward_kw` may carry `slot_tables`, one `SlotTable` per MoE layer.)
     """Training objective of one batch.
 
     Args:
@@ -200,7 +200,7 @@ def _update_correction_biases(params, counts, model_cfg: LMConfig, rate: float):
 def train_step(
     state: TrainState,
     batch: jax.Array,
-    tables=(),
+    slot_tables=(),
     *,
     model_cfg: LMConfig,
     train_cfg: TrainConfig,
@@ -214,18 +214,18 @@ def train_step(
     `batch`: `[B, S + 1]` tokens, or a dict with `"tokens"` and `"replay_experts"`
     `[Lm, B, S, K]` (router replay: the experts recorded per MoE layer, e.g. at rollout with
     `lm_forward(..., return_experts=True)`; see `lm_loss`).
-    `tables`: one `moejax.parallel.SlotTable` per MoE layer when the state's experts are
+    `slot_tables`: one `moejax.parallel.SlotTable` per MoE layer when the state's experts are
     physical slots (`moejax.training.placed`), else `()`. `strategy` (the sharded MoE
     layers' `Strategy`) and `batch_split` (micro-batches side by side through every block,
     `moejax.models.lm_forward`) change the schedule, never the math.
     """
-    tx = make_optimizer(train_cfg, clip=not tables)
+    tx = make_optimizer(train_cfg, clip=not slot_tables)
     grad_fn = jax.value_and_grad(lm_loss, has_aux=True)
     forward_kw = dict(
         mesh=mesh,
         strategy=strategy,
         implementation=implementation,
-        placements=tuple(tables) or None,
+        slot_tables=tuple(slot_tables) or None,
         remat=train_cfg.remat,
         scan_layers=train_cfg.scan_layers,
         batch_split=batch_split,
@@ -239,9 +239,9 @@ def train_step(
         (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
         fraction = None
     aux: LMAux
-    if tables:
-        grads = placed.combine_grads(grads, tables, model_cfg, mesh)
-        grad_norm = placed.logical_norm(grads, tables, model_cfg)
+    if slot_tables:
+        grads = placed.combine_grads(grads, slot_tables, model_cfg, mesh)
+        grad_norm = placed.logical_norm(grads, slot_tables, model_cfg)
         grads = placed.clip_by_norm(grads, grad_norm, train_cfg.clip_norm)
     else:
         grad_norm = optax.tree.norm(grads)
@@ -287,7 +287,7 @@ def make_train_step(
     batch_split: int = 1,
     replay_experts: bool = False,
 ):
-    """`train_step` jitted: `(state, batch [B, S + 1][, tables]) -> (state, StepMetrics)`.
+    """`train_step` jitted: `(state, batch [B, S + 1][, slot_tables]) -> (state, StepMetrics)`.
 
     `replay_experts=True`: the batch is `{"tokens": [B, S + 1], "replay_experts":
     [Lm, B, S, K]}` (router replay, `train_step`); on a mesh both are split over the token
@@ -335,10 +335,10 @@ def make_eval_step(
     implementation: str = "auto",
     scan_layers: bool = False,
 ):
-    """Jitted `(params, batch [B, S + 1][, tables]) -> mean cross-entropy []` (fp32,
-    replicated); `tables` as for `train_step`."""
+    """Jitted `(params, batch [B, S + 1][, slot_tables]) -> mean cross-entropy []` (fp32,
+    replicated); `slot_tables` as for `train_step`."""
 
-    def evaluate(params, batch, tables=()):
+    def evaluate(params, batch, slot_tables=()):
         logits, _ = lm_forward(
             params,
             batch[:, :-1],
@@ -346,7 +346,7 @@ def make_eval_step(
             mesh=mesh,
             strategy=strategy,
             implementation=implementation,
-            placements=tuple(tables) or None,
+            slot_tables=tuple(slot_tables) or None,
             scan_layers=scan_layers,
         )
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()

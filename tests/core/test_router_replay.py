@@ -10,7 +10,7 @@ import moejax
 from moejax import parallel
 from moejax._experts import reference_experts
 from moejax._types import Routing
-from moejax.parallel import placed
+from moejax.parallel import slots
 from moejax.placement import Placement
 
 BASE = dict(d_model=16, d_ff=8, num_experts=8, top_k=2, block_size=8)
@@ -26,7 +26,7 @@ CONFIGS = {
         routed_scaling_factor=2.5,
     ),  # fmt: skip
     "topk_softmax": moejax.MoEConfig(**BASE, router="topk_softmax", router_bias=True),
-    "capacity": moejax.MoEConfig(**BASE, dispatch="capacity", capacity_factor=0.75),
+    "capacity": moejax.MoEConfig(**BASE, drop_policy="capacity", capacity_factor=0.75),
 }
 B, S = 8, 4
 
@@ -141,13 +141,13 @@ def test_sharded_and_placed_replay_equal_one_device():
     (loss, aux), grads = _loss_fn(cfg, replay=other)(params, x)
     mesh = parallel.make_mesh((2, 4), ("data", "expert"))
     layout = Placement(np.array([0, 5, 0, 1, 2, 5, 3, 4, 5, 6, 7, 1]), 8, 4, 3)
-    table = placed.slot_table(layout)
-    physical = {**params, "experts": placed.to_physical(params["experts"], table)}
+    table = slots.slot_table(layout)
+    physical = {**params, "experts": slots.to_physical(params["experts"], table)}
     for p, placement in ((params, None), (physical, table)):
 
         def f(p, x, placement=placement):
             y, a = parallel.moe_apply_sharded(
-                p, x, cfg, mesh, implementation="ragged_dot", placement=placement,
+                p, x, cfg, mesh, implementation="ragged_dot", slot_table=placement,
                 replay_experts=other,
             )  # fmt: skip
             w = jnp.sin(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)

@@ -58,7 +58,7 @@ def _router_entropy(logits: jax.Array) -> jax.Array:
 
 
 def _moe_ffn(
-    p, h, cfg: LMConfig, mesh, strategy, implementation, placement, wgrad=None, replay=None
+    p, h, cfg: LMConfig, mesh, strategy, implementation, slot_table, wgrad=None, replay=None
 ):
     """`(y, MoEAux, slots)`: the MoE layer (with `replay`, `[B, S, K]` recorded experts, router
     replay), and with `wgrad` (a `_wgrad.Delayed`) the slots of the weight gradients it computes
@@ -75,7 +75,7 @@ def _moe_ffn(
 
     out = parallel.moe_apply_sharded(
         p, h, cfg.moe, mesh, strategy=strategy, implementation=implementation,
-        placement=placement, wgrad=wgrad, replay_experts=replay,
+        slot_table=slot_table, wgrad=wgrad, replay_experts=replay,
     )  # fmt: skip
     return out if wgrad is not None else (*out, None)
 
@@ -108,7 +108,7 @@ def lm_forward(
     mesh=None,
     strategy="auto",
     implementation: str = "auto",
-    placements=None,
+    slot_tables=None,
     remat: Remat = "none",
     scan_layers: bool = False,
     batch_split: int = 1,
@@ -134,9 +134,9 @@ def lm_forward(
         `model`) just before the layer uses them.
       strategy: the sharded MoE `Strategy` (or `"auto"`); ignored without a mesh.
       implementation: the grouped-matmul implementation (`moejax.moe_apply`).
-      placements: None (experts in logical order `[E, ...]`), or one
+      slot_tables: None (experts in logical order `[E, ...]`), or one
         `moejax.parallel.SlotTable` per MoE layer (needs a mesh): that layer's `experts/*` are
-        then physical `[P, ...]` slots with identical replicas (`moejax.parallel.placed`).
+        then physical `[P, ...]` slots with identical replicas (`moejax.parallel.slots`).
         Routing statistics stay per logical expert.
       remat: rematerialisation of each block in the backward (`remat_policy`).
       scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
@@ -172,12 +172,13 @@ def lm_forward(
         raise ValueError(f"tokens.shape={tokens.shape}: need [B, S]")
     if tokens.shape[1] > cfg.max_seq_len:
         raise ValueError(f"tokens.shape[1]={tokens.shape[1]} > max_seq_len={cfg.max_seq_len}")
-    if placements is not None:
+    if slot_tables is not None:
         if mesh is None:
-            raise ValueError("placements need a mesh (expert placement is across devices)")
-        if len(placements) != len(cfg.moe_layers):
+            raise ValueError("slot_tables need a mesh (expert placement is across devices)")
+        if len(slot_tables) != len(cfg.moe_layers):
             raise ValueError(
-                f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
+                f"len(slot_tables)={len(slot_tables)}: need one per MoE layer "
+                f"({len(cfg.moe_layers)})"
             )
     if delay_wgrad is None:  # where the MoE layers exchange tokens, unscanned (see docstring)
         delay_wgrad = mesh is not None and dict(mesh.shape).get("expert", 1) > 1
@@ -216,7 +217,7 @@ def lm_forward(
         attn_impl=_attention_implementation(implementation),
         return_experts=return_experts,
     )
-    tables = list(placements) if placements is not None else [None] * cfg.num_moe_layers
+    tables = list(slot_tables) if slot_tables is not None else [None] * cfg.num_moe_layers
     replays = None  # per micro-batch [Lm, B / k, S, K]
     if replay_experts is not None:
         rows = split_rows(jnp.swapaxes(replay_experts, 0, 1), batch_split)
@@ -285,7 +286,7 @@ def _ffn_stage(layer, x, table, next_attn, replay=None, *, is_moe, cfg, constrai
     if is_moe:
         with jax.named_scope("moe"):
             side = None if next_attn is None else _wgrad.attention_side(h, next_attn)
-            y, aux, slots = moe(layer["moe"], h, placement=table, wgrad=side, replay=replay)
+            y, aux, slots = moe(layer["moe"], h, slot_table=table, wgrad=side, replay=replay)
     else:
         with jax.named_scope("mlp"):
             y, aux = swiglu_mlp(layer["mlp"], h), None
@@ -510,7 +511,7 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
     cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
 
-    def moe(layer_params, h, placement, wgrad, replay=None):
+    def moe(layer_params, h, slot_table, wgrad, replay=None):
         return (*moejax.moe_apply(layer_params, h, cfg.moe), None)
 
     inputs = []
