@@ -7,6 +7,8 @@ Run: python -m pallas_kernels.targets --install   (once; the compilers)
                                                    v5p-64: ~20-40 min on 2 cores)
      python experiments/plan_scale.py --preset mixtral_8x7b --target h100x64
      python experiments/plan_scale.py --target h100x8 --batch 128   (one node)
+     python experiments/plan_scale.py --preset deepseek_v3_4l   (DeepSeek-V3's widths, 4
+                                                   layers: does one layer-unit fit?)
 Ends with one line per preset and target: the best layout found and `fits` / `does not fit`.
 The logic lives in `moejax.aot.fit`; the table is in BENCHMARKS.md ("Real scale").
 """

@@ -183,6 +183,9 @@ COMMANDS: dict[str, Plan] = {
     "python experiments/train_lm.py --placement --out runs/tiny_placed": Plan(
         "flags", extra=_QUICK
     ),
+    "python experiments/generate.py runs/tiny --prompt def ": Plan(
+        "run", slow=True, setup=("tiny_run",), extra=("--max-new-tokens", "4", "--no-progress")
+    ),
     "python experiments/simulate_placement.py --trace runs/tiny/routing_trace.npy --devices 4 8": (
         Plan("run", setup=("tiny_trace",))
     ),
@@ -307,6 +310,13 @@ def _prepare(tmp_path, setups) -> None:
         wl = Workload(tokens_per_device=256, top_k=2, d_model=128, d_ff=256, replica_sync="packed")
         ctl = PlacementController([Placement.identity(8, 4, 3)] * 4, H100, wl, TRAINING_CONTROLLER)
         (run / SPEC_FILE).write_text(json.dumps(ctl.spec()))
+    if "tiny_run" in setups:  # what the main job leaves: a checkpoint in runs/tiny (2 steps)
+        train = [sys.executable, os.path.join(ROOT, "experiments", "train_lm.py"), *_QUICK]
+        train[train.index("3")] = "2"
+        subprocess.run(
+            [*train, "--out", str(tmp_path / "runs" / "tiny")], cwd=tmp_path, env=_user_env(),
+            check=True, capture_output=True, timeout=1800,
+        )  # fmt: skip
     if "text" in setups:
         (tmp_path / "notes").mkdir()
         for i in range(3):

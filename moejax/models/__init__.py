@@ -17,6 +17,7 @@ from moejax.models import presets as presets
 from moejax.models._attention import causal_attention as causal_attention
 from moejax.models._config import LMConfig as LMConfig
 from moejax.models._config import RopeScaling as RopeScaling
+from moejax.models._generate import generate as generate
 from moejax.models._layers import apply_rope as apply_rope
 from moejax.models._layers import attention as attention
 from moejax.models._layers import rms_norm as rms_norm
@@ -36,6 +37,8 @@ from moejax.models._lm_params import ParamCounts as ParamCounts
 from moejax.models._lm_params import abstract_params as abstract_params
 from moejax.models._lm_params import init_lm_params as init_lm_params
 from moejax.models._lm_params import param_counts as param_counts
+from moejax.models._mla import MLAConfig as MLAConfig
+from moejax.models._patterns import mlp_layer_types_of as mlp_layer_types_of
 from moejax.models._sharding import check_lm_mesh as check_lm_mesh
 from moejax.models._sharding import lm_compute_specs as lm_compute_specs
 from moejax.models._sharding import lm_logical_axes as lm_logical_axes
@@ -48,6 +51,7 @@ __all__ = [
     "REMAT_POLICIES",
     "LMAux",
     "LMConfig",
+    "MLAConfig",
     "RopeScaling",
     "ParamCounts",
     "abstract_params",
@@ -57,6 +61,7 @@ __all__ = [
     "causal_attention",
     "check_lm_mesh",
     "dense_lm_config",
+    "generate",
     "init_lm_params",
     "lm_compute_specs",
     "lm_forward",
@@ -64,6 +69,7 @@ __all__ = [
     "lm_mesh_problems",
     "merge_rows",
     "merge_stats",
+    "mlp_layer_types_of",
     "moe_layer_inputs",
     "lm_partition_specs",
     "param_counts",

@@ -35,6 +35,9 @@ class TrainConfig:
         over the whole batch.
       load_balance_weight: weight of the balance loss `load_balance` selects.
       z_loss_weight: weight of the mean over MoE layers of the router z-loss.
+      mtp_loss_weight: weight of the mean over the model's multi-token-prediction blocks
+        (`LMConfig.mtp_layers`) of their cross-entropies (DeepSeek-V3: 0.3, later 0.1); logged
+        as `mtp_loss`. 0 (the default) leaves the blocks out of the step.
       bias_update_rate: step of the aux-loss-free correction-bias update (models whose MoE config
         has `score_correction_bias`), applied after the optimizer, outside it.
       seed: initialisation and data-shuffling seed.
@@ -48,8 +51,9 @@ class TrainConfig:
       remat: rematerialisation of each block in the backward: `"none"`, `"dots_saveable"`
         (keep matmul outputs, recompute the rest), `"full"` (keep only block inputs); see
         `moejax.models.remat_policy`. Changes memory and time, never the math.
-      scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
-        unit (`moejax.models.lm_forward`): compile time stops growing with depth.
+      scan_layers: run the blocks as `jax.lax.scan`s over repeats of a unit of blocks (the
+        `moe_every`-block unit, or the runs of `LMConfig.mlp_layer_types`;
+        `moejax.models.lm_forward`): compile time stops growing with depth.
       delay_wgrad: compute each attention's weight gradients inside the backward all-to-all
         window of the MoE layer before it (`moejax.models.lm_forward`). None: on where the mesh
         has an `expert` axis and the layers are not scanned.
@@ -77,6 +81,7 @@ class TrainConfig:
     load_balance: str = "micro_batch"
     load_balance_weight: float = 0.01
     z_loss_weight: float = 1e-3
+    mtp_loss_weight: float = 0.0
     bias_update_rate: float = 1e-3
     seed: int = 0
     eval_fraction: float = 0.05
@@ -112,7 +117,10 @@ class TrainConfig:
             _bad("min_lr_ratio", self.min_lr_ratio, "must lie in [0, 1]")
         if self.warmup_steps >= self.steps and self.warmup_steps:  # the cosine needs a step
             _bad("warmup_steps", self.warmup_steps, f"must be < steps={self.steps}")
-        for name in ("weight_decay", "load_balance_weight", "z_loss_weight", "bias_update_rate"):
+        for name in (
+            "weight_decay", "load_balance_weight", "z_loss_weight", "bias_update_rate",
+            "mtp_loss_weight",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 _bad(name, value, "must be a finite number >= 0")

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import moejax
 from moejax.models import LMAux, LMConfig, lm_forward
+from moejax.models._mtp import mtp_cross_entropy
 from moejax.training import placed
 from moejax.training._config import TrainConfig
 from moejax.training.optimizer import learning_rate_schedule, make_optimizer
@@ -49,6 +50,7 @@ class StepMetrics:
     expert_counts: jax.Array  # [Lm, E] int32
     dropped_fraction: jax.Array  # [Lm] fp32
     router_entropy: jax.Array  # [Lm] fp32 nats
+    mtp_loss: jax.Array | None = None  # [] fp32 mean over the MTP blocks of their cross-entropy
 
 
 def balance_loss(aux: LMAux, train_cfg: TrainConfig, fraction=None) -> jax.Array:
@@ -85,19 +87,35 @@ def lm_loss(
       **forward_kw: `mesh`, `strategy`, `implementation` for `lm_forward`.
 
     Returns:
-      `(total, (cross_entropy, LMAux))` with `total = cross_entropy + load_balance_weight *
-      balance_loss + z_loss_weight * mean(z_loss)`. Aux losses are averaged over the MoE layers
-      so that their weights do not scale with depth.
+      `(total, (cross_entropy, LMAux, mtp_loss or None))` with `total = cross_entropy +
+      load_balance_weight * balance_loss + z_loss_weight * mean(z_loss) + mtp_loss_weight *
+      mtp_loss`. Aux losses are averaged over the MoE layers so that their weights do not scale
+      with depth; `mtp_loss` (with `mtp_loss_weight > 0` and a model with `mtp_layers`) is the
+      mean over the multi-token-prediction blocks of their cross-entropy
+      (`moejax.models._mtp`: block `k` predicts `tokens[:, i + k + 1]`).
     """
     tokens, replay = batch_parts(batch)
-    logits, aux = lm_forward(params, tokens[:, :-1], model_cfg, replay_experts=replay, **forward_kw)
+    mtp = train_cfg.mtp_loss_weight > 0 and model_cfg.mtp_layers > 0
+    out = lm_forward(
+        params,
+        tokens[:, :-1],
+        model_cfg,
+        replay_experts=replay,
+        mtp_tokens=tokens if mtp else None,
+        **forward_kw,
+    )
+    logits, aux = out[:2]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     total = (
         ce
         + train_cfg.load_balance_weight * balance_loss(aux, train_cfg, balance_fraction)
         + train_cfg.z_loss_weight * aux.z_loss.mean()
     )
-    return total, (ce, aux)
+    mtp_loss = None
+    if mtp:
+        mtp_loss = mtp_cross_entropy(out[2], tokens).mean()
+        total = total + train_cfg.mtp_loss_weight * mtp_loss
+    return total, (ce, aux, mtp_loss)
 
 
 def batch_parts(batch):
@@ -179,12 +197,13 @@ def _accumulated(grad_fn, params, batch, model_cfg, train_cfg, forward_kw):
         ),
     )
     (out, grads), _ = jax.lax.scan(body, zeros, micro)
-    total, (ce, aux) = out
+    total, (ce, aux, mtp_loss) = out
     mean = lambda x: x / n
     aux = dataclasses.replace(
         jax.tree.map(mean, aux), expert_counts=aux.expert_counts
     )  # counts add up; every other statistic is a mean over tokens or layers
-    return (mean(total), (mean(ce), aux)), jax.tree.map(mean, grads), fraction
+    mtp_loss = None if mtp_loss is None else mean(mtp_loss)
+    return (mean(total), (mean(ce), aux, mtp_loss)), jax.tree.map(mean, grads), fraction
 
 
 def _update_correction_biases(params, counts, model_cfg: LMConfig, rate: float):
@@ -232,11 +251,13 @@ def train_step(
         delay_wgrad=train_cfg.delay_wgrad,
     )
     if train_cfg.microbatches > 1:
-        (total, (ce, aux)), grads, fraction = _accumulated(
+        (total, (ce, aux, mtp_loss)), grads, fraction = _accumulated(
             grad_fn, state.params, batch, model_cfg, train_cfg, forward_kw
         )
     else:
-        (total, (ce, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg, **forward_kw)
+        (total, (ce, aux, mtp_loss)), grads = grad_fn(
+            state.params, batch, model_cfg, train_cfg, **forward_kw
+        )
         fraction = None
     aux: LMAux
     if slot_tables:
@@ -272,6 +293,7 @@ def train_step(
         expert_counts=aux.expert_counts,
         dropped_fraction=aux.dropped_fraction,
         router_entropy=aux.router_entropy,
+        mtp_loss=mtp_loss,
     )
     return new_state, metrics
 

@@ -71,6 +71,36 @@ def test_lm_replay_of_own_choice_is_bit_identical(kw):
     assert (np.asarray(aux.expert_index) != np.asarray(other)).any()
 
 
+@pytest.mark.parametrize(
+    "kinds",
+    [("dense", "moe", "moe"), ("dense", "moe", "moe") * 2],
+    ids=["dense_moe_moe", "2x_dense_moe_moe"],
+)
+def test_lm_replay_scanned_pattern(kinds):
+    # Scanned runs of a per-layer pattern: [D, M, M] is layer 0 unscanned then [M] x 2;
+    # twice it is one run of 2 units of [D, M, M] (two MoE layers per unit), so the
+    # [Lm, ...] replays are sliced per run and regrouped per unit.
+    from moejax.models._lm import layer_runs
+
+    cfg = presets.get("micro").replace(num_layers=len(kinds), mlp_layer_types=kinds)
+    assert any(r.unit > 1 for r in layer_runs(cfg)) == (len(kinds) == 6)
+    params = init_lm_params(cfg, jax.random.key(0))
+    _, aux = lm_forward(
+        params, TOKENS[:, :-1], cfg, implementation="ragged_dot", return_experts=True,
+        scan_layers=True,
+    )  # fmt: skip
+    (loss, _), grads = _loss_and_grads(cfg, params, scan_layers=True)
+    (loss_r, _), grads_r = _loss_and_grads(cfg, params, aux.expert_index, scan_layers=True)
+    np.testing.assert_array_equal(loss_r, loss)
+    jax.tree.map(np.testing.assert_array_equal, grads_r, grads)
+    other = _other(cfg)
+    _, aux_o = lm_forward(
+        params, TOKENS[:, :-1], cfg, implementation="ragged_dot", replay_experts=other,
+        return_experts=True, scan_layers=True,
+    )  # fmt: skip
+    np.testing.assert_array_equal(aux_o.expert_index, other)  # each layer its own row
+
+
 @pytest.mark.slow  # compiles the sharded LM (~1 min of CPU)
 def test_lm_replay_on_the_2x4_mesh_equals_one_device():
     params = init_lm_params(MODEL, jax.random.key(0))
