@@ -44,6 +44,8 @@ from moejax.models._sharding import lm_compute_specs as lm_compute_specs
 from moejax.models._sharding import lm_logical_axes as lm_logical_axes
 from moejax.models._sharding import lm_mesh_problems as lm_mesh_problems
 from moejax.models._sharding import lm_partition_specs as lm_partition_specs
+from moejax.models._upcycle import dense_lm_config as dense_lm_config
+from moejax.models._upcycle import upcycle as upcycle
 
 __all__ = [
     "REMAT_POLICIES",
@@ -58,6 +60,7 @@ __all__ = [
     "cast_floating",
     "causal_attention",
     "check_lm_mesh",
+    "dense_lm_config",
     "generate",
     "init_lm_params",
     "lm_compute_specs",
@@ -77,4 +80,5 @@ __all__ = [
     "rope_tables",
     "split_rows",
     "swiglu_mlp",
+    "upcycle",
 ]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import moejax
-from moejax import _wgrad
+from moejax import _routing, _wgrad
 from moejax.models import _mtp
 from moejax.models._config import LMConfig
 from moejax.models._layers import attention, rms_norm, rope_tables, swiglu_mlp
@@ -39,6 +39,10 @@ class LMAux:
     #                            softmax(router logits)
     routed_fraction: jax.Array  # [Lm, E] fp32 f: fraction of the assignments to each expert
     mean_probs: jax.Array  # [Lm, E] fp32 P: mean router probability of each expert
+    sequence_balance_loss: jax.Array  # [Lm] fp32 DeepSeek-V3 sequence-wise balance loss per
+    #                                   layer (mean over sequences; 1.0 = balanced)
+    expert_index: jax.Array | None = None  # [Lm, B, S, K] int32 logical experts every token
+    #                                        chose, only with `lm_forward(return_experts=True)`
 
 
 def cast_floating(tree, dtype):
@@ -56,18 +60,25 @@ def _router_entropy(logits: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
 
-def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, slot_table, wgrad=None):
-    """`(y, MoEAux, slots)`: the MoE layer, and with `wgrad` (a `_wgrad.Delayed`) the slots of
-    the weight gradients it computes in its backward (None without)."""
+def _moe_ffn(
+    p, h, cfg: LMConfig, mesh, strategy, implementation, slot_table, wgrad=None, replay=None
+):
+    """`(y, MoEAux, slots)`: the MoE layer (with `replay`, `[B, S, K]` recorded experts, router
+    replay), and with `wgrad` (a `_wgrad.Delayed`) the slots of the weight gradients it computes
+    in its backward (None without)."""
     if mesh is None:  # no exchange to bound the delayed weight gradients by
         return _wgrad.beside(
-            lambda h: moejax.moe_apply(p, h, cfg.moe, implementation=implementation), h, wgrad
+            lambda h: moejax.moe_apply(
+                p, h, cfg.moe, implementation=implementation, replay_experts=replay
+            ),
+            h,
+            wgrad,
         )
     from moejax import parallel
 
     out = parallel.moe_apply_sharded(
         p, h, cfg.moe, mesh, strategy=strategy, implementation=implementation,
-        slot_table=slot_table, wgrad=wgrad,
+        slot_table=slot_table, wgrad=wgrad, replay_experts=replay,
     )  # fmt: skip
     return out if wgrad is not None else (*out, None)
 
@@ -105,6 +116,8 @@ def lm_forward(
     scan_layers: bool = False,
     batch_split: int = 1,
     delay_wgrad: bool | None = None,
+    replay_experts: jax.Array | None = None,
+    return_experts: bool = False,
     mtp_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, LMAux]:
     """Logits of every position of `tokens`, and the MoE layers' routing statistics.
@@ -151,6 +164,13 @@ def lm_forward(
         also loop carries in the forward and the backward (measured: +4.6 GiB per device for
         Mixtral-8x7B on 64 TPU v5p chips, 1.15 GiB per carry). None (the default): on where
         the mesh has an `expert` axis of more than one device and the layers are not scanned.
+      replay_experts: router replay (RL: route the training step as the rollout was routed):
+        None, or `[Lm, B, S, K]` int logical expert ids per MoE layer, e.g. the `expert_index`
+        of an earlier `return_experts=True` forward. Each MoE layer uses them instead of its
+        top-k, with weights from its current router (`moejax.moe_apply`'s `replay_experts`);
+        counts and balance losses follow them. Not with `router="expert_choice"`.
+      return_experts: also return the experts every token chose, `LMAux.expert_index
+        [Lm, B, S, K]` (otherwise None, and nothing is computed for it).
       mtp_tokens: None, or `[B, S + j]` ids (`j >= 1`: the inputs and what follows them, e.g.
         the training window) for the multi-token-prediction blocks (`cfg.mtp_layers`,
         `moejax.models._mtp`), which then run after the main model.
@@ -186,6 +206,11 @@ def lm_forward(
     if delay_wgrad is None:  # where the MoE layers exchange tokens, unscanned (see docstring)
         delay_wgrad = mesh is not None and dict(mesh.shape).get("expert", 1) > 1
         delay_wgrad = delay_wgrad and not scan_layers and cfg.mla is None
+    if (replay_experts is not None or return_experts) and cfg.moe.router == "expert_choice":
+        raise ValueError("router replay: router='expert_choice' has no per-token choice")
+    if replay_experts is not None:
+        lead = (cfg.num_moe_layers, *tokens.shape)
+        _routing.check_replay(replay_experts, lead, cfg.moe, "replay_experts")
     policy = remat_policy(remat)
     shards = 1 if mesh is None else _token_shards(mesh)
     if isinstance(batch_split, bool) or not isinstance(batch_split, int) or batch_split < 1:
@@ -213,15 +238,21 @@ def lm_forward(
             _moe_ffn, cfg=cfg, mesh=mesh, strategy=strategy, implementation=implementation
         ),
         attn_impl=_attention_implementation(implementation),
+        return_experts=return_experts,
     )
     tables = list(slot_tables) if slot_tables is not None else [None] * cfg.num_moe_layers
+    replays = None  # per micro-batch [Lm, B / k, S, K]
+    if replay_experts is not None:
+        rows = split_rows(jnp.swapaxes(replay_experts, 0, 1), batch_split)
+        replays = tuple(jnp.swapaxes(r, 0, 1) for r in rows)
     if scan_layers:
         xs, stats = _scanned_layers(
-            p, xs, cfg, compute, tables, block, policy, mesh=mesh, delay_wgrad=delay_wgrad
-        )
+            p, xs, cfg, compute, tables, block, policy, mesh=mesh, delay_wgrad=delay_wgrad,
+            replays=replays,
+        )  # fmt: skip
     else:
         xs, stats = _unscanned_layers(
-            p, xs, cfg, compute, tables, block, policy, delay_wgrad=delay_wgrad
+            p, xs, cfg, compute, tables, block, policy, delay_wgrad=delay_wgrad, replays=replays
         )
     h = constrain(merge_rows(xs))
     x = rms_norm(h, p["final_norm"]["scale"], cfg.norm_eps)
@@ -261,6 +292,7 @@ def _layer_stats(aux) -> LMAux:
         router_entropy=_router_entropy(aux.router_logits),
         routed_fraction=aux.routed_fraction,
         mean_probs=aux.mean_probs,
+        sequence_balance_loss=aux.sequence_balance_loss,
     )
 
 
@@ -283,15 +315,15 @@ def _attention_stage(layer, x, slots, *, cfg, cos, sin, mesh, constrain, attn_im
         return constrain(x + a)
 
 
-def _ffn_stage(layer, x, table, next_attn, *, is_moe, cfg, constrain, moe):
+def _ffn_stage(layer, x, table, next_attn, replay=None, *, is_moe, cfg, constrain, moe):
     """The second half: `(x + ffn(norm(x)), MoEAux or None, the FFN input, the next block's
-    attention weight-gradient slots or None)`."""
+    attention weight-gradient slots or None)`; `replay`: recorded experts `[B, S, K]`."""
     h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
     slots = None
     if is_moe:
         with jax.named_scope("moe"):
             side = None if next_attn is None else _wgrad.attention_side(h, next_attn)
-            y, aux, slots = moe(layer["moe"], h, slot_table=table, wgrad=side)
+            y, aux, slots = moe(layer["moe"], h, slot_table=table, wgrad=side, replay=replay)
     else:
         with jax.named_scope("mlp"):
             y, aux = swiglu_mlp(layer["mlp"], h), None
@@ -299,9 +331,9 @@ def _ffn_stage(layer, x, table, next_attn, *, is_moe, cfg, constrain, moe):
 
 
 def split_block(
-    layer, xs, table, slots=None, next_attn=None, *,
+    layer, xs, table, slots=None, next_attn=None, replay=None, *,
     is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl, next_compute=None,
-    window=None,
+    return_experts=False, window=None,
 ):  # fmt: skip
     """One block over micro-batches `xs` (a tuple), staggered stage by stage.
 
@@ -319,6 +351,9 @@ def split_block(
     block's MoE backward; `next_attn` (the next block's attention weights, raw, laid out by
     `next_compute`) makes this block's MoE layer compute the next block's in its backward.
 
+    Router replay: `replay` (one `[B / k, S, K]` per micro-batch, or None) are the MoE layer's
+    experts; with `return_experts` its `LMAux` carries the experts chosen (`expert_index`).
+
     Returns:
       `(xs, LMAux of this layer (merged over micro-batches) or None, the FFN inputs, the next
       block's slots (one per micro-batch) or None)`.
@@ -334,13 +369,18 @@ def split_block(
         window=window,
     )  # fmt: skip
     ffn = functools.partial(_ffn_stage, is_moe=is_moe, cfg=cfg, constrain=constrain, moe=moe)
+    replay = tuple(map(constrain, replay)) if replay is not None else (None,) * len(xs)
     mid = _staggered(lambda x, s: (attend(layer, x, s), None), list(zip(xs, slots, strict=True)))
     outs = _staggered(
-        lambda x, _: _split_ffn_out(ffn(layer, x, table, next_attn)), [(m, None) for m, _ in mid]
+        lambda x, r: _split_ffn_out(ffn(layer, x, table, next_attn, r)),
+        [(m, r) for (m, _), r in zip(mid, replay, strict=True)],
     )
     ys = tuple(y for y, _ in outs)
     auxes, hs, next_slots = zip(*(rest for _, rest in outs), strict=True)
     stats = None if auxes[0] is None else merge_stats([_layer_stats(a) for a in auxes])
+    if stats is not None and return_experts:
+        chosen = [a.topk_indices.reshape(*h.shape[:-1], -1) for a, h in zip(auxes, hs, strict=True)]
+        stats = dataclasses.replace(stats, expert_index=constrain(merge_rows(chosen)))
     return ys, stats, hs, (None if next_slots[0] is None else next_slots)
 
 
@@ -398,15 +438,17 @@ def merge_stats(stats: list[LMAux]) -> LMAux:
 
 
 def _unscanned_layers(
-    p, x, cfg, compute, tables, block, policy, start=0, delay_wgrad=False, slots=None, stop=None
-):
+    p, x, cfg, compute, tables, block, policy, start=0, delay_wgrad=False, slots=None, stop=None,
+    replays=None,
+):  # fmt: skip
     """Blocks `[start, stop)` (`stop` None: to the last) one after the other: `(x, LMAux
     stacked over their MoE layers)`; `tables` are those of their MoE layers, in order.
 
     With `delay_wgrad`, each MoE block followed by another block computes that block's
     attention weight gradients in its MoE layer's backward (`split_block`); `slots` are the
-    first block's, from a block before `start`."""
-    stats, tables = [], iter(tables)
+    first block's, from a block before `start`. `replays`: per micro-batch `[Lm', B / k, S, K]`
+    recorded experts of their `Lm'` MoE layers, in order, or None."""
+    stats, tables, j = [], iter(tables), 0
     stop = cfg.num_layers if stop is None else stop
     for i in range(start, stop):
         delay = delay_wgrad and cfg.is_moe(i) and i + 1 < cfg.num_layers
@@ -422,7 +464,10 @@ def _unscanned_layers(
         next_attn = p["layers"][i + 1]["attn"] if delay else None
         with jax.named_scope(f"layer_{i}"):
             table = next(tables) if cfg.is_moe(i) else None
-            x, s, _, slots = fn(p["layers"][i], x, table, slots, next_attn)
+            replay = None
+            if replays is not None and cfg.is_moe(i):
+                replay, j = tuple(r[j] for r in replays), j + 1
+            x, s, _, slots = fn(p["layers"][i], x, table, slots, next_attn, replay)
         if s is not None:
             stats.append(s)
     return x, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
@@ -439,9 +484,12 @@ def layer_runs(cfg: LMConfig) -> tuple[ScanRun, ...]:
     return scan_runs(cfg.layer_kinds, legacy_unit=legacy)
 
 
-def _scanned_layers(p, x, cfg, compute, tables, block, policy, mesh=None, delay_wgrad=False):
+def _scanned_layers(
+    p, x, cfg, compute, tables, block, policy, mesh=None, delay_wgrad=False, replays=None
+):
     """The runs of `layer_runs` as scans over their units, the layers between and after them
-    unscanned: `(x, LMAux stacked over the MoE layers in order)`.
+    unscanned: `(x, LMAux stacked over the MoE layers in order)`. `replays`: per micro-batch
+    `[Lm, B / k, S, K]` recorded experts, or None.
 
     `delay_wgrad` needs one run from layer 0 whose unit ends in an MoE block (every
     `moe_every` pattern): see `_scan_run`."""
@@ -457,22 +505,31 @@ def _scanned_layers(p, x, cfg, compute, tables, block, policy, mesh=None, delay_
     def tables_of(lo, hi):
         return [tables[moe_index[i]] for i in range(lo, hi) if i in moe_index]
 
+    def replays_of(lo, hi):  # the MoE layers of blocks [lo, hi) are consecutive in `replays`
+        if replays is None:
+            return None
+        first = sum(i < lo for i in cfg.moe_layers)
+        n = sum(lo <= i < hi for i in cfg.moe_layers)
+        return tuple(r[first : first + n] for r in replays)
+
     stats, pos, slots = [], 0, None
     for run in runs:
         x, s = _unscanned_layers(
-            p, x, cfg, compute, tables_of(pos, run.start), block, policy, start=pos, stop=run.start
-        )
+            p, x, cfg, compute, tables_of(pos, run.start), block, policy, start=pos,
+            stop=run.start, replays=replays_of(pos, run.start),
+        )  # fmt: skip
         stats.append(s)
         end = run.start + run.unit * run.repeats
         x, s, slots = _scan_run(
             p, x, cfg, compute, tables_of(run.start, end), block, policy, run,
-            mesh=mesh, delay_wgrad=delay_wgrad,
+            mesh=mesh, delay_wgrad=delay_wgrad, replays=replays_of(run.start, end),
         )  # fmt: skip
         stats.append(s)
         pos = end
     x, s = _unscanned_layers(
         p, x, cfg, compute, tables_of(pos, cfg.num_layers), block, policy, start=pos,
         delay_wgrad=delay_wgrad, slots=slots if pos < cfg.num_layers else None,
+        replays=replays_of(pos, cfg.num_layers),
     )  # fmt: skip
     stats = [s for s in [*stats, s] if s is not None]
     if not stats:
@@ -480,9 +537,13 @@ def _scanned_layers(p, x, cfg, compute, tables, block, policy, mesh=None, delay_
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
 
 
-def _scan_run(p, x, cfg, compute, tables, block, policy, run, mesh=None, delay_wgrad=False):
+def _scan_run(
+    p, x, cfg, compute, tables, block, policy, run, mesh=None, delay_wgrad=False, replays=None
+):
     """Blocks `[s, s + R * u)` of a `ScanRun` as a scan over its R units of u blocks:
     `(x, LMAux of its MoE layers in order or None, the slots for the block after it)`.
+    `replays`: per micro-batch `[R * m, B / k, S, K]` recorded experts of its `m` MoE layers
+    per unit, in order, or None.
 
     With `delay_wgrad` (a run from block 0 whose unit ends in an MoE block), unit `r`'s last
     MoE layer computes the weight gradients of the attention of the block after it (unit
@@ -501,6 +562,11 @@ def _scan_run(p, x, cfg, compute, tables, block, policy, run, mesh=None, delay_w
     table_xs = None
     if m and tables[0] is not None:
         table_xs = tuple(stack(tables[q::m]) for q in range(m))
+    # replays of unit r, MoE block q: row r * m + q, so [R * m, ...] -> [R, m, ...] per
+    # micro-batch (None for a unit without MoE blocks: nothing to replay).
+    replay_xs = None
+    if m and replays is not None:
+        replay_xs = tuple(r.reshape(repeats, m, *r.shape[1:]) for r in replays)
     next_attn, slots, attn_compute = None, None, None
     if delay_wgrad:
         end = s0 + u * repeats
@@ -513,7 +579,7 @@ def _scan_run(p, x, cfg, compute, tables, block, policy, run, mesh=None, delay_w
 
     def unit(carry, xs):
         x, slots = carry
-        layers, table, nxt = xs
+        layers, table, nxt, replay = xs
         unit_stats = []
         for j in range(u):
             delay = delay_wgrad and j == u - 1
@@ -532,6 +598,7 @@ def _scan_run(p, x, cfg, compute, tables, block, policy, run, mesh=None, delay_w
                 None if table is None or q is None else table[q],
                 slots if j == 0 else None,
                 nxt if delay else None,
+                None if replay is None or q is None else tuple(r[q] for r in replay),
             )
             if s is not None:
                 unit_stats.append(s)
@@ -540,7 +607,8 @@ def _scan_run(p, x, cfg, compute, tables, block, policy, run, mesh=None, delay_w
 
     if policy is not None:
         unit = jax.checkpoint(unit, policy=policy)
-    (x, slots), stats = jax.lax.scan(unit, (x, slots), (stack(units), table_xs, next_attn))
+    scanned = (stack(units), table_xs, next_attn, replay_xs)
+    (x, slots), stats = jax.lax.scan(unit, (x, slots), scanned)
     if stats is not None:  # [R, m, ...] -> [R * m, ...]: the MoE layers in order
         stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
     return x, stats, slots
@@ -562,7 +630,7 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
     cos, sin = rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
     x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
 
-    def moe(layer_params, h, slot_table, wgrad):
+    def moe(layer_params, h, slot_table, wgrad, replay=None):
         return (*moejax.moe_apply(layer_params, h, cfg.moe), None)
 
     inputs = []

@@ -62,6 +62,7 @@ def moe_apply_sharded(
     stagger: bool = False,
     slot_table: SlotTable | None = None,
     wgrad: _wgrad.Delayed | None = None,
+    replay_experts: jax.Array | None = None,
 ):
     """Apply one MoE layer sharded over `mesh`; the same function as `moejax.moe_apply`.
 
@@ -89,6 +90,9 @@ def moe_apply_sharded(
         capacity or dropless dispatcher, `expert` axis over 1 device, no `model` split; the
         last chunk's), otherwise bounded by the whole layer's backward. The layer then also
         returns the slots the later block's projections take (`moejax._wgrad.project`).
+      replay_experts: router replay, as in `moejax.moe_apply`: `[..., K]` logical expert ids
+        (x's token axes), split over the devices like x. With a placement they are mapped to
+        slots like the router's own choice.
 
     Returns:
       `(y, aux)`: `y` like `x`; `aux` the single-device `MoEAux` over all tokens (per-token fields
@@ -108,6 +112,8 @@ def moe_apply_sharded(
     if implementation == "reference":
         raise ValueError("implementation='reference': not supported sharded; use another one")
     check_x(x, config)
+    if replay_experts is not None:
+        _routing.check_replay(replay_experts, x.shape[:-1], config, "replay_experts")
     axes = col.MeshAxes.of(mesh)
     if slot_table is not None and strategy.mode == "expert" and strategy.dispatcher == "capacity":
         raise ValueError(
@@ -120,6 +126,7 @@ def moe_apply_sharded(
         layer = functools.partial(
             moe_apply_sharded, params, config=config, mesh=mesh, strategy=strategy,
             implementation=implementation, stagger=stagger, slot_table=slot_table,
+            replay_experts=replay_experts,
         )  # fmt: skip
         return _wgrad.beside(layer, x, wgrad)  # no exchange to bound them by
     if is_empty(x):
@@ -133,11 +140,11 @@ def moe_apply_sharded(
         implementation=implementation,
         stagger=stagger or strategy.stagger,
     )
-    if is_traced(params, x, slot_table, wgrad):
-        return _sharded(params, x, slot_table, wgrad, **static)  # inside the caller's jit or grad
+    if is_traced(params, x, slot_table, wgrad, replay_experts):  # inside the caller's jit or grad
+        return _sharded(params, x, slot_table, wgrad, replay_experts, **static)
     # Called eagerly (as documented): one compiled program per shape, not an op-by-op run of
     # the shard_map body (hundreds of small compilations, ~26 s a call for the README's layer).
-    return _sharded_jit(params, x, slot_table, wgrad, **static)
+    return _sharded_jit(params, x, slot_table, wgrad, replay_experts, **static)
 
 
 def _window_inside(strategy: Strategy, axes: col.MeshAxes) -> bool:
@@ -148,8 +155,9 @@ def _window_inside(strategy: Strategy, axes: col.MeshAxes) -> bool:
 
 
 def _sharded(
-    params, x, slot_table, wgrad, *, config, expert_config, mesh, strategy, implementation, stagger
-):
+    params, x, slot_table, wgrad, replay=None, *,
+    config, expert_config, mesh, strategy, implementation, stagger,
+):  # fmt: skip
     """The layer under `jax.shard_map` (arguments checked by `moe_apply_sharded`).
 
     A `wgrad`'s weights enter broadcast over the token shards, so that each device computes
@@ -158,7 +166,7 @@ def _sharded(
     pspecs = mesh_lib.param_partition_specs(expert_config, mesh)
     xspec = mesh_lib.activation_spec(mesh, x.ndim)
     tspec = P(axes.token or None)
-    aux_spec = MoEAux(tspec, tspec, tspec, tspec, *[P()] * 7)
+    aux_spec = MoEAux(tspec, tspec, tspec, tspec, *[P()] * 8)
     body = functools.partial(
         _body,
         config=config,
@@ -170,7 +178,8 @@ def _sharded(
         templates=None if wgrad is None else wgrad.templates,
     )
     table_spec = None if slot_table is None else jax.tree.map(lambda _: P(), slot_table)
-    in_specs, out_specs = (pspecs, xspec, table_spec), (xspec, aux_spec)
+    replay_spec = None if replay is None else mesh_lib.activation_spec(mesh, replay.ndim)
+    in_specs, out_specs = (pspecs, xspec, table_spec, replay_spec), (xspec, aux_spec)
     stacked = None
     if wgrad is not None:
         shards = axes.token_shards
@@ -180,7 +189,7 @@ def _sharded(
         shapes = _wgrad.slot_shapes(wgrad.templates)
         out_specs += (jax.tree.map(lambda sd: spec(sd[0]), shapes, is_leaf=_wgrad.is_shape),)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)(
-        params, x, slot_table, *(() if wgrad is None else (stacked,))
+        params, x, slot_table, replay, *(() if wgrad is None else (stacked,))
     )
 
 
@@ -218,7 +227,7 @@ def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes, mesh) -
 
 
 def _body(
-    params, x, slot_table, stacked=None, *,
+    params, x, slot_table, replay, stacked=None, *,
     config, expert_config, strategy, axes, implementation, stagger, templates,
 ):  # fmt: skip
     side = None
@@ -230,10 +239,11 @@ def _body(
     seqs = math.prod(shape[:-2]) if x.ndim >= 3 else 1
     xt = x.reshape(-1, config.d_model)
     with jax.named_scope("route"):
-        routing = _routing.route(params["router"], xt, config, num_sequences=seqs)
+        replay = None if replay is None else replay.reshape(-1, replay.shape[-1])
+        routing = _routing.route(params["router"], xt, config, num_sequences=seqs, replay=replay)
         if config.drop_policy == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, seqs)
-    aux = sharded_aux(routing, config, axes)
+    aux = sharded_aux(routing, config, axes, seqs if x.ndim >= 3 else None)
     if slot_table is not None:
         with jax.named_scope("assign_slots"):
             slots = assign_slots(routing.expert_index, routing.kept, slot_table, _shard(axes))

@@ -22,7 +22,18 @@ class TrainConfig:
         or biases).
       b1, b2, eps: Adam moments.
       clip_norm: global-norm gradient clipping threshold (of the trainable parameters).
-      load_balance_weight: weight of the mean over MoE layers of the Switch load-balancing loss.
+      load_balance: which balance loss `load_balance_weight` weighs (mean over MoE layers):
+        `"micro_batch"`: the Switch form `E * sum_e f_e P_e` over the tokens of one forward
+        (one micro-batch of `microbatches`; on a mesh, all token shards' tokens: the sharded
+        layer sums `f` and `P` over them). `"sequence"`: DeepSeek-V3's sequence-wise form, the
+        Switch form within each sequence, averaged over sequences
+        (`MoEAux.sequence_balance_loss`). `"global_batch"`: the Switch form with `f` over the
+        whole step's batch, all token shards and all `microbatches` (Qwen's global-batch
+        loss; Megatron's `global_aux_loss`): with `microbatches > 1` the step first runs a
+        forward pass over the micro-batches for their expert counts (on device, no host
+        sync; one extra forward per step), so loss and gradients equal those of one forward
+        over the whole batch.
+      load_balance_weight: weight of the balance loss `load_balance` selects.
       z_loss_weight: weight of the mean over MoE layers of the router z-loss.
       mtp_loss_weight: weight of the mean over the model's multi-token-prediction blocks
         (`LMConfig.mtp_layers`) of their cross-entropies (DeepSeek-V3: 0.3, later 0.1); logged
@@ -67,6 +78,7 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0
+    load_balance: str = "micro_batch"
     load_balance_weight: float = 0.01
     z_loss_weight: float = 1e-3
     mtp_loss_weight: float = 0.0
@@ -123,6 +135,8 @@ class TrainConfig:
             _bad("eval_fraction", self.eval_fraction, "must lie in [0, 1)")
         if not 0 <= self.max_skipped_fraction <= 1:
             _bad("max_skipped_fraction", self.max_skipped_fraction, "must lie in [0, 1]")
+        if self.load_balance not in LOAD_BALANCE_LOSSES:
+            _bad("load_balance", self.load_balance, f"must be one of {LOAD_BALANCE_LOSSES}")
         if self.remat not in _REMAT:
             _bad("remat", self.remat, f"must be one of {_REMAT}")
         if not isinstance(self.scan_layers, bool):
@@ -135,6 +149,7 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
+LOAD_BALANCE_LOSSES = ("micro_batch", "sequence", "global_batch")
 _REMAT = ("none", "dots_saveable", "full")  # moejax.models.REMAT_POLICIES
 
 

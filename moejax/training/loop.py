@@ -85,6 +85,17 @@ class RunResult:
     placements: tuple = ()  # the final `Placement` of every MoE layer (the state's layout)
     tuning: dict | None = None  # tuning.StepRunner.summary: the strategy chosen and why
     final_loss_steps: int = 20  # `report.loss_window` of the run's steps
+    recipes: tuple = ()  # one line per training recipe in use (`recipe_lines`; upcycling: the CLI)
+
+
+def recipe_lines(train_cfg: TrainConfig) -> tuple[str, ...]:
+    """Summary lines of the training recipes `train_cfg` turns on (none for the defaults)."""
+    lines = []
+    if train_cfg.load_balance != "micro_batch":
+        lines.append(
+            f"balance loss: {train_cfg.load_balance} (weight {train_cfg.load_balance_weight:g})"
+        )
+    return tuple(lines)
 
 
 class SetupError(ValueError):
@@ -493,6 +504,7 @@ def _train(
         result.placement = placing.summary(result.wall_s, records)
         result.placements = placing.placements
         result.tuning = steps.summary()
+        result.recipes = recipe_lines(train_cfg)
         if primary and outputs and records:
             write_outputs(run_dir, result, events=placing.events)
     return result
