@@ -8,7 +8,7 @@ PyTorch see the same router and route identically). Variants, all forward + back
 
 - `dense FFN`: one SwiGLU FFN over T*K rows (the same matmul FLOPs as the layer), the baseline;
 - `moejax auto`: `moe_apply(..., implementation="auto")`, dropless (the fused blocked CPU path);
-- `phases`: the unfused path (`dispatch` -> `blocked_gmm` x3 -> `combine`, as each device runs it
+- `phases`: the unfused path (`permute` -> `blocked_gmm` x3 -> `combine`, as each device runs it
   under `moejax.parallel`);
 - `ragged_dot`, and `capacity 1.25` (our capacity mode, factor 1.25, "auto" implementation: it
   computes only the kept rows, so under skew it does less work than dropless because it drops);
@@ -51,11 +51,11 @@ import numpy as np
 import moejax
 from moejax import _gmm, _routing
 from moejax._experts import grouped_ffn
-from moejax._permute import combine, dispatch, make_layout
+from moejax._permute import combine, make_layout, permute
 
 HZ = os.sysconf("SC_CLK_TCK")
 DENSE, AUTO = "dense FFN (T*K rows)", "moejax auto"
-PHASES = "phases (dispatch, blocked_gmm, combine)"
+PHASES = "phases (permute, blocked_gmm, combine)"
 RAGGED, CAPACITY = "ragged_dot", "capacity 1.25 (auto)"
 PADDED = "capacity 1.25, padded [E, C, D] buffer"
 TORCH_BLOCK, TORCH_DENSE = "HF MixtralSparseMoeBlock (torch)", "dense FFN (torch, T*K rows)"
@@ -96,13 +96,13 @@ def layer_loss(cfg, impl):
 
 
 def phases_loss(cfg):
-    """The unfused dropless layer: dispatch, three block-loop grouped matmuls, combine."""
+    """The unfused dropless layer: permute, three block-loop grouped matmuls, combine."""
 
     def loss(params, x):
         routing = _routing.route(params["router"], x, cfg, num_sequences=1)
         layout = make_layout(routing, cfg.num_experts, cfg.block_size)
         gmm = functools.partial(_gmm.blocked_gmm, block=cfg.block_size)
-        rows = dispatch(x, layout)
+        rows = permute(x, layout)
         out = grouped_ffn(
             rows, layout.group_sizes, layout.group_of_row, params["experts"], cfg, gmm
         )
@@ -260,7 +260,7 @@ def main():
     x = jax.random.normal(jax.random.key(1), (t, d), jnp.float32).at[:, 0].set(1.0)
     dense_w = {n: params["experts"][n][0] for n in ("w_gate", "w_up", "w_down")}
     x_dense = jax.random.normal(jax.random.key(2), (t * k, d), jnp.float32)
-    capacity = cfg.replace(dispatch="capacity", capacity_factor=1.25)
+    capacity = cfg.replace(drop_policy="capacity", capacity_factor=1.25)
     routings = {
         "balanced": ({**params, "router": {"kernel": params["router"]["kernel"].at[0].set(0.0)}}),
         "zipf1.2": zipf_router(params, x, cfg, 1.2)[0],

@@ -3,12 +3,12 @@
 Compiles the train step for 8 (or 64) H100s on this CPU host (`moejax.aot`, needs the CUDA
 plugin wheels: `python -m pallas_kernels.targets --install`) for every combination asked of
 batch split, dispatcher, pipeline chunks and stagger, and replays each compiled schedule on the
-H100 model of `moejax.schedule_model`: compute, all-to-all time, the part of it left exposed,
+H100 model of `moejax.aot.schedule`: compute, all-to-all time, the part of it left exposed,
 the exposed time of every collective (FSDP gathers and reductions too), and the estimated
 step (all-to-all: plain and ragged together; the dropless dispatcher's
 leftover rounds, a data-dependent loop, replayed zero times: the steady state, where the bucket
 covers the load), and how many of the weight-gradient GEMMs (experts' and attention's,
-`moejax.parallel.gpu_hlo.weight_gradient_kernels`) sit inside an all-to-all window. Prints one
+`moejax.aot.windows.weight_gradient_kernels`) sit inside an all-to-all window. Prints one
 Markdown row per program (the BENCHMARKS.md table).
 
     python experiments/bench_overlap.py --preset tiny --batch 256 \\
@@ -32,9 +32,9 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from moejax import aot, parallel, schedule_model, training
+from moejax import aot, parallel, training
+from moejax.aot import schedule, windows
 from moejax.models import presets
-from moejax.parallel import gpu_hlo
 from moejax.training import presets as train_presets
 from pallas_kernels import targets
 
@@ -70,7 +70,7 @@ def parse_args(argv=None):
 
 def row(model, args, k, dispatcher, chunks) -> str:
     if dispatcher == "capacity":
-        model = model.replace(moe=model.moe.replace(dispatch="capacity"))
+        model = model.replace(moe=model.moe.replace(drop_policy="capacity"))
     if args.train_preset:
         train_cfg = train_presets.get(args.train_preset).replace(batch_size=args.batch)
     else:
@@ -85,7 +85,7 @@ def row(model, args, k, dispatcher, chunks) -> str:
     start = time.perf_counter()
     compiled = aot.compile_program(fn, fargs, donate_argnums=(0,))
     # Data-dependent loops are the dropless leftover rounds: none in the steady state.
-    est = schedule_model.estimate(compiled.text, default_trip_count=0)
+    est = schedule.estimate(compiled.text, default_trip_count=0)
     kinds = ("all-to-all", "ragged-all-to-all")  # the dropless rows go ragged on GPU
     a2a = sum(est.comm(kind) for kind in kinds)
     exposed = sum(est.exposed(kind) for kind in kinds)
@@ -93,7 +93,7 @@ def row(model, args, k, dispatcher, chunks) -> str:
     shards = parallel.mesh.token_shards(mesh)
     rows = args.batch * model.max_seq_len // shards // k // train_cfg.microbatches
     kinds = ("all-to-all", "ragged-all-to-all")
-    wgrad = {c: gpu_hlo.weight_gradient_kernels(compiled.text, rows, c) for c in kinds}
+    wgrad = {c: windows.weight_gradient_kernels(compiled.text, rows, c) for c in kinds}
     inside = {kind: 0 for kind in ("experts", "attention")}
     totals = dict(inside)
     for kind, _, _ in wgrad["all-to-all"]:

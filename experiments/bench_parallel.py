@@ -40,7 +40,7 @@ import optax
 import moejax
 from moejax import parallel
 from moejax._routing import apply_capacity, route
-from moejax.parallel import cost
+from moejax.parallel import traffic
 
 T, D, F, E, K, N = 8192, 256, 512, 16, 2, 8
 CFG = moejax.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, router_bias=True, block_size=128)
@@ -87,7 +87,7 @@ def routing_stats(params, x, cfg=CFG):
     r = route(params["router"], x, cfg)
     kept = jnp.ones(r.expert_index.shape, bool)
     pair = parallel.max_pair_count(r.expert_index, kept, N, N, cfg.num_experts)
-    cap = cfg.replace(dispatch="capacity", capacity_factor=1.0)
+    cap = cfg.replace(drop_policy="capacity", capacity_factor=1.0)
     dropped = 0
     for shard in jnp.split(r.expert_index, N):  # capacity counted per device (GShard groups)
         sub = moejax.Routing(None, None, shard, jnp.ones(shard.shape), jnp.ones(shard.shape, bool))
@@ -108,7 +108,7 @@ def check_dropless(params, x, bucket, mesh, cfg=CFG):
 
 
 def layer_shape(cfg=CFG, tokens=T):
-    return cost.LayerShape(
+    return traffic.LayerShape(
         tokens=tokens // N,
         top_k=cfg.top_k,
         d_model=cfg.d_model,
@@ -124,13 +124,13 @@ def buffer_table(routings, mesh):
     for name, params, x_prev, x, *rest in routings:
         cfg = rest[0] if rest else CFG
         shape = layer_shape(cfg, x.shape[0])
-        cap1 = cost.buffer_bytes(shape, "capacity", capacity_factor=1.0)
-        worst = cost.buffer_bytes(shape, "worst")
+        cap1 = traffic.buffer_bytes(shape, "capacity", capacity_factor=1.0)
+        worst = traffic.buffer_bytes(shape, "worst")
         prev_pair, _ = routing_stats(params, x_prev, cfg)
         bucket = parallel.choose_bucket(prev_pair, x.shape[0] // N, cfg.top_k, N)
         pair, cap_drop = routing_stats(params, x, cfg)
         rounds = math.ceil(pair / bucket)
-        dl = cost.buffer_bytes(shape, "dropless", bucket=bucket)
+        dl = traffic.buffer_bytes(shape, "dropless", bucket=bucket)
         dropped, err = check_dropless(params, x, bucket, mesh, cfg)
         rows.append((name, pair, bucket, rounds, dl, worst, cap1, cap_drop, dropped, err))
         print(
@@ -143,14 +143,14 @@ def buffer_table(routings, mesh):
 
 def comm_table(shape, bucket, rounds):
     items = [
-        ("expert / capacity 1.0", cost.comm_bytes(shape, "expert", "capacity")),
+        ("expert / capacity 1.0", traffic.comm_bytes(shape, "expert", "capacity")),
         (
             f"expert / dropless (B={bucket}, R={rounds})",
-            cost.comm_bytes(shape, "expert", "dropless", bucket=bucket, rounds=rounds),
+            traffic.comm_bytes(shape, "expert", "dropless", bucket=bucket, rounds=rounds),
         ),
-        ("expert / allgather", cost.comm_bytes(shape, "expert", "allgather")),
-        ("data (weights all-gathered)", cost.comm_bytes(shape, "data")),
-        ("tensor (weights re-sliced)", cost.comm_bytes(shape, "tensor")),
+        ("expert / allgather", traffic.comm_bytes(shape, "expert", "allgather")),
+        ("data (weights all-gathered)", traffic.comm_bytes(shape, "data")),
+        ("tensor (weights re-sliced)", traffic.comm_bytes(shape, "tensor")),
     ]
     for name, b in items:
         print(f"| {name} | {b / 2**20:.2f} |")

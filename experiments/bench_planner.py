@@ -14,9 +14,9 @@ nodes. About 5 s.
 ``--compare-greedy``: the packers alone (no planner, no cost model) over 24 shapes (``E`` in
 64 / 128 / 256, ``N`` in 8 / 16 / 32 / 64, ``S`` = 1.25 and 1.5 x ``E / N`` rounded up, at
 least 2; hottest expert 2x / 4x / 8x the mean in turn; one seed per shape), replica counts
-fixed by ``packing.replica_counts``: max / mean device load of the differencing packer (the
+fixed by ``placement.replica_counts``: max / mean device load of the differencing packer (the
 only one before), EPLB-style greedy alone, greedy refined by the same rebalancing passes, and
-the kept packing (``packing.pack``), then how many shapes each start wins. Under a second.
+the kept packing (``placement.pack``), then how many shapes each start wins. Under a second.
 """
 
 import argparse
@@ -24,8 +24,16 @@ import time
 
 import numpy as np
 
-from moejax.placement import H100_IB, Placement, Workload, plan, step_cost
-from moejax.placement.packing import greedy_pack, pack, replica_counts
+from moejax.placement import (
+    H100_IB,
+    Placement,
+    Workload,
+    greedy_pack,
+    pack,
+    plan,
+    replica_counts,
+    step_cost,
+)
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 
 

@@ -36,13 +36,19 @@ import jax
 import jax.numpy as jnp
 
 import moejax
-from moejax import aot
+from moejax import aot, parallel
 from moejax.models import presets
+from moejax.parallel import Strategy
 from moejax.training import presets as train_presets
 from pallas_kernels import resources, targets
 
 LAYER = moejax.MoEConfig(d_model=1024, d_ff=2048, num_experts=8, top_k=2, param_dtype="bfloat16")
-STRATEGIES = aot.strategies()
+CAPACITY = LAYER.replace(drop_policy="capacity")
+# The layer's strategy space, and the capacity dispatcher (the default of a capacity layer).
+CASES = [
+    *((LAYER, s) for s in parallel.strategy_space(LAYER)),
+    (CAPACITY, Strategy("expert", "capacity")),
+]
 TARGETS = (("cuda", {}, "8 x H100"), ("tpu", {"generation": "v5e"}, "TPU v5e 2x4"))
 
 
@@ -79,14 +85,14 @@ def layer_rows(progress: Progress) -> list[str]:
     rows = [head, "|---|---|---|---|---|"]
     for platform, kw, label in TARGETS:
         mesh = aot.mesh(platform, (2, 4), ("data", "expert"), **kw)
-        for strategy in STRATEGIES:
-            cfg = LAYER.replace(dispatch="capacity") if strategy.dispatcher == "capacity" else LAYER
+        for cfg, strategy in CASES:
             fn, args = aot.layer_program(cfg, mesh, strategy, tokens=16384, dtype=jnp.bfloat16)
             what = f"sharded layer, {label}, {strategy.mode}/{strategy.dispatcher}"
-            what += f", chunks {strategy.chunks}"
+            what += f", chunks {strategy.chunks}" + ", staggered" * strategy.stagger
             out = progress(what, lambda fn=fn, args=args: aot.compile_program(fn, args))
             rows.append(
-                f"| {label} | {strategy.mode}/{strategy.dispatcher}, chunks {strategy.chunks} | "
+                f"| {label} | {strategy.mode}/{strategy.dispatcher}, chunks {strategy.chunks}"
+                f"{' staggered' * strategy.stagger} | "
                 f"{_kernels(out.kernels)} | {out.seconds:.1f} | {out.peak_bytes / 2**20:.0f} MiB |"
             )
     return rows
@@ -131,7 +137,7 @@ def main() -> None:
         # libtpu prints a warning to stderr when it first loads: before the Markdown starts.
         aot.mesh("tpu", (2, 4), ("data", "expert"), generation="v5e")
     jobs = sum(s in sections for s in ("h100", "v5e", "v5p"))
-    jobs += len(TARGETS) * len(STRATEGIES) * ("layer" in sections)
+    jobs += len(TARGETS) * len(CASES) * ("layer" in sections)
     progress = Progress(jobs + len(TRAIN_TARGETS) * ("train" in sections))
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False

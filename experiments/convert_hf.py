@@ -1,4 +1,5 @@
-"""Convert a Hugging Face MoE decoder to an orbax checkpoint that training starts from, and back.
+"""Convert a Hugging Face MoE decoder to an orbax checkpoint that training starts from, and back
+(the command line of `moejax.interop.hf.convert_to_orbax` / `convert_to_hf`).
 
 Families: Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE (`config.json` `model_type`). The directory holds
 `config.json` and safetensors weights (one file, or shards with `model.safetensors.index.json`);
@@ -88,58 +89,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def to_orbax(args) -> str:
-    from moejax.interop.hf._converted import write_converted
-    from moejax.interop.hf._model import load_hf_model
-    from moejax.interop.hf._model_config import family_of
-    from moejax.interop.hf._outputs import check_output
+    from moejax.interop.hf import convert_to_orbax
 
-    check_output(args.out, overwrite=args.overwrite, inputs=[args.hf_dir])  # before reading
-    cfg, params, hf_config = load_hf_model(
+    cfg, family = convert_to_orbax(
         args.hf_dir,
+        args.out,
         param_dtype=args.param_dtype,
-        progress=not args.no_progress,
+        overwrite=args.overwrite,
         allow_nonfinite=args.allow_nonfinite,
-    )
-    family = family_of(hf_config)
-    write_converted(
-        args.out, cfg, params, hf_config, family, overwrite=args.overwrite, inputs=[args.hf_dir]
+        progress=not args.no_progress,
     )
     return f"wrote {args.out}: {family}, {cfg.num_layers} layers, " \
         f"{cfg.moe.num_experts} experts (train with --init-from {args.out})"  # fmt: skip
 
 
 def to_hf(args) -> str:
-    from moejax.interop.hf import CheckpointError
-    from moejax.interop.hf._converted import (
-        params_of_train_checkpoint,
-        read_converted,
-        restore_params,
-    )
-    from moejax.interop.hf._model import save_hf_model
-    from moejax.interop.hf._outputs import check_output
+    from moejax.interop.hf import CheckpointError, convert_to_hf
 
     if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
         raise CheckpointError(f"--max-shard-gb={args.max_shard_gb}: need a number > 0")
-    inputs = [args.converted] + ([args.checkpoint] if args.checkpoint else [])
-    check_output(args.out, overwrite=args.overwrite, inputs=inputs)  # before reading
-    cfg, hf_config, _ = read_converted(args.converted)
-    if args.checkpoint:
-        params = params_of_train_checkpoint(
-            args.checkpoint, cfg, allow_nonfinite=args.allow_nonfinite
-        )
-    else:
-        params = restore_params(args.converted, cfg, allow_nonfinite=args.allow_nonfinite)
-    save_hf_model(
+    convert_to_hf(
+        args.converted,
         args.out,
-        params,
-        cfg,
-        hf_config,
+        checkpoint=args.checkpoint,
         layout=args.layout,
         dtype=args.dtype,
         max_shard_bytes=int(args.max_shard_gb * 2**30),
-        progress=not args.no_progress,
         overwrite=args.overwrite,
-        inputs=inputs,
+        allow_nonfinite=args.allow_nonfinite,
+        progress=not args.no_progress,
     )
     return f"wrote {args.out}"
 

@@ -35,7 +35,7 @@ def main():
     counts = np.asarray(aux.expert_counts)
     print(
         f"preset={args.preset} router={cfg.router} T={x.shape[0] * x.shape[1]} "
-        f"E={cfg.num_experts} K={cfg.top_k} dispatch={cfg.dispatch}"
+        f"E={cfg.num_experts} K={cfg.top_k} drop_policy={cfg.drop_policy}"
     )
     print("tokens per expert:", " ".join(f"{c:5d}" for c in counts))
     print(

@@ -7,8 +7,10 @@ Run: python -m pallas_kernels.targets --install   (once; the compilers)
                                                    v5p-64: ~20-40 min on 2 cores)
      python experiments/plan_scale.py --preset mixtral_8x7b --target h100x64
      python experiments/plan_scale.py --target h100x8 --batch 128   (one node)
+     python experiments/plan_scale.py --preset deepseek_v3_4l   (DeepSeek-V3's widths, 4
+                                                   layers: does one layer-unit fit?)
 Ends with one line per preset and target: the best layout found and `fits` / `does not fit`.
-The logic lives in `moejax.training.plan`; the table is in BENCHMARKS.md ("Real scale").
+The logic lives in `moejax.aot.fit`; the table is in BENCHMARKS.md ("Real scale").
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 
+from moejax.aot import fit
 from moejax.models import presets
-from moejax.training import plan
 from moejax.training import presets as train_presets
 from pallas_kernels import targets
 
@@ -36,10 +38,10 @@ def main() -> None:
     parser.add_argument("--preset", nargs="+", default=list(presets.REAL_SIZE),
                         choices=sorted(presets.PRESETS))  # fmt: skip
     parser.add_argument("--target", nargs="+", default=["h100x64", "v5p-64"],
-                        choices=sorted(plan.TARGETS))  # fmt: skip
+                        choices=sorted(fit.TARGETS))  # fmt: skip
     parser.add_argument("--batch", type=int, help="global batch (default: the preset's)")
     args = parser.parse_args()
-    for platform in {plan.TARGETS[t].platform for t in args.target}:
+    for platform in {fit.TARGETS[t].platform for t in args.target}:
         if (why := targets.missing(platform)) is not None:
             raise SystemExit(f"cannot compile for {platform}: {why}")
     print(f"# plan_scale {datetime.date.today()} jax {jax.__version__}\n", flush=True)
@@ -49,20 +51,20 @@ def main() -> None:
         if args.batch:
             train_cfg = train_cfg.replace(batch_size=args.batch)
         for target_name in args.target:
-            target = plan.TARGETS[target_name]
+            target = fit.TARGETS[target_name]
             group = []
-            for layout in plan.default_layouts(model_cfg, target):
+            for layout in fit.default_layouts(model_cfg, target):
                 try:
-                    row = plan.plan_row(name, model_cfg, train_cfg, target, layout)
+                    row = fit.plan_row(name, model_cfg, train_cfg, target, layout)
                 except Exception as err:  # noqa: BLE001 - a layout that does not compile is a row
                     print(f"{name} {target.name} {layout}: does not compile: {str(err)[:200]}")
                     continue
-                print(plan.markdown([row]).splitlines()[-1], flush=True)
+                print(fit.markdown([row]).splitlines()[-1], flush=True)
                 group.append(row)
             rows += group
             if group:
-                summary.append(plan.summary_line(group))
-    print("\n" + plan.markdown(rows))
+                summary.append(fit.summary_line(group))
+    print("\n" + fit.markdown(rows))
     print("\n" + "\n".join(summary))
 
 

@@ -25,8 +25,9 @@ import json
 import os
 import sys
 
-from moejax.placement import load_trace
-from moejax.placement.replay import SPEC_FILE, config_overrides, controller_from_spec, replay
+from moejax.placement import PlacementController, load_trace
+from moejax.placement.controller import SPEC_FILE
+from moejax.placement.replay import config_overrides, replay
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     try:
-        controller = controller_from_spec(spec, **config_overrides(args.set))
+        controller = PlacementController.from_spec(spec, **config_overrides(args.set))
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     trace = load_trace(trace_path)

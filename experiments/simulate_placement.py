@@ -8,7 +8,7 @@ column, ``repl. sync``, is the part of the modeled time spent combining the grad
 experts replicated across devices every step (``cost_model.replica_sync_s``, a ring all-reduce
 with no overlap, over the in-node link when all holders share a node, else over the cross-node
 link): ``step_cost`` charges it, the controller's planner weighs it against balance and groups
-the holders of each replicated expert into one node where it can (``packing_nodes.py``);
+the holders of each replicated expert into one node where it can (the planner's node order);
 shadowing pays its own per-step sync, in its migration column.
 
 Scaling: ``E = 2N`` experts (two home experts per device) and ``S = E/N + spare`` slots per
@@ -65,12 +65,12 @@ from moejax.placement import (
     balanced,
     drifting_zipf,
     load_trace,
+    pack_by_group,
     plan,
     step_cost,
     zipf,
 )
 from moejax.placement.groups import cross_node_copies, min_nodes_per_group, nodes_per_group
-from moejax.placement.packing_groups import pack_by_group
 from moejax.placement.replay import config_overrides
 from moejax.placement.simulate import compare, summarize
 from moejax.placement.traces import zipf_exponent_for
@@ -278,7 +278,7 @@ def print_deepseek(result: dict) -> None:
         "step (compute + node-deduplicated all-to-all + replica sync, cost_model.step_cost); "
         "static: Placement.identity; moejax plan: plan(static, loads, hardware, workload) "
         "with num_groups=1 (today's node-aware planner) and with the groups; groups kept whole: "
-        "packing_groups.pack_by_group(spill=0), the planner's candidate with no replica "
+        "placement.pack_by_group(spill=0), the planner's candidate with no replica "
         "outside its group's nodes; bound: any "
         "placement; groups bound: every group on its least nodes, no replica outside.\n"
     )

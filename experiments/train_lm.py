@@ -210,6 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
         "its architecture replaces the preset's model, the preset gives the training settings",
     )
     p.add_argument(
+        "--upcycle-from",
+        help="start from a dense moejax model (a training run directory or its checkpoints/<n>; "
+        "dense MLP or one-expert layers, moejax.models.dense_lm_config): its MLPs are copied "
+        "into the experts (moejax.models.upcycle); the preset's MoE layer gives the routing "
+        "and experts (d_ff: the dense width / --upcycle-granularity; no shared experts), its "
+        "training settings the rest",
+    )
+    p.add_argument(
+        "--upcycle-granularity", type=int, default=1, help="split each dense MLP this many ways"
+    )
+    p.add_argument(
+        "--upcycle-noise", type=float, default=0.0, help="relative noise on the expert weights"
+    )
+    p.add_argument(
         "--allow-nonfinite",
         action="store_true",
         help="start or resume from weights holding NaN/Inf (--init-from, checkpoints)",
@@ -332,9 +346,13 @@ def _configs(args):
 
     model_cfg = presets.get(args.preset)
     if args.init_from:
-        from moejax.interop.hf._converted import read_converted
+        from moejax.interop.hf import read_converted
 
         model_cfg = read_converted(args.init_from)[0]
+    if args.upcycle_from:
+        if args.init_from:
+            raise InputError("--upcycle-from: not with --init-from (both give the weights)")
+        args.upcycled, model_cfg = _upcycled(args, model_cfg)
     if args.bf16:
         model_cfg = model_cfg.replace(dtype="bfloat16")
     overrides = {
@@ -546,6 +564,12 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
             f"with the same --out to resume",
             flush=True,
         )
+    if getattr(args, "upcycled", None) is not None:
+        result.recipes = (
+            f"upcycled from {args.upcycle_from} (granularity {args.upcycle_granularity}, "
+            f"noise {args.upcycle_noise:g})",
+            *result.recipes,
+        )
     if primary and not args.no_outputs:
         print(report.summary_table(result))
         print(_outputs_line(run_dir, args, result, cache))
@@ -577,13 +601,105 @@ def _outputs_line(run_dir, args, result, cache) -> str:
     return line
 
 
+def _checkpoint_step(path: str) -> str:
+    """The newest finished step directory of a run directory (or `path`, a step directory)."""
+    for ckpts in (os.path.join(path, "checkpoints"), path):
+        steps = [n for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
+        steps = [n for n in steps if os.path.isdir(os.path.join(ckpts, n, "state"))]
+        if steps:
+            return os.path.join(ckpts, max(steps, key=int))
+    if os.path.isdir(os.path.join(path, "state")):
+        return path
+    raise InputError(f"--upcycle-from={path}: no moejax training checkpoint there")
+
+
+def _model_of_checkpoint(step_dir: str):
+    """The `LMConfig` a training checkpoint's metadata records (`<step>/meta/metadata`)."""
+    import json
+
+    from moejax import MoEConfig
+    from moejax.models import LMConfig, RopeScaling
+
+    try:
+        with open(os.path.join(step_dir, "meta", "metadata")) as f:
+            flat = json.load(f)["model"]
+    except (OSError, ValueError, KeyError) as err:
+        raise InputError(f"--upcycle-from={step_dir}: no readable model metadata ({err})") from None
+    nested = {}
+    for key, value in flat.items():
+        outer, _, inner = key.partition(".")
+        if inner:
+            nested.setdefault(outer, {})[inner] = value
+        else:
+            nested[key] = value
+    nested["moe"] = MoEConfig(**nested["moe"])
+    if isinstance(nested.get("rope_scaling"), dict):
+        nested["rope_scaling"] = RopeScaling(**nested["rope_scaling"])
+    return LMConfig(**nested)
+
+
+def _upcycled(args, preset_cfg):
+    """`(params on the host, model config)` of `--upcycle-from`."""
+    import jax
+
+    from moejax.models import init_lm_params, upcycle
+    from moejax.training import TrainConfig
+    from moejax.training.checkpoint import Checkpointer
+
+    step_dir = _checkpoint_step(args.upcycle_from)
+    dense_cfg = _model_of_checkpoint(step_dir)
+    abstract = jax.eval_shape(lambda: init_lm_params(dense_cfg, jax.random.key(0)))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
+    )
+    ckpt = Checkpointer(
+        os.path.dirname(step_dir),
+        dense_cfg,
+        TrainConfig(),
+        keep=sys.maxsize,
+        async_save=False,
+        allow_nonfinite=args.allow_nonfinite,
+    )  # fmt: skip (keep: closing it never rotates anything away)
+    try:
+        params = ckpt.restore_params(int(os.path.basename(step_dir)), target)[0]
+    finally:
+        ckpt.close()
+    g = args.upcycle_granularity
+    width = dense_cfg.moe.d_ff if dense_cfg.moe.num_experts == 1 else dense_cfg.mlp_d_ff
+    if width % max(g, 1):
+        raise InputError(f"--upcycle-granularity={g}: does not divide the dense width {width}")
+    moe = preset_cfg.moe.replace(
+        d_model=dense_cfg.d_model, d_ff=width // max(g, 1), num_shared_experts=0,
+        shared_gate=False, shared_d_ff=None,
+    )  # fmt: skip
+    try:
+        return upcycle(params, dense_cfg, moe, g, args.upcycle_noise, args.seed or 0)
+    except ValueError as err:
+        raise InputError(f"--upcycle-from: {err}") from None
+
+
 def _init_params(args, model_cfg):
-    """`mesh -> params` of `--init-from` (None without it)."""
+    """`mesh -> params` of `--init-from` or `--upcycle-from` (None without them)."""
+    if getattr(args, "upcycled", None) is not None:
+        import jax
+
+        from moejax.models import lm_partition_specs
+
+        def place(mesh):
+            if mesh is None:
+                return args.upcycled
+            shardings = jax.tree.map(
+                lambda s: jax.sharding.NamedSharding(mesh, s), lm_partition_specs(model_cfg, mesh)
+            )
+            return jax.device_put(args.upcycled, shardings)
+
+        return place
     if not args.init_from:
         return None
-    from moejax.interop.hf._converted import restore_params
+    from moejax.interop.hf import load_converted_params
 
-    return lambda mesh: restore_params(
+    return lambda mesh: load_converted_params(
         args.init_from, model_cfg, mesh, allow_nonfinite=args.allow_nonfinite
     )
 
@@ -595,12 +711,16 @@ def main(argv=None) -> int:
             inputs = _setup(args)
         except ValueError as err:
             return _fail(err, args)
+        from moejax.interop.hf import CheckpointError as HFCheckpointError
         from moejax.training import INPUT_ERRORS
 
-        try:  # inside training only the library's input errors are one line; bugs keep tracebacks
+        # Inside training only the library's input errors are one line; bugs keep tracebacks.
+        # `--init-from`'s converted model is read inside `train`: its errors are input errors.
+        input_errors = (*INPUT_ERRORS, HFCheckpointError)
+        try:
             with _run_lock(args):  # around the outputs too
                 return run(args, *inputs)
-        except INPUT_ERRORS as err:
+        except input_errors as err:
             return _fail(err, args)
     except KeyboardInterrupt:  # before the training loop, or a second Ctrl-C inside it
         if args.debug:

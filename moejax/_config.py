@@ -17,11 +17,11 @@ import numpy as np
 
 RouterKind = Literal["softmax", "sigmoid", "topk_softmax", "expert_choice"]
 Activation = Literal["swiglu", "geglu", "gelu", "relu", "clamped_swiglu"]
-DispatchMode = Literal["dropless", "capacity"]
+DropPolicy = Literal["dropless", "capacity"]
 
 ROUTER_KINDS: tuple[str, ...] = RouterKind.__args__
 ACTIVATIONS: tuple[str, ...] = Activation.__args__
-DISPATCH_MODES: tuple[str, ...] = DispatchMode.__args__
+DROP_POLICIES: tuple[str, ...] = DropPolicy.__args__
 GATED_ACTIVATIONS = frozenset({"swiglu", "geglu", "clamped_swiglu"})
 _BOOL_FIELDS = (
     "norm_topk_prob",
@@ -45,7 +45,7 @@ class MoEConfig:
       router: how experts are chosen and weighted.
         - `"softmax"`: softmax over all E logits, then top-k; `norm_topk_prob` renormalises the k
           weights (Mixtral: always; OLMoE, Qwen2-MoE, Qwen3-MoE: a flag). Switch Transformer is this
-          with `top_k=1` and `dispatch="capacity"`.
+          with `top_k=1` and `drop_policy="capacity"`.
         - `"sigmoid"`: sigmoid scores; choice on scores + `score_correction_bias` (aux-loss-free
           balancing), weights from the unbiased scores; optional group-limited choice
           (`num_groups`, `topk_groups`); `norm_topk_prob`; `routed_scaling_factor` (DeepSeek-V3).
@@ -73,7 +73,7 @@ class MoEConfig:
         width `Fs = num_shared_experts * shared_d_ff` (DeepSeek and Qwen2-MoE do the same).
       shared_d_ff: d_ff of one shared expert (default: `d_ff`).
       shared_gate: the shared output is scaled by `sigmoid(x @ shared/gate [D, 1])` (Qwen2-MoE).
-      dispatch: `"dropless"` never drops an assignment; `"capacity"` keeps at most a capacity per
+      drop_policy: `"dropless"` never drops an assignment; `"capacity"` keeps at most a capacity per
         expert (per sequence when x has a sequence axis), dropped assignments contribute zero.
       capacity_factor: capacity = ceil(capacity_factor * tokens * K / E) (capacity mode and
         expert choice).
@@ -105,7 +105,7 @@ class MoEConfig:
     num_shared_experts: int = 0
     shared_d_ff: int | None = None
     shared_gate: bool = False
-    dispatch: DispatchMode = "dropless"
+    drop_policy: DropPolicy = "dropless"
     capacity_factor: float = 1.25
     expert_capacity: int | None = None
     block_size: int = 128
@@ -129,8 +129,8 @@ class MoEConfig:
             _bad("router", self.router, f"must be one of {ROUTER_KINDS}")
         if self.activation not in ACTIVATIONS:
             _bad("activation", self.activation, f"must be one of {ACTIVATIONS}")
-        if self.dispatch not in DISPATCH_MODES:
-            _bad("dispatch", self.dispatch, f"must be one of {DISPATCH_MODES}")
+        if self.drop_policy not in DROP_POLICIES:
+            _bad("drop_policy", self.drop_policy, f"must be one of {DROP_POLICIES}")
         if self.top_k > self.num_experts:
             _bad("top_k", self.top_k, f"must be <= num_experts={self.num_experts}")
         if self.num_experts % self.num_groups:

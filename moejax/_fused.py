@@ -1,6 +1,6 @@
 """The XLA:CPU fast path: permute, expert FFN and unpermute fused into one loop over row chunks.
 
-`fused_moe(x, weight, layout, experts, config)` computes what `dispatch`, `grouped_ffn` and
+`fused_moe(x, weight, layout, experts, config)` computes what `permute`, `grouped_ffn` and
 `combine` compute together, `y[t] = sum_k weight[t, k] * ffn_{e(t, k)}(x[t])`, with one custom
 VJP for the whole expert phase.
 

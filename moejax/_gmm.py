@@ -12,8 +12,8 @@ alignment it wants the permute phase to pad groups to.
   loops with `rhs` transposed, drhs (tgmm) by accumulating `lhs_b^T @ dout_b` over a group's blocks
   in a loop carry written once per group. Safe inside `shard_map(check_vma=True)`: every loop
   carry starts varying like the operands and the VJP's cotangents vary like their primals (see
-  `moejax._vma`), so each device of `moejax.parallel` runs it as is; the single-device layer runs
-  the fused loop of `moejax._fused` instead.
+  `pallas_kernels.vma`), so each device of `moejax.parallel` runs it as is; the single-device
+  layer runs the fused loop of `moejax._fused` instead.
 - `pallas`: `pallas_kernels.grouped_matmul` (Mosaic GPU on Hopper, Triton on other GPUs, Mosaic on
   TPU, and the Triton kernel in interpret mode on CPU; chosen when the program is lowered, not
   from the host). Alignment `pallas_kernels.group_alignment()`: 128 when compiling for a Hopper
@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moejax._vma import match_vma, zeros_like_vma
+from pallas_kernels.vma import match_varying, zeros_varying
 
 _DOT_T = (((1,), (1,)), ((), ()))  # contract lhs dim 1 with rhs dim 1: lhs @ rhs.T
 
@@ -62,7 +62,7 @@ def _blocked_matmul(lhs, rhs, group_sizes, block, transpose_rhs):
         return jax.lax.fori_loop(starts[g], starts[g] + counts[g], body, out)
 
     starts, counts = _group_blocks(group_sizes, block)
-    init = zeros_like_vma((r, n), lhs.dtype, lhs, rhs, group_sizes)
+    init = zeros_varying((r, n), lhs.dtype, lhs, rhs, group_sizes)
     return jax.lax.fori_loop(0, rhs.shape[0], group, init)
 
 
@@ -84,13 +84,13 @@ def _blocked_tgmm(lhs, dout, group_sizes, block):
                 x, d, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype
             )
 
-        init = zeros_like_vma((k, n), acc_dtype, lhs, dout, group_sizes)
+        init = zeros_varying((k, n), acc_dtype, lhs, dout, group_sizes)
         acc = jax.lax.fori_loop(starts[g], starts[g] + counts[g], body, init)
         return jax.lax.dynamic_update_index_in_dim(out, acc, g, 0)
 
     starts, counts = _group_blocks(group_sizes, block)
     e = group_sizes.shape[0]
-    init = zeros_like_vma((e, k, n), acc_dtype, lhs, dout, group_sizes)
+    init = zeros_varying((e, k, n), acc_dtype, lhs, dout, group_sizes)
     return jax.lax.fori_loop(0, e, group, init)
 
 
@@ -120,7 +120,7 @@ def _blocked_gmm_bwd(block, res, dout):
     drhs = _blocked_tgmm(lhs, dout, group_sizes, block).astype(rhs.dtype)
     # Under shard_map the cotangents take the primals' varying axes (a psum where the forward
     # broadcast an invariant operand, e.g. replicated weights meeting sharded rows).
-    return match_vma(dlhs, lhs), match_vma(drhs, rhs), None
+    return match_varying(dlhs, lhs), match_varying(drhs, rhs), None
 
 
 blocked_gmm.defvjp(_blocked_gmm_fwd, _blocked_gmm_bwd)

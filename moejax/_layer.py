@@ -14,7 +14,7 @@ from moejax import _gmm, _routing
 from moejax._config import MoEConfig
 from moejax._experts import grouped_ffn, reference_experts, shared_mlp
 from moejax._fused import fused_moe
-from moejax._permute import combine, dispatch, make_layout
+from moejax._permute import combine, make_layout, permute
 from moejax._types import MoEAux, Routing
 from moejax._validate import check_layer_inputs, is_empty
 
@@ -83,6 +83,7 @@ def moe_apply(
     config: MoEConfig,
     *,
     implementation: Implementation = "auto",
+    replay_experts: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """Apply one MoE layer.
 
@@ -96,6 +97,10 @@ def moe_apply(
         expert-sorted rows), `"pallas"` (block-sparse kernels: Triton on GPU, Mosaic on TPU,
         interpreted on CPU), or `"auto"` (`"pallas"` when compiled for GPU or TPU, `"blocked"`
         otherwise; decided by the compile target, see `by_target`).
+      replay_experts: router replay: None, or `[..., K]` int expert ids (x's token axes, then
+        `top_k`), e.g. a recorded `aux.topk_indices` reshaped to x's token axes. They replace
+        the router's top-k; the weights are recomputed by the current router over those experts
+        (`moejax._routing.replayed`), and capacity, counts and losses follow them.
 
     Returns:
       `(y, aux)`: `y` of the shape and dtype of `x`, `aux` a `MoEAux` of routing statistics and
@@ -117,12 +122,14 @@ def moe_apply(
     """
     check_layer_inputs(params, x, config)
     resolve_implementation(implementation)  # validates the name
+    if replay_experts is not None:
+        _routing.check_replay(replay_experts, x.shape[:-1], config, "replay_experts")
     if is_empty(x):
         return empty_outputs(params["router"], x, config)
-    if is_traced(params, x):
-        return _moe_apply(params, x, config, implementation)  # inside the caller's jit or grad
+    if is_traced(params, x, replay_experts):
+        return _moe_apply(params, x, config, implementation, replay_experts)  # caller's jit/grad
     # Called eagerly: one compiled program per shape and config, not an op-by-op run.
-    return _moe_apply_jit(params, x, config, implementation)
+    return _moe_apply_jit(params, x, config, implementation, replay_experts)
 
 
 def is_traced(*trees) -> bool:
@@ -131,15 +138,19 @@ def is_traced(*trees) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(trees))
 
 
-def _moe_apply(params, x, config, implementation):
+def _moe_apply(params, x, config, implementation, replay=None):
     """`moe_apply` on checked, non-empty inputs."""
     shape = x.shape
     num_sequences = math.prod(shape[:-2]) if x.ndim >= 3 else 1
     xt = x.reshape(-1, config.d_model)
+    if replay is not None:
+        replay = replay.reshape(-1, replay.shape[-1])
 
     with jax.named_scope("route"):
-        routing = _routing.route(params["router"], xt, config, num_sequences=num_sequences)
-        if config.dispatch == "capacity" and config.router != "expert_choice":
+        routing = _routing.route(
+            params["router"], xt, config, num_sequences=num_sequences, replay=replay
+        )
+        if config.drop_policy == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, num_sequences)
 
     max_kept = _max_kept(xt, config, num_sequences)
@@ -149,7 +160,7 @@ def _moe_apply(params, x, config, implementation):
     if config.shared_width:
         with jax.named_scope("shared_experts"):
             y = y + shared_mlp(params["shared"], xt, config)
-    return y.reshape(shape), make_aux(routing, config)
+    return y.reshape(shape), make_aux(routing, config, num_sequences)
 
 
 _moe_apply_jit = jax.jit(_moe_apply, static_argnums=(2, 3))
@@ -168,7 +179,7 @@ def _routed_phases(xt, routing, experts, implementation, *, config, max_kept):
     gmm, alignment = _gmm_for(implementation, config)
     with jax.named_scope("permute"):
         layout = make_layout(routing, config.num_experts, alignment, max_kept)
-        rows = dispatch(xt, layout)
+        rows = permute(xt, layout)
     with jax.named_scope("experts"):
         out = grouped_ffn(rows, layout.group_sizes, layout.group_of_row, experts, config, gmm)
     with jax.named_scope("unpermute"):
@@ -177,7 +188,7 @@ def _routed_phases(xt, routing, experts, implementation, *, config, max_kept):
 
 def _max_kept(xt, config, num_sequences) -> int | None:
     """Static bound on kept assignments (smaller R for capacity mode and expert choice)."""
-    if config.dispatch == "capacity" or config.router == "expert_choice":
+    if config.drop_policy == "capacity" or config.router == "expert_choice":
         s = xt.shape[0] // num_sequences
         cap = min(config.capacity(s), s) if config.router == "expert_choice" else config.capacity(s)
         return num_sequences * config.num_experts * cap
@@ -202,8 +213,9 @@ def empty_outputs(router_params: dict, x: jax.Array, config: MoEConfig) -> tuple
     return jnp.zeros(x.shape, x.dtype), aux
 
 
-def make_aux(routing: Routing, config: MoEConfig) -> MoEAux:
-    """Routing statistics and auxiliary losses of one call."""
+def make_aux(routing: Routing, config: MoEConfig, num_sequences: int = 1) -> MoEAux:
+    """Routing statistics and auxiliary losses of one call (`num_sequences` sequence-major
+    sequences for the sequence-wise balance loss)."""
     e = config.num_experts
     dropped = ~routing.kept
     if config.router == "expert_choice":
@@ -225,4 +237,6 @@ def make_aux(routing: Routing, config: MoEConfig) -> MoEAux:
         routed_fraction=_routing.expert_counts(routing.expert_index, e).astype(jnp.float32)
         / routing.expert_index.size,
         mean_probs=routing.probs.mean(0).astype(jnp.float32),
+        sequence_balance_loss=_routing.sequence_balance_sum(routing, e, num_sequences)
+        / num_sequences,
     )

@@ -1,6 +1,6 @@
 """Phases 2 and 4, permute and unpermute: move token rows into expert-sorted order and back.
 
-Every move is a gather, forward and backward: `dispatch` gathers token rows into expert order and
+Every move is a gather, forward and backward: `permute` gathers token rows into expert order and
 its VJP gathers the row gradients back per assignment; `combine` gathers expert outputs per
 assignment and its VJP gathers output gradients per row. (Scatters are several times slower than
 gathers on XLA:CPU; MegaBlocks pairs padded_gather with padded_scatter the same way.)
@@ -73,22 +73,22 @@ def _take_rows(x, index):
 
 
 @jax.custom_vjp
-def dispatch(x: jax.Array, layout: GroupedLayout) -> jax.Array:
+def permute(x: jax.Array, layout: GroupedLayout) -> jax.Array:
     """`x [T, D]` -> `rows [R, D]`: row r holds token `token_of_row[r]` (zeros for padding)."""
     return _take_rows(x, layout.token_of_row)
 
 
-def _dispatch_fwd(x, layout):
-    return dispatch(x, layout), (layout, x.shape[0])
+def _permute_fwd(x, layout):
+    return permute(x, layout), (layout, x.shape[0])
 
 
-def _dispatch_bwd(res, d_rows):
+def _permute_bwd(res, d_rows):
     layout, _ = res
     dx = _take_rows(d_rows, layout.row_of_assignment).sum(1)  # [T, K, D] -> [T, D]
     return dx, None
 
 
-dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 @jax.custom_vjp

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax._config import MoEConfig
 from moejax._types import Routing
@@ -32,7 +33,12 @@ def router_logits(router_params: dict, x: jax.Array, config: MoEConfig) -> jax.A
 
 
 def route(
-    router_params: dict, x: jax.Array, config: MoEConfig, *, num_sequences: int = 1
+    router_params: dict,
+    x: jax.Array,
+    config: MoEConfig,
+    *,
+    num_sequences: int = 1,
+    replay: jax.Array | None = None,
 ) -> Routing:
     """Choose experts and combine weights for every token.
 
@@ -41,12 +47,16 @@ def route(
       x: `[T, D]` tokens; when `num_sequences > 1`, T = num_sequences * S in sequence-major order.
       config: the layer config.
       num_sequences: capacity groups for expert choice (each sequence chooses separately).
+      replay: None, or `[T, K]` int expert ids to use instead of the router's own top-k
+        (router replay, `replayed`).
 
     Returns:
       A `Routing` with `K = config.top_k` slots per token (`K = E` for expert choice). All slots
       are kept; capacity dropping is a later phase (`apply_capacity`).
     """
     logits = router_logits(router_params, x, config)
+    if replay is not None:
+        return replayed(router_params, logits, replay, config)
     kind = config.router
     if kind == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
@@ -70,6 +80,82 @@ def route(
         weight=weight,
         kept=jnp.ones(index.shape, bool),
     )
+
+
+def replayed(
+    router_params: dict, logits: jax.Array, index: jax.Array, config: MoEConfig
+) -> Routing:
+    """Router replay: the given experts, weighted by the current router (so it still learns).
+
+    Each router weighs the given experts as it weighs its own choice: `"softmax"` takes their
+    softmax probabilities (renormalised with `norm_topk_prob`), `"sigmoid"` their unbiased scores
+    (renormalised with `norm_topk_prob`, times `routed_scaling_factor`), `"topk_softmax"` the
+    softmax over their logits. Replaying the router's own choice gives its routing bit for bit.
+
+    Args:
+      router_params: `router/...` parameters.
+      logits: `[T, E]` router logits.
+      index: `[T, K]` int expert ids, `K = config.top_k`, distinct within a token, in `[0, E)`.
+        Under `jit` they cannot be checked: a token whose ids are out of range or repeated gets
+        NaN weights (so a training step with them is skipped as non-finite, never silently
+        routed elsewhere).
+      config: the layer config (not `router="expert_choice"`, whose experts choose tokens).
+
+    Returns:
+      A `Routing` with `expert_index = index` and all slots kept.
+    """
+    e = config.num_experts
+    if config.router == "expert_choice":
+        raise ValueError("router replay: router='expert_choice' has no per-token expert choice")
+    index = index.astype(jnp.int32)
+    valid = (index >= 0).all(-1) & (index < e).all(-1)
+    if index.shape[-1] > 1:
+        ordered = jnp.sort(index, axis=-1)
+        valid = valid & (ordered[:, 1:] != ordered[:, :-1]).all(-1)
+    safe = jnp.clip(index, 0, e - 1)
+    if config.router == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        weight = jnp.take_along_axis(probs, safe, axis=-1)
+        if config.norm_topk_prob:
+            weight = weight / weight.sum(-1, keepdims=True)
+    elif config.router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        weight = jnp.take_along_axis(scores, safe, axis=-1)
+        if config.norm_topk_prob:
+            weight = weight / (weight.sum(-1, keepdims=True) + 1e-20)
+        weight = weight * config.routed_scaling_factor
+        probs = scores / scores.sum(-1, keepdims=True)
+    else:  # topk_softmax
+        weight = jax.nn.softmax(jnp.take_along_axis(logits, safe, axis=-1), axis=-1)
+        probs = jax.nn.softmax(logits, axis=-1)
+    weight = jnp.where(valid[:, None], weight, jnp.nan)
+    kept = jnp.ones(index.shape, bool)
+    return Routing(logits=logits, probs=probs, expert_index=safe, weight=weight, kept=kept)
+
+
+def check_replay(replay, leading: tuple[int, ...], config: MoEConfig, what: str = "replay") -> None:
+    """Raise a ValueError for recorded expert ids of the wrong shape or dtype, or (when concrete)
+    out of range or repeated within a token. `leading`: the token axes they must have."""
+    want = (*leading, config.top_k)
+    if config.router == "expert_choice":
+        raise ValueError(f"{what}: router='expert_choice' has no per-token expert choice to replay")
+    shape = tuple(getattr(replay, "shape", ()))
+    if shape != want:
+        raise ValueError(f"{what}.shape={shape}: need {want} (token axes, then top_k)")
+    if not jnp.issubdtype(replay.dtype, jnp.integer):
+        raise ValueError(f"{what}.dtype={replay.dtype}: need integer expert ids")
+    if isinstance(replay, jax.core.Tracer):
+        return  # checked on device (`replayed`: NaN weights)
+    ids = np.asarray(replay).reshape(-1, config.top_k)
+    bad = (ids < 0) | (ids >= config.num_experts)
+    if bad.any():
+        raise ValueError(
+            f"{what}: expert id {int(ids[bad][0])} out of range [0, {config.num_experts})"
+        )
+    ordered = np.sort(ids, axis=-1)
+    if (ordered[:, 1:] == ordered[:, :-1]).any():
+        row = int(np.nonzero((ordered[:, 1:] == ordered[:, :-1]).any(-1))[0][0])
+        raise ValueError(f"{what}: token {row} repeats an expert ({ids[row].tolist()})")
 
 
 def _sigmoid_route(router_params, logits, config):
@@ -161,6 +247,23 @@ def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
     f = counts.astype(jnp.float32) / routing.expert_index.size
     p = routing.probs.mean(0)
     return num_experts * jnp.sum(f * p)
+
+
+def sequence_balance_sum(routing: Routing, num_experts: int, num_sequences: int) -> jax.Array:
+    """Sum over sequences of DeepSeek-V3's sequence-wise balance loss (before the mean).
+
+    For each sequence of `S` tokens, `(E / (K S)) * sum_e c_e * P_e`, where `c_e` counts the
+    sequence's assignments to expert e and `P_e` is the sequence's mean of the normalised router
+    probabilities (`Routing.probs`: for the sigmoid router the scores divided by their sum, as
+    DeepSeek-V3's `s'`). 1.0 per sequence at perfect balance. Returned summed over the
+    `num_sequences` sequences of `T = num_sequences * S` sequence-major tokens, so shards add.
+    """
+    t, k = routing.expert_index.shape
+    s = t // num_sequences
+    onehot = jax.nn.one_hot(routing.expert_index.reshape(num_sequences, s * k), num_experts)
+    counts = onehot.sum(1)  # [B, E]
+    p = routing.probs.reshape(num_sequences, s, num_experts).mean(1)  # [B, E]
+    return jnp.sum(counts * p) * (num_experts / (k * s))
 
 
 def z_loss(logits: jax.Array) -> jax.Array:

@@ -60,6 +60,8 @@ class MoEAux:
     mean_probs: jax.Array  # [E] fp32 P_e: mean router probability of e over the tokens
     #                        (load_balance_loss = E * sum(f * P); equal-sized batches combine
     #                        exactly by averaging f and P)
+    sequence_balance_loss: jax.Array  # [] fp32 DeepSeek-V3 sequence-wise form, mean over
+    #                                   sequences (1.0 when every sequence is balanced)
 
     @property
     def num_dropped(self) -> jax.Array:

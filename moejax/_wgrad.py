@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moejax._vma import match_vma, vary_like, vma
+from pallas_kernels.vma import cast_varying, match_varying, varying_axes
 
 # The attention projections whose weight gradients are delayed: their einsums, and which input
 # each reads (q, k and v read the same one, so their gradients can stay one merged GEMM).
@@ -161,7 +161,7 @@ def _bounded(a, b, bound: bool = True):
     """`(a, b)` through one `optimization_barrier` where they vary over the same manual axes
     (a barrier would make them alike, changing a cotangent's type) and `bound`; unchanged
     otherwise."""
-    if not bound or vma(a) != vma(b):
+    if not bound or varying_axes(a) != varying_axes(b):
         return a, b
     return jax.lax.optimization_barrier((a, b))
 
@@ -215,8 +215,8 @@ def collect(h, weights: dict, templates: tuple[Template, ...], bound: bool = Tru
 
 
 def _zero_slots(weights, templates):
-    axes = vma(weights)
-    zeros = lambda sd: vary_like(jnp.zeros(*sd), axes)  # noqa: E731
+    axes = varying_axes(weights)
+    zeros = lambda sd: cast_varying(jnp.zeros(*sd), axes)  # noqa: E731
     return jax.tree.map(zeros, slot_shapes(templates), is_leaf=is_shape)
 
 
@@ -230,7 +230,7 @@ def _collect_bwd(templates, bound, weights, cotangents):
     for t in templates:
         x, dy = d_slots["x"][t.x_name], d_slots["dy"][t.name]
         w = weights[t.name]
-        d_weights[t.name] = match_vma(_einsum_vjp(t.spec, x, w, dy, wrt="w"), w)
+        d_weights[t.name] = match_varying(_einsum_vjp(t.spec, x, w, dy, wrt="w"), w)
     return _bounded(d_h, d_weights, bound)
 
 

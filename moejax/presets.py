@@ -83,7 +83,7 @@ def gpt_oss(**kw) -> MoEConfig:
     top_k=1,
     router="softmax",
     norm_topk_prob=False,
-    dispatch="capacity",
+    drop_policy="capacity",
     capacity_factor=1.0,
     activation="relu",
 )

@@ -4,11 +4,8 @@ UNTESTED ON HARDWARE: `autotune_gmm` only runs on a GPU and has not been run on 
 the cache-key and cache logic, and that every candidate fits H100 shared memory, are exercised
 by the CPU tests.
 
-The cache maps (row bucket, K, N, G, dtype, device kind, kernel) -> Config. Rows are bucketed to
-the next power of two because M (tokens x top-k after routing) varies from step to step while
-the best tiles change only with its magnitude. `ops.gmm(config=None)` on the Triton backend
-looks the key up for "gmm" and "gmm_t" and falls back to `config.default_config`. tgmm keeps
-its own default tiles. The cache is per process and in memory.
+The winners go into `pallas_kernels.tuned`'s cache, where `ops.gmm(config=None)` on the Triton
+backend looks them up.
 """
 
 from __future__ import annotations
@@ -20,9 +17,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.config import Config, fits, next_power_of_2
-
-CacheKey = tuple[int, int, int, int, str, str, str]
+from pallas_kernels import ops
+from pallas_kernels.config import Config, fits
+from pallas_kernels.tuned import cache_key, cached_config, store_config
 
 
 def candidates(kernel: str = "gmm", dtype=jnp.bfloat16) -> tuple[Config, ...]:
@@ -33,35 +30,6 @@ def candidates(kernel: str = "gmm", dtype=jnp.bfloat16) -> tuple[Config, ...]:
         for tm, tk, tn, w, s in grid
         if fits(kernel, "pallas_triton", c := Config(tm, tk, tn, num_warps=w, num_stages=s), dtype)
     )
-
-
-_CACHE: dict[CacheKey, Config] = {}
-
-
-def row_bucket(m: int) -> int:
-    """Next power of two >= m, at least 64."""
-    return max(64, next_power_of_2(m))
-
-
-def cache_key(
-    m: int, k: int, n: int, g: int, dtype, device_kind: str | None = None, *, kernel: str = "gmm"
-) -> CacheKey:
-    """Cache key of a gmm problem; device_kind defaults to the first device's kind."""
-    if device_kind is None:
-        device_kind = jax.devices()[0].device_kind
-    return (row_bucket(m), k, n, g, jnp.dtype(dtype).name, device_kind, kernel)
-
-
-def cached_config(key: CacheKey) -> Config | None:
-    return _CACHE.get(key)
-
-
-def store_config(key: CacheKey, config: Config) -> None:
-    _CACHE[key] = config
-
-
-def clear_cache() -> None:
-    _CACHE.clear()
 
 
 def _median_seconds(fn, reps: int) -> float:
@@ -98,8 +66,6 @@ def autotune_gmm(
     """
     if jax.default_backend() != "gpu":
         raise RuntimeError(f"autotune_gmm needs a GPU, backend is {jax.default_backend()!r}")
-    from pallas_kernels import ops  # ops imports this module
-
     kernel = "gmm_t" if transpose_rhs else "gmm"
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     key = cache_key(lhs.shape[0], lhs.shape[1], n, rhs.shape[0], lhs.dtype, kernel=kernel)

@@ -41,8 +41,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import autotune, mosaic_gpu, targets, tpu, triton, vma
 from pallas_kernels import metadata as md
+from pallas_kernels import mosaic_gpu, targets, tpu, triton, tuned, vma
 from pallas_kernels.config import (
     BACKENDS,
     GROUP_ALIGNMENT,
@@ -119,9 +119,9 @@ def kernel_config(
     if configs is not None and kernel in configs:
         return configs[kernel]
     if backend == "pallas_triton" and kernel in ("gmm", "gmm_t"):
-        tuned = autotune.cached_config(autotune.cache_key(m, k, n, g, dtype, kernel=kernel))
-        if tuned is not None:
-            return tuned
+        found = tuned.cached_config(tuned.cache_key(m, k, n, g, dtype, kernel=kernel))
+        if found is not None:
+            return found
     return default_config(kernel, backend, dtype, m, k, n, g, out_dtype=out_dtype)
 
 
@@ -161,6 +161,8 @@ def on_target(backend: str, interpret, make: Callable[[str, Any], Callable], *ar
     platform the program is lowered for (see the module docstring); args[0] is the lhs, whose
     dtype picks the GPU kernels."""
     _check_backend(backend)
+    if interpret or backend == "pallas":  # "pallas" interprets where no kernel compiles
+        vma.install_interpret_fix()
     if backend not in ("auto", "pallas"):
         return make(backend, interpret)(*args)
     if backend == "auto":

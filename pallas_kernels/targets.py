@@ -135,24 +135,25 @@ def gpu_mesh(shape, axis_names, topology: str | None = None):
     return topologies.make_mesh(topo, tuple(shape), tuple(axis_names))
 
 
-def tpu_mesh(shape, axis_names, generation: str = "v5e"):
-    """A deviceless mesh of TPU chips of `generation` (a key of `TPU_TOPOLOGIES`), using the
-    first `prod(shape)` devices of its slice."""
+def tpu_mesh(shape, axis_names, generation: str = "v5e", topology: str | None = None):
+    """A deviceless mesh of TPU chips, using the first `prod(shape)` devices of the slice:
+    `topology` ("v5p:4x4x4") if given, else the 8-chip slice of `generation` (a key of
+    `TPU_TOPOLOGIES`)."""
     from jax.experimental import topologies
 
-    name, chips = TPU_TOPOLOGIES[generation]
+    name = topology or TPU_TOPOLOGIES[generation][0]
     count = 1
     for size in shape:
         count *= size
-    if count > chips:
-        raise ValueError(f"mesh {shape} needs {count} devices; {name} has {chips}")
     for key, value in LIBTPU_ENV.items():  # read when libtpu first loads
         os.environ.setdefault(key, value)
     topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
-    devices = list(topo.devices)[:count]
+    devices = list(topo.devices)
+    if count > len(devices):
+        raise ValueError(f"mesh {shape} needs {count} devices; {name} has {len(devices)}")
     import numpy as np
 
-    return jax.sharding.Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names))
+    return jax.sharding.Mesh(np.array(devices[:count]).reshape(tuple(shape)), tuple(axis_names))
 
 
 def lowering(mesh):

@@ -183,6 +183,9 @@ COMMANDS: dict[str, Plan] = {
     "python experiments/train_lm.py --placement --out runs/tiny_placed": Plan(
         "flags", extra=_QUICK
     ),
+    "python experiments/generate.py runs/tiny --prompt def ": Plan(
+        "run", slow=True, setup=("tiny_run",), extra=("--max-new-tokens", "4", "--no-progress")
+    ),
     "python experiments/simulate_placement.py --trace runs/tiny/routing_trace.npy --devices 4 8": (
         Plan("run", setup=("tiny_trace",))
     ),
@@ -298,7 +301,7 @@ def _prepare(tmp_path, setups) -> None:
         shutil.copy(fixture, tmp_path / "runs" / "tiny" / "routing_trace.npy")
     if "placed_run" in setups:  # what train_lm.py --placement leaves for the replay
         from moejax.placement import Placement, PlacementController, Workload
-        from moejax.placement.replay import SPEC_FILE, controller_spec
+        from moejax.placement.controller import SPEC_FILE
         from moejax.training.placed import TRAINING_CONTROLLER
 
         run = tmp_path / "runs" / "tiny_placed"
@@ -306,7 +309,14 @@ def _prepare(tmp_path, setups) -> None:
         shutil.copy(fixture, run / "routing_trace.npy")
         wl = Workload(tokens_per_device=256, top_k=2, d_model=128, d_ff=256, replica_sync="packed")
         ctl = PlacementController([Placement.identity(8, 4, 3)] * 4, H100, wl, TRAINING_CONTROLLER)
-        (run / SPEC_FILE).write_text(json.dumps(controller_spec(ctl)))
+        (run / SPEC_FILE).write_text(json.dumps(ctl.spec()))
+    if "tiny_run" in setups:  # what the main job leaves: a checkpoint in runs/tiny (2 steps)
+        train = [sys.executable, os.path.join(ROOT, "experiments", "train_lm.py"), *_QUICK]
+        train[train.index("3")] = "2"
+        subprocess.run(
+            [*train, "--out", str(tmp_path / "runs" / "tiny")], cwd=tmp_path, env=_user_env(),
+            check=True, capture_output=True, timeout=1800,
+        )  # fmt: skip
     if "text" in setups:
         (tmp_path / "notes").mkdir()
         for i in range(3):

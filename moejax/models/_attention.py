@@ -63,7 +63,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-# Importing pallas_kernels.vma also lets interpret-mode kernels lower under check_vma shard_map.
 from pallas_kernels import vma as _vma
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -104,6 +103,42 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, dh).astype(q.dtype)
+
+
+def masked_attention(q, k, v, pos, *, scale: float, window=None, sinks=None, key_positions=None):
+    """`softmax(q k^T * scale) v` of queries at `pos..pos+T-1` over keys `0..Smax-1`, keys after
+    each query's position masked (grouped heads as `xla_attention`), the XLA path of every
+    variant jax's flash-attention kernels lack.
+
+    Args:
+      q: `[B, T, H, Dk]`; k: `[B, Smax, Hkv, Dk]`; v: `[B, Smax, Hkv, Dv]`.
+      pos: the position of `q[:, 0]` (an int or int32 scalar).
+      scale: the score scale.
+      window: None, or the sliding window: query `i` sees keys `i - window < j <= i`.
+      sinks: None, or `[H]` logits that join each head's softmax denominator (GPT-OSS).
+      key_positions: None (key `j` is at position `j`), or `[Smax]` int positions of the keys
+        (a ring cache; negative: an empty slot, never visible).
+    """
+    b, t, h, dk = q.shape
+    smax, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    q = q.reshape(b, t, hkv, h // hkv, dk)
+    k = k.astype(q.dtype)
+    scores = jnp.einsum("bsgrk,btgk->bgrst", q, k, preferred_element_type=jnp.float32) * scale
+    qpos = (pos + jnp.arange(t))[:, None]
+    kpos = (jnp.arange(smax) if key_positions is None else key_positions)[None, :]
+    visible = (kpos <= qpos) & (kpos >= 0)  # [T, Smax]
+    if window is not None:
+        visible = visible & (qpos - kpos < window)
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    else:  # one more logit per head in the denominator, its probability dropped
+        sink = sinks.astype(jnp.float32).reshape(1, hkv, h // hkv, 1, 1)
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)
+        probs = probs[..., :-1].astype(q.dtype)
+    out = jnp.einsum("bgrst,btgk->bsgrk", probs, v.astype(q.dtype))
+    return out.reshape(b, t, h, dv).astype(q.dtype)
 
 
 def _pow2(n: int) -> bool:
@@ -239,6 +274,8 @@ def _kernels():
 
 
 def _triton(q, k, v, *, interpret: bool = False):
+    if interpret:  # the interpreted kernel inside the check_vma shard_map of `_sharded`
+        _vma.install_interpret_fix()
     gpu_attention, _ = _kernels()
     b, s, h, dh = q.shape
     tiles = triton_blocks(s, dh, q.dtype)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import _wgrad
-from moejax.models._attention import causal_attention
+from moejax.models._attention import causal_attention, masked_attention
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -144,6 +144,7 @@ def attention(
     qk_norm: str | None = None,
     norm_eps: float = 1e-5,
     wgrad_slots: dict | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal self-attention with grouped query heads and RoPE.
 
@@ -171,6 +172,11 @@ def attention(
       wgrad_slots: None, or the slots of `moejax.models._wgrad.collect` for `wq`, `wk`, `wv`
         and `wo`: the projections' weight gradients are then computed there (the numbers are
         the same).
+      window: None, or a sliding window (`LMConfig.layer_types`). With a window or attention
+        sinks (`"sinks" [H]` in `p`) the core is the XLA one
+        (`moejax.models._attention.masked_attention`, under the named scope
+        `xla_attention_sinks_window`, which compiled programs show) on every platform: jax's
+        flash-attention kernels have neither.
 
     Returns:
       `[B, S, D]`.
@@ -182,7 +188,13 @@ def attention(
         q = _qk_norm(q, p["q_norm"]["scale"], qk_norm, norm_eps)
         k = _qk_norm(k, p["k_norm"]["scale"], qk_norm, norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = causal_attention(q, k, v, mesh=mesh, implementation=implementation)
+    if window is None and "sinks" not in p:
+        out = causal_attention(q, k, v, mesh=mesh, implementation=implementation)
+    else:
+        with jax.named_scope("xla_attention_sinks_window"):
+            out = masked_attention(
+                q, k, v, 0, scale=q.shape[-1] ** -0.5, window=window, sinks=p.get("sinks")
+            )
     out = _einsum(out, p, "wo", wgrad_slots)
     return out + p["bo"] if "bo" in p else out
 

@@ -73,18 +73,29 @@ def lm_logical_axes(cfg: LMConfig) -> dict:
         attn = attn | {"bq": ("H", "Dh"), "bk": ("Hkv", "Dh"), "bv": ("Hkv", "Dh")}
     if cfg.attention_out_bias:
         attn = attn | {"bo": (None,)}
+    if cfg.attention_sinks:
+        attn = attn | {"sinks": ("H",)}
     if cfg.qk_norm == "head":
         attn = attn | {"q_norm": {"scale": ("Dh",)}, "k_norm": {"scale": ("Dh",)}}
     elif cfg.qk_norm == "full":
         attn = attn | {"q_norm": {"scale": ("H", "Dh")}, "k_norm": {"scale": ("Hkv", "Dh")}}
+    if cfg.mla is not None:
+        from moejax.models._mla import mla_logical_axes
+
+        attn = mla_logical_axes(cfg)
     mlp = {"w_gate": ("D", "F"), "w_up": ("D", "F"), "w_down": ("F", "D")}
     norm = {"scale": (None,)}
-    layers = []
-    for i in range(cfg.num_layers):
+
+    def block(is_moe):
         layer = {"attn_norm": norm, "attn": attn, "ffn_norm": norm}
-        layer["moe" if cfg.is_moe(i) else "mlp"] = _moe_axes(cfg) if cfg.is_moe(i) else mlp
-        layers.append(layer)
+        layer["moe" if is_moe else "mlp"] = _moe_axes(cfg) if is_moe else mlp
+        return layer
+
+    layers = [block(cfg.is_moe(i)) for i in range(cfg.num_layers)]
     tree = {"embed": {"embedding": ("V", "D")}, "layers": layers, "final_norm": norm}
+    if cfg.mtp_layers:
+        mtp = {"enorm": norm, "hnorm": norm, "eh_proj": {"kernel": (None, "D")}, "norm": norm}
+        tree["mtp"] = [mtp | {"block": block(cfg.mtp_is_moe)} for _ in range(cfg.mtp_layers)]
     if not cfg.tie_embeddings:
         tree["unembed"] = {"kernel": ("D", "V")}
     return tree
@@ -111,7 +122,7 @@ def spec(axes: tuple, shape: tuple[int, ...], mesh, rules: dict) -> PartitionSpe
 
 
 def _specs(cfg: LMConfig, mesh, rules: dict) -> dict:
-    from moejax.models._params import abstract_params
+    from moejax.models._lm_params import abstract_params
 
     is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
     axes = lm_logical_axes(cfg)

@@ -7,6 +7,7 @@
 | `small` | bigger CPU runs, benchmark; DeepSeek-style routing + shared expert | 41 M / 8.4 M |
 | `mixtral_8x7b` | Mixtral-8x7B's shapes, for accelerators (not built in tests) | 46.7 B / 12.7 B |
 | `fine_grained_64x1408` | DeepSeek-style: 64 experts of 1408, top-6, 2 shared | 16.9 B / 2.6 B |
+| `deepseek_v3_4l` | DeepSeek-V3's widths (MLA, 256 experts of 2048), 4 layers | 37.0 B / 3.3 B |
 
 "Active" counts the parameters that multiply one token (`moejax.models.param_counts`).
 
@@ -20,7 +21,8 @@ Training hyper-parameters that go with each preset live in `moejax.training.pres
 from __future__ import annotations
 
 from moejax._config import MoEConfig
-from moejax.models._config import LMConfig
+from moejax.models._config import LMConfig, RopeScaling
+from moejax.models._mla import MLAConfig
 from moejax.presets import deepseek_v3
 
 # Tests: every routing feature the training loop handles (sigmoid scores, the correction bias
@@ -124,14 +126,49 @@ FINE_GRAINED_64X1408 = LMConfig(
     ),
 )
 
+# DeepSeek-V3's widths (the `deepseek-ai/DeepSeek-V3` config) at reduced depth: d_model 7168,
+# 128 heads of multi-head latent attention (q rank 1536, kv rank 512, 128 + 64 rotary features
+# per query/key head, values of 128), yarn RoPE (factor 40 over 4096), 256 routed experts of
+# 2048, top-8 in 8 groups of which 4, one shared expert, a dense first layer of 18432, vocab
+# 129280. Four layers, one dense then three MoE: every kind of block the 61 layers hold, for
+# `experiments/plan_scale.py` to size one layer-unit (`num_layers=61` with 3 dense layers is the
+# published model: 671 B parameters, 37 B active).
+DEEPSEEK_V3_4L = LMConfig(
+    vocab_size=129280,
+    d_model=7168,
+    num_layers=4,
+    num_heads=128,
+    num_kv_heads=128,
+    head_dim=192,
+    max_seq_len=4096,
+    mlp_layer_types=("dense", "moe", "moe", "moe"),
+    dense_d_ff=18432,
+    norm_eps=1e-6,
+    mla=MLAConfig(
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        q_lora_rank=1536,
+    ),
+    rope_scaling=RopeScaling(
+        "yarn", 40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0
+    ),
+    dtype="bfloat16",
+    moe=deepseek_v3(
+        d_model=7168, d_ff=2048, num_experts=256, top_k=8, num_groups=8, topk_groups=4,
+        block_size=256,
+    ),
+)  # fmt: skip
+
 PRESETS: dict[str, LMConfig] = {
     "micro": MICRO,
     "tiny": TINY,
     "small": SMALL,
     "mixtral_8x7b": MIXTRAL_8X7B,
     "fine_grained_64x1408": FINE_GRAINED_64X1408,
+    "deepseek_v3_4l": DEEPSEEK_V3_4L,
 }
-REAL_SIZE: tuple[str, ...] = ("mixtral_8x7b", "fine_grained_64x1408")  # accelerators only
+# Accelerators only, and planned to fit 64 devices (tests/accelerator); `deepseek_v3_4l` is
+# sized on demand (`experiments/plan_scale.py --preset deepseek_v3_4l`).
+REAL_SIZE: tuple[str, ...] = ("mixtral_8x7b", "fine_grained_64x1408")
 
 
 def get(name: str) -> LMConfig:

@@ -10,11 +10,11 @@ function (outputs, gradients, aux) as `moejax.moe_apply` for every strategy:
   or `"allgather"` (all-gather tokens, local experts, reduce-scatter);
 - mode `"data"` (all-gather expert weights, ZeRO-style) and `"tensor"` (re-slice weights over F);
 - pipeline degree `chunks` in 1, 2, 4, 8;
-- an optional expert `placement` (`moejax.parallel.placed`): physical `[P, ...]` expert slots
-  with replicas of hot experts, chosen by the host controller of `moejax.placement`.
+- an optional expert placement, `slot_table` (`moejax.parallel.slots`): physical `[P, ...]`
+  expert slots with replicas of hot experts, chosen by the host controller of `moejax.placement`.
 
-`Autotuner` times compiled candidates per layer shape and routing-load bucket and caches the
-choice.
+`strategy_space(config)` lists the strategies a layer can run; a training run chooses among them
+by timing its own steps (`moejax.training.tuning`).
 
 >>> import jax, jax.numpy as jnp, moejax
 >>> from moejax import parallel
@@ -27,10 +27,8 @@ choice.
 ((64, 16), 0.0)
 """
 
-from moejax.parallel import cost as cost
-from moejax.parallel import placed as placed
-from moejax.parallel.autotune import Autotuner as Autotuner
-from moejax.parallel.autotune import default_candidates as default_candidates
+from moejax.parallel import slots as slots
+from moejax.parallel import traffic as traffic
 from moejax.parallel.dispatch_dropless import choose_bucket as choose_bucket
 from moejax.parallel.dispatch_dropless import default_bucket as default_bucket
 from moejax.parallel.dispatch_dropless import max_pair_count as max_pair_count
@@ -42,15 +40,15 @@ from moejax.parallel.mesh import param_partition_specs as param_partition_specs
 from moejax.parallel.mesh import shard_activations as shard_activations
 from moejax.parallel.mesh import shard_params as shard_params
 from moejax.parallel.modes import MODES as MODES
-from moejax.parallel.placed import SlotTable as SlotTable
-from moejax.parallel.placed import slot_table as slot_table
+from moejax.parallel.slots import SlotTable as SlotTable
+from moejax.parallel.slots import slot_table as slot_table
 from moejax.parallel.strategy import DISPATCHERS as DISPATCHERS
 from moejax.parallel.strategy import PIPELINE_DEGREES as PIPELINE_DEGREES
 from moejax.parallel.strategy import Strategy as Strategy
+from moejax.parallel.strategy import strategy_space as strategy_space
 
 __all__ = [
     "AXES",
-    "Autotuner",
     "DISPATCHERS",
     "MODES",
     "PIPELINE_DEGREES",
@@ -58,15 +56,15 @@ __all__ = [
     "Strategy",
     "activation_spec",
     "choose_bucket",
-    "cost",
     "default_bucket",
-    "default_candidates",
     "make_mesh",
     "max_pair_count",
     "moe_apply_sharded",
     "param_partition_specs",
-    "placed",
     "shard_activations",
     "shard_params",
     "slot_table",
+    "slots",
+    "strategy_space",
+    "traffic",
 ]

@@ -16,8 +16,12 @@ from moejax._types import MoEAux, Routing
 from moejax.parallel import _collectives as col
 
 
-def sharded_aux(routing: Routing, config: MoEConfig, axes: col.MeshAxes) -> MoEAux:
-    """Aux of the whole mesh's tokens from this device's `routing` (`[T, K]` local fields)."""
+def sharded_aux(
+    routing: Routing, config: MoEConfig, axes: col.MeshAxes, num_sequences: int | None = None
+) -> MoEAux:
+    """Aux of the whole mesh's tokens from this device's `routing` (`[T, K]` local fields;
+    `num_sequences` whole sequences on this device, as many on every token shard; None: x had
+    no sequence axis, so all the mesh's tokens are one sequence)."""
     e = config.num_experts
     t, k = routing.expert_index.shape
     tg = t * axes.token_shards  # global tokens
@@ -34,6 +38,11 @@ def sharded_aux(routing: Routing, config: MoEConfig, axes: col.MeshAxes) -> MoEA
         dropped_fraction = col.psum(jnp.sum(dropped), axes.token) / (tg * k)
     f = routed.astype(jnp.float32) / (tg * k)
     p = col.psum(routing.probs.sum(0), axes.token) / tg
+    if num_sequences is None:  # no sequence axis: all tokens are one sequence, as on one device
+        seq_loss = e * jnp.sum(f * p)
+    else:
+        seq_sum = _routing.sequence_balance_sum(routing, e, num_sequences)
+        seq_loss = col.psum(seq_sum, axes.token) / (num_sequences * axes.token_shards)
     lse2 = col.psum(jnp.sum(jax.nn.logsumexp(routing.logits, axis=-1) ** 2), axes.token)
     return MoEAux(
         router_logits=routing.logits,
@@ -47,4 +56,5 @@ def sharded_aux(routing: Routing, config: MoEConfig, axes: col.MeshAxes) -> MoEA
         z_loss=lse2 / tg,
         routed_fraction=f,
         mean_probs=p.astype(jnp.float32),
+        sequence_balance_loss=seq_loss,
     )

@@ -2,7 +2,7 @@
 
 Used inside `jax.shard_map(..., check_vma=True)` bodies. `MeshAxes` names the axes the body may
 use; every helper is the identity for `None` / empty axes, so one body serves every mesh.
-`vma` / `vary_like` live in the core (`moejax._vma`) and are re-exported here.
+The varying-axes helpers are `pallas_kernels.vma`'s.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import dataclasses
 
 import jax
 
-from moejax._vma import vary_like as vary_like
-from moejax._vma import vma as vma
 from moejax.parallel import mesh as mesh_lib
+from pallas_kernels.vma import cast_varying
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +80,7 @@ def _reduce(collective, x, axes):
     axes = _tuple(axes)
     if not axes:
         return x
-    return collective(vary_like(x, frozenset(axes)), axes)
+    return collective(cast_varying(x, frozenset(axes)), axes)
 
 
 def psum_scatter(x: jax.Array, axis: str | None) -> jax.Array:

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from moejax._config import MoEConfig
 from moejax._experts import grouped_ffn
 from moejax._layer import _gmm_for, by_target
-from moejax._permute import combine, dispatch, make_layout
+from moejax._permute import combine, make_layout, permute
 from moejax._types import Routing
-from moejax.parallel._collectives import vary_like, vma
+from pallas_kernels.vma import cast_varying, varying_axes
 
 
 def _routing(expert_index, weight, kept) -> Routing:
@@ -69,7 +69,7 @@ def _local_moe(x, expert_index, weight, kept, experts, offset, implementation, *
     layout = make_layout(
         _routing(jnp.clip(local, 0, ev - 1), weight, mine), ev, alignment, max_kept
     )
-    rows = dispatch(x, layout)
+    rows = permute(x, layout)
     out = grouped_ffn(rows, layout.group_sizes, layout.group_of_row, experts, config, gmm)
     return combine_varying(out, jnp.where(mine, weight, 0.0), layout)
 
@@ -103,7 +103,7 @@ def _regrouped_ffn(rows, local_expert, experts, implementation, *, config):
     ones = jnp.ones((rows.shape[0], 1), jnp.float32)
     valid = (local_expert < g)[:, None]
     layout = make_layout(_routing(local_expert[:, None], ones, valid), g, alignment)
-    grouped = dispatch(rows, layout)
+    grouped = permute(rows, layout)
     out = grouped_ffn(grouped, layout.group_sizes, layout.group_of_row, experts, config, gmm)
     return combine_varying(out, ones, layout)
 
@@ -115,4 +115,4 @@ def combine_varying(rows: jax.Array, weight: jax.Array, layout) -> jax.Array:
     `check_vma` rejects for a less-varying weight (e.g. routing weights, invariant over `model`,
     meeting F-sliced expert outputs). The `pcast` transposes to the `psum` the math needs.
     """
-    return combine(rows, vary_like(weight, vma(rows, weight)), layout)
+    return combine(rows, cast_varying(weight, varying_axes(rows, weight)), layout)

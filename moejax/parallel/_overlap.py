@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import jax
 
-from moejax._vma import vma
+from pallas_kernels.vma import varying_axes
 
 
 @jax.custom_vjp
@@ -42,7 +42,7 @@ def _tie_fwd(rows, experts):
 
 def _tie_bwd(_, cotangents):
     d_rows, d_experts = cotangents
-    if any(vma(w) != vma(d_rows) for w in jax.tree.leaves(d_experts)):
+    if any(varying_axes(w) != varying_axes(d_rows) for w in jax.tree.leaves(d_experts)):
         # Under shard_map a barrier makes its operands vary alike; weights split over `model`
         # vary where the rows do not, so pairing them would change the rows' type. Leave
         # this case to the scheduler.

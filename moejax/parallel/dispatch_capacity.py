@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from moejax import _wgrad
 from moejax._config import MoEConfig
-from moejax._permute import dispatch, make_layout
+from moejax._permute import make_layout, permute
 from moejax._types import GroupedLayout, Routing
 from moejax.parallel import _collectives as col
 from moejax.parallel._local import combine_varying, regrouped_ffn
@@ -119,7 +119,7 @@ class CapacityStages:
             layout = slot_layout(routing, e, c)
             # `tie`: the experts' weight gradients are computed inside the window of this
             # all-to-all's transpose (moejax.parallel._overlap).
-            send, experts = tie(dispatch(x, layout), self.experts_params)
+            send, experts = tie(permute(x, layout), self.experts_params)
             recv = col.all_to_all(send, self.axes.expert)  # block s: from device s
             recv_counts = col.all_to_all(layout.group_sizes, self.axes.expert).reshape(n, g, 1)
             slot = jnp.arange(c, dtype=jnp.int32)

@@ -67,11 +67,11 @@ import jax.numpy as jnp
 
 from moejax import _wgrad
 from moejax._config import MoEConfig
-from moejax._permute import dispatch, make_layout
+from moejax._permute import make_layout, permute
 from moejax._types import Routing
-from moejax._vma import match_vma, vma
 from moejax.parallel import _collectives as col
 from moejax.parallel._local import combine_varying, regrouped_ffn
+from pallas_kernels.vma import cast_varying, match_varying, varying_axes
 
 # Lowering platforms that compile `ragged-all-to-all` (XLA:CPU does not).
 _RAGGED_PLATFORMS = ("cuda", "rocm", "tpu")
@@ -167,7 +167,7 @@ class DroplessStages:
         g = e // n
         with jax.named_scope("dispatch"):
             layout = make_layout(routing, e, 1)  # A rows sorted by expert
-            rows = dispatch(x, layout)  # [A, D]
+            rows = permute(x, layout)  # [A, D]
             plan = _plan(layout, n, g, b, self.axes)
             # The experts' weight gradients inside the window of the send's transpose.
             recv, experts = _send_tied(b, (self.axes.expert, self.ragged), rows, plan, 0,
@@ -326,7 +326,7 @@ def _send_tied_bwd(bucket, wire, res, cotangents):
     ct, d_experts = cotangents
     axis, ragged = wire
     num_rows = plan.row_dest.shape[0]
-    if axis is None or any(vma(w) != vma(ct) for w in jax.tree.leaves(d_experts)):
+    if axis is None or any(varying_axes(w) != varying_axes(ct) for w in jax.tree.leaves(d_experts)):
         d_rows = _return_vjp(bucket, wire, num_rows, ct, plan, r)
         return _as(d_rows, rows), None, None, d_experts
     d_rows, d_experts = _by_target_with(
@@ -357,7 +357,7 @@ def _return_held_bwd(bucket, wire, num_rows, res, cotangents):
     plan, r, y = res
     ct, d_held = cotangents
     axis, ragged = wire
-    if axis is None or vma(d_held) != vma(ct):
+    if axis is None or varying_axes(d_held) != varying_axes(ct):
         return _as(_send_vjp(bucket, wire, ct, plan, r), y), None, None, d_held
     d_y, d_held = _by_target_with(
         _send_padded, _send_ragged if ragged else None, dict(bucket=bucket, axis=axis),
@@ -372,12 +372,12 @@ _return_held.defvjp(_return_held_fwd, _return_held_bwd)
 def _by_target_with(padded, ragged, kw, axis, x, plan, r, **extra):
     """`_by_target` of exchanges that also return an extra value (`tied` or `held`, passed
     through their barrier): `(result typed as there, the extra value)`."""
-    target = col.vma(x, plan) | {axis}
+    target = varying_axes(x, plan) | {axis}
 
     def run(fn):
         def call(x, plan, r):
             out, other = fn(x, plan, r, **kw, **extra)
-            return col.vary_like(out, target), other
+            return cast_varying(out, target), other
 
         return call
 
@@ -389,12 +389,12 @@ def _by_target_with(padded, ragged, kw, axis, x, plan, r, **extra):
 
 def _witness(x):
     """A scalar with `x`'s dtype and varying axes (a residual that keeps only `x`'s type)."""
-    return col.vary_like(jnp.zeros((), x.dtype), col.vma(x))
+    return cast_varying(jnp.zeros((), x.dtype), varying_axes(x))
 
 
 def _as(ct, witness):
     """`ct` typed like the primal `witness` stands for (dtype, varying axes)."""
-    return match_vma(ct.astype(witness.dtype), witness)
+    return match_varying(ct.astype(witness.dtype), witness)
 
 
 def _by_target(padded, ragged, kw, axis, x, plan, r):
@@ -403,11 +403,11 @@ def _by_target(padded, ragged, kw, axis, x, plan, r):
     if axis is None:  # one device on the expert axis: nothing to exchange
         return padded(x, plan, r, **kw)
     if ragged is None:
-        return col.vary_like(padded(x, plan, r, **kw), col.vma(x, plan) | {axis})
-    target = col.vma(x, plan) | {axis}
+        return cast_varying(padded(x, plan, r, **kw), varying_axes(x, plan) | {axis})
+    target = varying_axes(x, plan) | {axis}
 
     def run(fn):
-        return lambda *a: col.vary_like(fn(*a, **kw), target)
+        return lambda *a: cast_varying(fn(*a, **kw), target)
 
     ragged = run(ragged)
     return jax.lax.platform_dependent(
@@ -440,7 +440,7 @@ def _send_ragged_rows(rows, plan, r, *, bucket, axis):
     starts = jnp.where(sizes > 0, plan.dest_start + r * bucket, 0)
     at = jnp.full((n,), jax.lax.axis_index(axis) * bucket, jnp.int32)  # block `me` there
     recv_sizes = _round_sizes(plan.recv_counts.sum(1), r, bucket)  # from each source
-    out = col.vary_like(jnp.zeros((n * bucket, rows.shape[1]), rows.dtype), col.vma(rows))
+    out = cast_varying(jnp.zeros((n * bucket, rows.shape[1]), rows.dtype), varying_axes(rows))
     return jax.lax.ragged_all_to_all(rows, out, starts, sizes, at, recv_sizes, axis_name=axis)
 
 
@@ -466,7 +466,7 @@ def _return_ragged_rows(y, plan, r, *, bucket, axis, num_rows):
     starts = jnp.arange(n, dtype=jnp.int32) * bucket  # source s's block
     at = jnp.where(sizes > 0, plan.recv_start + r * bucket, 0)  # its sorted position there
     recv_sizes = _round_sizes(plan.dest_count, r, bucket)  # from each destination
-    out = col.vary_like(jnp.zeros((num_rows, y.shape[1]), y.dtype), col.vma(y))
+    out = cast_varying(jnp.zeros((num_rows, y.shape[1]), y.dtype), varying_axes(y))
     return jax.lax.ragged_all_to_all(y, out, starts, sizes, at, recv_sizes, axis_name=axis)
 
 
@@ -493,7 +493,7 @@ def _leftover_fwd(ffn, bucket, wire, rows, plan, experts):
         with jax.named_scope("combine"):
             return r + 1, out + _return(y, plan, r, bucket, axis, rows, ragged)
 
-    init = col.vary_like(jnp.zeros_like(rows), col.vma(rows, experts))
+    init = cast_varying(jnp.zeros_like(rows), varying_axes(rows, experts))
     _, out = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (jnp.int32(1), init))
     return out, (rows, plan, experts)
 

@@ -47,7 +47,7 @@ from moejax.parallel.dispatch_dropless import (
 )
 from moejax.parallel.modes import experts_view
 from moejax.parallel.pipeline import chunk_slices, pipelined, staged
-from moejax.parallel.placed import SlotTable, assign_slots
+from moejax.parallel.slots import SlotTable, assign_slots
 from moejax.parallel.strategy import Strategy, resolve_strategy
 
 
@@ -60,8 +60,9 @@ def moe_apply_sharded(
     strategy: Strategy | str = "auto",
     implementation: str = "auto",
     stagger: bool = False,
-    placement: SlotTable | None = None,
+    slot_table: SlotTable | None = None,
     wgrad: _wgrad.Delayed | None = None,
+    replay_experts: jax.Array | None = None,
 ):
     """Apply one MoE layer sharded over `mesh`; the same function as `moejax.moe_apply`.
 
@@ -79,15 +80,19 @@ def moe_apply_sharded(
         compiling for a GPU or TPU mesh runs the Pallas kernels whatever the host.
       stagger: also stagger the pipeline (the same as `Strategy.stagger=True`, which it
         overrides only to turn staggering on).
-      placement: expert placement (`moejax.parallel.placed.slot_table`). Then `params["experts"]`
-        are physical, `[P, ...]` with identical replicas (`placed.to_physical`); each expert's
-        rows are split over its replicas. None: the logical `[E, ...]` layout.
+      slot_table: an expert placement as device arrays (`moejax.parallel.slot_table` of a
+        `moejax.placement.Placement`). Then `params["experts"]` are physical, `[P, ...]` with
+        identical replicas (`moejax.parallel.slots.to_physical`); each expert's rows are split
+        over its replicas. None: the logical `[E, ...]` layout.
       wgrad: weight gradients of a later block for this layer to compute in its backward
         (`moejax._wgrad.Delayed`; what `lm_forward`'s `delay_wgrad` passes): inside the window
         of the return all-to-all's transpose where the layer has one (`mode="expert"` with the
         capacity or dropless dispatcher, `expert` axis over 1 device, no `model` split; the
         last chunk's), otherwise bounded by the whole layer's backward. The layer then also
         returns the slots the later block's projections take (`moejax._wgrad.project`).
+      replay_experts: router replay, as in `moejax.moe_apply`: `[..., K]` logical expert ids
+        (x's token axes), split over the devices like x. With a placement they are mapped to
+        slots like the router's own choice.
 
     Returns:
       `(y, aux)`: `y` like `x`; `aux` the single-device `MoEAux` over all tokens (per-token fields
@@ -107,18 +112,21 @@ def moe_apply_sharded(
     if implementation == "reference":
         raise ValueError("implementation='reference': not supported sharded; use another one")
     check_x(x, config)
+    if replay_experts is not None:
+        _routing.check_replay(replay_experts, x.shape[:-1], config, "replay_experts")
     axes = col.MeshAxes.of(mesh)
-    if placement is not None and strategy.mode == "expert" and strategy.dispatcher == "capacity":
+    if slot_table is not None and strategy.mode == "expert" and strategy.dispatcher == "capacity":
         raise ValueError(
             "Strategy.dispatcher='capacity' with a placement: capacity buffers are per logical "
             "expert; use dispatcher 'dropless' or 'allgather', or mode 'data'/'tensor'"
         )
-    expert_config = config if placement is None else physical_config(config, placement)
+    expert_config = config if slot_table is None else physical_config(config, slot_table)
     check_params(params, config, experts_config=expert_config)
     if wgrad is not None and (is_empty(x) or not _window_inside(strategy, axes)):
         layer = functools.partial(
             moe_apply_sharded, params, config=config, mesh=mesh, strategy=strategy,
-            implementation=implementation, stagger=stagger, placement=placement,
+            implementation=implementation, stagger=stagger, slot_table=slot_table,
+            replay_experts=replay_experts,
         )  # fmt: skip
         return _wgrad.beside(layer, x, wgrad)  # no exchange to bound them by
     if is_empty(x):
@@ -132,11 +140,11 @@ def moe_apply_sharded(
         implementation=implementation,
         stagger=stagger or strategy.stagger,
     )
-    if is_traced(params, x, placement, wgrad):
-        return _sharded(params, x, placement, wgrad, **static)  # inside the caller's jit or grad
+    if is_traced(params, x, slot_table, wgrad, replay_experts):  # inside the caller's jit or grad
+        return _sharded(params, x, slot_table, wgrad, replay_experts, **static)
     # Called eagerly (as documented): one compiled program per shape, not an op-by-op run of
     # the shard_map body (hundreds of small compilations, ~26 s a call for the README's layer).
-    return _sharded_jit(params, x, placement, wgrad, **static)
+    return _sharded_jit(params, x, slot_table, wgrad, replay_experts, **static)
 
 
 def _window_inside(strategy: Strategy, axes: col.MeshAxes) -> bool:
@@ -147,8 +155,9 @@ def _window_inside(strategy: Strategy, axes: col.MeshAxes) -> bool:
 
 
 def _sharded(
-    params, x, placement, wgrad, *, config, expert_config, mesh, strategy, implementation, stagger
-):
+    params, x, slot_table, wgrad, replay=None, *,
+    config, expert_config, mesh, strategy, implementation, stagger,
+):  # fmt: skip
     """The layer under `jax.shard_map` (arguments checked by `moe_apply_sharded`).
 
     A `wgrad`'s weights enter broadcast over the token shards, so that each device computes
@@ -157,7 +166,7 @@ def _sharded(
     pspecs = mesh_lib.param_partition_specs(expert_config, mesh)
     xspec = mesh_lib.activation_spec(mesh, x.ndim)
     tspec = P(axes.token or None)
-    aux_spec = MoEAux(tspec, tspec, tspec, tspec, *[P()] * 7)
+    aux_spec = MoEAux(tspec, tspec, tspec, tspec, *[P()] * 8)
     body = functools.partial(
         _body,
         config=config,
@@ -168,8 +177,9 @@ def _sharded(
         stagger=stagger,
         templates=None if wgrad is None else wgrad.templates,
     )
-    table_spec = None if placement is None else jax.tree.map(lambda _: P(), placement)
-    in_specs, out_specs = (pspecs, xspec, table_spec), (xspec, aux_spec)
+    table_spec = None if slot_table is None else jax.tree.map(lambda _: P(), slot_table)
+    replay_spec = None if replay is None else mesh_lib.activation_spec(mesh, replay.ndim)
+    in_specs, out_specs = (pspecs, xspec, table_spec, replay_spec), (xspec, aux_spec)
     stacked = None
     if wgrad is not None:
         shards = axes.token_shards
@@ -179,7 +189,7 @@ def _sharded(
         shapes = _wgrad.slot_shapes(wgrad.templates)
         out_specs += (jax.tree.map(lambda sd: spec(sd[0]), shapes, is_leaf=_wgrad.is_shape),)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)(
-        params, x, placement, *(() if wgrad is None else (stacked,))
+        params, x, slot_table, replay, *(() if wgrad is None else (stacked,))
     )
 
 
@@ -189,21 +199,21 @@ _sharded_jit = jax.jit(
 )
 
 
-def physical_config(config: MoEConfig, placement: SlotTable) -> MoEConfig:
+def physical_config(config: MoEConfig, slot_table: SlotTable) -> MoEConfig:
     """The config the expert phases see under a placement: `P` slots in place of `E` experts
     (routing, with its expert groups, stays logical and uses `config`)."""
-    if placement.num_experts != config.num_experts:
+    if slot_table.num_experts != config.num_experts:
         raise ValueError(
-            f"placement has E={placement.num_experts} experts, config.num_experts="
+            f"slot_table has E={slot_table.num_experts} experts, config.num_experts="
             f"{config.num_experts}"
         )
-    return config.replace(num_experts=placement.num_slots, num_groups=1, topk_groups=1)
+    return config.replace(num_experts=slot_table.num_slots, num_groups=1, topk_groups=1)
 
 
 def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes, mesh) -> None:
     """Sharding constraints on a non-empty `x` (its dtype, rank and `D` are checked first)."""
     mesh_lib.check_batch(x.shape, mesh)
-    per_sequence = config.dispatch == "capacity" or config.router == "expert_choice"
+    per_sequence = config.drop_policy == "capacity" or config.router == "expert_choice"
     if per_sequence and x.ndim == 2 and axes.token_shards > 1:
         raise ValueError(
             f"x.shape={x.shape}: capacity is per sequence; give x a sequence axis [B, S, D] so "
@@ -217,7 +227,7 @@ def _check(x, config: MoEConfig, strategy: Strategy, axes: col.MeshAxes, mesh) -
 
 
 def _body(
-    params, x, placement, stacked=None, *,
+    params, x, slot_table, replay, stacked=None, *,
     config, expert_config, strategy, axes, implementation, stagger, templates,
 ):  # fmt: skip
     side = None
@@ -229,13 +239,14 @@ def _body(
     seqs = math.prod(shape[:-2]) if x.ndim >= 3 else 1
     xt = x.reshape(-1, config.d_model)
     with jax.named_scope("route"):
-        routing = _routing.route(params["router"], xt, config, num_sequences=seqs)
-        if config.dispatch == "capacity" and config.router != "expert_choice":
+        replay = None if replay is None else replay.reshape(-1, replay.shape[-1])
+        routing = _routing.route(params["router"], xt, config, num_sequences=seqs, replay=replay)
+        if config.drop_policy == "capacity" and config.router != "expert_choice":
             routing = _routing.apply_capacity(routing, config, seqs)
-    aux = sharded_aux(routing, config, axes)
-    if placement is not None:
+    aux = sharded_aux(routing, config, axes, seqs if x.ndim >= 3 else None)
+    if slot_table is not None:
         with jax.named_scope("assign_slots"):
-            slots = assign_slots(routing.expert_index, routing.kept, placement, _shard(axes))
+            slots = assign_slots(routing.expert_index, routing.kept, slot_table, _shard(axes))
             routing = dataclasses.replace(routing, expert_index=slots)
         config = expert_config
     experts = experts_view(params["experts"], strategy.mode, axes)

@@ -15,7 +15,7 @@ only per-call views:
 
 Per-call communication (elements per device, N expert devices, T local tokens, W = E D F / M
 stored expert weights of one projection, P projections (3 gated, 2 otherwise)): see
-`moejax.parallel.cost`.
+`moejax.parallel.traffic`.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Fields: the parallel mode (`moejax.parallel.modes`), the dispatcher (expert mode only), the
 pipeline degree and whether its chunks are staggered, and the dropless bucket. Every strategy
-computes the same function as the single-device layer; the autotuner
-(`moejax.parallel.autotune`) picks the fastest.
-`DISPATCHERS` names the dispatchers, `PIPELINE_DEGREES` the allowed pipeline degrees (`chunks`).
+computes the same function as the single-device layer. `strategy_space` lists the ways a layer
+can run (the deviceless compile suite covers them; `moejax.training.tuning` picks among them by
+timing train steps). `DISPATCHERS` names the dispatchers, `PIPELINE_DEGREES` the allowed
+pipeline degrees (`chunks`).
 
 >>> Strategy(mode="expert", dispatcher="dropless", chunks=2, bucket=16).exchange
 'padded'
@@ -32,7 +33,7 @@ class Strategy:
       mode: `"expert"` (send tokens to experts), `"data"` (all-gather expert weights, no token
         exchange) or `"tensor"` (re-slice weights over F, all-gather tokens, reduce-scatter).
       dispatcher: how tokens travel in expert mode: `"capacity"` (GShard all-to-all, fixed
-        per-(device, expert) buffers; needs `config.dispatch == "capacity"`), `"dropless"`
+        per-(device, expert) buffers; needs `config.drop_policy == "capacity"`), `"dropless"`
         (bounded all-to-all in rounds), `"allgather"` (all-gather + reduce-scatter). Ignored by
         the other modes.
       chunks: pipeline degree: dispatch, experts and combine run on this many token chunks
@@ -81,20 +82,39 @@ class Strategy:
         return dataclasses.replace(self, **changes)
 
 
+def strategy_space(config: MoEConfig) -> tuple[Strategy, ...]:
+    """The strategy space of a layer: the default (`resolve_strategy("auto", config)`) first,
+    the default pipelined (`chunks=2`, staggered), then each other (mode, dispatcher) that can
+    run `config` (the capacity dispatcher only for capacity routing). Buckets are left unset:
+    they follow the routing load.
+
+    >>> [s.dispatcher if s.mode == "expert" else s.mode for s in strategy_space(
+    ...     MoEConfig(d_model=8, d_ff=16, num_experts=4))]
+    ['dropless', 'dropless', 'allgather', 'data', 'tensor']
+    """
+    first = resolve_strategy("auto", config)
+    capacity_routing = config.drop_policy == "capacity" or config.router == "expert_choice"
+    dispatchers = ("capacity",) * capacity_routing + ("dropless", "allgather")
+    out = [first, first.replace(chunks=2, stagger=True)]
+    out += [Strategy(dispatcher=d) for d in dispatchers]
+    out += [Strategy(mode=m) for m in MODES if m != "expert"]
+    return tuple(dict.fromkeys(out))
+
+
 def resolve_strategy(strategy: Strategy | str, config: MoEConfig) -> Strategy:
     """`"auto"` -> expert parallel with the capacity dispatcher for capacity configs, the bounded
     dropless one otherwise; a `Strategy` is checked against `config`."""
     if isinstance(strategy, str):
         if strategy != "auto":
             raise ValueError(f"strategy={strategy!r}: must be a Strategy or 'auto'")
-        capacity = config.dispatch == "capacity" and config.router != "expert_choice"
+        capacity = config.drop_policy == "capacity" and config.router != "expert_choice"
         return Strategy(dispatcher="capacity" if capacity else "dropless")
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy={strategy!r}: must be a Strategy or 'auto'")
-    capacity_routing = config.dispatch == "capacity" or config.router == "expert_choice"
+    capacity_routing = config.drop_policy == "capacity" or config.router == "expert_choice"
     if strategy.mode == "expert" and strategy.dispatcher == "capacity" and not capacity_routing:
         raise ValueError(
-            "Strategy.dispatcher='capacity': needs MoEConfig.dispatch='capacity' (a dropless "
-            f"layer would drop past the buffers), got dispatch={config.dispatch!r}"
+            "Strategy.dispatcher='capacity': needs MoEConfig.drop_policy='capacity' (a dropless "
+            f"layer would drop past the buffers), got drop_policy={config.drop_policy!r}"
         )
     return strategy

@@ -15,8 +15,12 @@ device, ``P = N·S`` physical slots.
 True
 """
 
+from moejax.placement._packing import apportion as apportion
+from moejax.placement._packing import greedy_pack as greedy_pack
+from moejax.placement._packing import pack as pack
+from moejax.placement._packing import pack_by_group as pack_by_group
+from moejax.placement._packing import replica_counts as replica_counts
 from moejax.placement.controller import ControllerConfig as ControllerConfig
-from moejax.placement.controller import Decision as Decision
 from moejax.placement.controller import PlacementController as PlacementController
 from moejax.placement.cost_model import H100_IB as H100_IB
 from moejax.placement.cost_model import H100_NVLINK as H100_NVLINK
@@ -29,7 +33,7 @@ from moejax.placement.cost_model import migration_bytes as migration_bytes
 from moejax.placement.cost_model import migration_s as migration_s
 from moejax.placement.cost_model import perfect_cost as perfect_cost
 from moejax.placement.cost_model import step_cost as step_cost
-from moejax.placement.planner import apportion as apportion
+from moejax.placement.decision import Decision as Decision
 from moejax.placement.planner import plan as plan
 from moejax.placement.table import Placement as Placement
 from moejax.placement.table import migration_sources as migration_sources
@@ -54,12 +58,16 @@ __all__ = [
     "balanced",
     "copies_needed",
     "drifting_zipf",
+    "greedy_pack",
     "load_trace",
     "migration_bytes",
     "migration_s",
     "migration_sources",
+    "pack",
+    "pack_by_group",
     "perfect_cost",
     "plan",
+    "replica_counts",
     "save_trace",
     "step_cost",
     "zipf",

@@ -33,9 +33,11 @@ A candidate is accepted only when
   least ``urgent_gain`` of the step time), and
 * at least ``min_interval`` steps passed since this layer's last re-placement.
 
-Every check is logged as a ``Decision`` (accepted or declined, with the reason and, for a
-candidate the forecast judged, its forecast). Accepted decisions are returned by ``observe``;
-the training loop applies them and logs every check (``placement_decisions.jsonl``).
+Every check is logged as a ``Decision`` (``decision.py``: accepted or declined, with the reason
+and, for a candidate the forecast judged, its forecast). Accepted decisions are returned by
+``observe``; the training loop applies them and logs every check (``Decision.record``) and every
+re-placement (``decision.event_record``). ``spec`` describes the controller as built, in
+``SPEC_FILE`` beside a training run, and ``from_spec`` rebuilds it (``replay.py``).
 
 Forecasts (``forecast``): the imbalance a re-placement will measure step by step. The planner's
 candidate is scored on the steps it was planned on, which overstates its fall when routing drifts
@@ -81,6 +83,7 @@ from moejax.placement.cost_model import (
     replica_sync_s,
 )
 from moejax.placement.cost_model import step_cost as _step_cost
+from moejax.placement.decision import Decision
 from moejax.placement.detector import ChangeDetector
 from moejax.placement.planner import plan as _plan
 from moejax.placement.realized import FallTracker
@@ -179,57 +182,8 @@ class ControllerConfig:
             raise ValueError(f"min_relative_gain must be >= 0, got {self.min_relative_gain!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """One controller check of one layer.
-
-    Attributes:
-      step: training step of the last observed counts.
-      layer: MoE layer index in ``[0, L)``.
-      old: placement before the check.
-      new: planner candidate (``old`` when the planner found nothing).
-      gain_s: predicted per-step time saved by ``new`` on the EMA counts (seconds).
-      bytes_moved: expert-state bytes the migration sends.
-      migration_s: modeled migration time (seconds).
-      accepted: whether the training loop should switch to ``new``.
-      reason: why it was accepted or not.
-      forecast_before, forecast_after: ``PlacementController.forecast`` of the candidate (per-step
-        imbalance of ``old`` and, calibrated, of ``new``); None when the check stopped before
-        the forecast (no candidate, or one the in-sample checks already declined).
-      forecast_gain_s: ``PlacementController.forecast_gain``: the per-step gain the migration
-        is weighed against (accepted only when > 0 and repaying it); None as the forecast.
-      outcome: which rule decided, one of ``OUTCOMES`` (None from other controllers).
-    """
-
-    step: int
-    layer: int
-    old: Placement
-    new: Placement
-    gain_s: float
-    bytes_moved: int
-    migration_s: float
-    accepted: bool
-    reason: str
-    forecast_before: float | None = None
-    forecast_after: float | None = None
-    forecast_gain_s: float | None = None
-    outcome: str | None = None
-
-
-# `Decision.outcome`, in the order `PlacementController` checks them: accepted, or the rule that
-# declined (min_interval, the re-plan trigger, no candidate, a gain below min_relative_gain, a
-# gain not repaying the migration in sample, the forecast, the warm-up, patience).
-OUTCOMES = (
-    "accepted",
-    "min_interval",
-    "trigger",
-    "no_candidate",
-    "small_gain",
-    "migration",
-    "forecast",
-    "warmup",
-    "patience",
-)
+SPEC_FILE = "placement_controller.json"  # a training run's controller ``spec``, in its run dir
+_SHAPE = ("num_experts", "num_devices", "slots_per_device")
 
 
 class PlacementController:
@@ -294,6 +248,50 @@ class PlacementController:
         )
         # Accepted re-placements, followed over the steps after them.
         self.realized = FallTracker(config.calibration_events)
+
+    def spec(self) -> dict:
+        """JSON-serialisable description of this controller as built (``from_spec``).
+
+        Returns:
+          ``{"hardware", "workload", "config", "placements"}``: the first three as dataclass
+          fields, the last a list of ``{"num_experts", "num_devices", "slots_per_device",
+          "table"}`` per layer (the current tables: take it before the first observation).
+        """
+        return {
+            "hardware": dataclasses.asdict(self.hardware),
+            "workload": dataclasses.asdict(self.workload),
+            "config": dataclasses.asdict(self.config),
+            "placements": [
+                {
+                    "num_experts": p.num_experts,
+                    "num_devices": p.num_devices,
+                    "slots_per_device": p.slots_per_device,
+                    "table": p.slot_to_expert.tolist(),
+                }
+                for p in self.placements
+            ],
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict, **overrides) -> PlacementController:
+        """The controller ``spec`` describes (with the default planner), ``ControllerConfig``
+        fields replaced by ``overrides`` (e.g. ``react_steps=1``).
+
+        Raises:
+          ValueError: an override names no ``ControllerConfig`` field (or has a bad value).
+        """
+        fields = {f.name for f in dataclasses.fields(ControllerConfig)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown ControllerConfig fields {unknown}; known: {sorted(fields)}")
+        placements = [
+            Placement(np.asarray(p["table"], np.int64), *(p[k] for k in _SHAPE))
+            for p in spec["placements"]
+        ]
+        config = ControllerConfig(**{**spec["config"], **overrides})
+        return cls(
+            placements, HardwareModel(**spec["hardware"]), Workload(**spec["workload"]), config
+        )
 
     @property
     def num_layers(self) -> int:
@@ -516,14 +514,7 @@ class PlacementController:
             )
         perfect = perfect_cost(ema, old.num_devices, hw, wl).total_s
         if not perfect > 0:  # no rows routed to this layer (yet): nothing to balance
-            self._streak[layer] = 0
-            return Decision(
-                **record,
-                bytes_moved=0,
-                migration_s=0.0,
-                accepted=False,
-                reason="no rows routed to this layer: nothing to balance",
-            )
+            return decline("no_rows", "no rows routed to this layer: nothing to balance")
         imbalance = old.imbalance(ema)
         now = _step_cost(old, ema, hw, wl).total_s
         over = now / perfect

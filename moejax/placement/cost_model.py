@@ -35,6 +35,7 @@ import dataclasses
 
 import numpy as np
 
+from moejax import hardware
 from moejax.placement.groups import cross_node_copies
 from moejax.placement.table import Placement, check_counts
 
@@ -84,28 +85,31 @@ class HardwareModel:
         )
 
 
-# NVIDIA H100 SXM5: 989 TFLOP/s dense BF16 (datasheet lists 1,979 with 2:4 sparsity; 989.4 dense
-# per glennklockwood.com/garden/processors/h100 citing the Hopper whitepaper). NVLink 4: 900 GB/s
-# total bidirectional per GPU (H100 datasheet), i.e. 450 GB/s per direction. Flat model: all
-# devices in one NVLink/NVSwitch domain (exact for one 8-GPU HGX node).
-H100_NVLINK = HardwareModel("h100-nvlink", flops_per_s=989e12, link_bytes_per_s=450e9)
+def hardware_model(device: hardware.Device, name: str, *, nodes: bool) -> HardwareModel:
+    """The cost model's view of a `moejax.hardware.Device`: its dense bf16 FLOP/s and links.
 
-# H100 cluster: NVLink inside 8-GPU nodes as above; between nodes one NDR InfiniBand
-# ConnectX-7 port of 400 Gb/s per GPU (NVIDIA DGX H100 User Guide, "Network Modules": eight
-# ConnectX-7 ports, one mapped to each GPU; ConnectX-7 NDR = 400 Gb/s) = 50 GB/s per direction.
-H100_IB = HardwareModel(
-    "h100-ib",
-    flops_per_s=989e12,
-    link_bytes_per_s=50e9,
-    devices_per_node=8,
-    node_link_bytes_per_s=450e9,
-)
+    Args:
+      device: a row of the device table.
+      name: the view's label.
+      nodes: model nodes of `device.node_size` devices joined by the network; False: one flat
+        domain at the in-node link (exact for one 8-GPU node, optimistic for a large TPU slice,
+        whose torus bisection is not modelled).
+    """
+    if nodes and device.node_size > 1:
+        return HardwareModel(
+            name,
+            flops_per_s=device.peak("bf16"),
+            link_bytes_per_s=device.network_bytes_per_s,
+            devices_per_node=device.node_size,
+            node_link_bytes_per_s=device.link_bytes_per_s,
+        )
+    return HardwareModel(name, device.peak("bf16"), device.link_bytes_per_s)
 
-# Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s BF16 per chip; inter-chip
-# interconnect 4800 Gbps per chip (newer revision of the page: 1200 GB/s bidirectional), i.e.
-# 600 GB/s per direction. Flat model: ignores the 3D-torus bisection limit, so all-to-all at
-# thousands of chips is optimistic.
-TPU_V5P_ICI = HardwareModel("tpu-v5p-ici", flops_per_s=459e12, link_bytes_per_s=600e9)
+
+# Datasheet figures and their sources: `moejax.hardware`.
+H100_NVLINK = hardware_model(hardware.H100_SXM, "h100-nvlink", nodes=False)
+H100_IB = hardware_model(hardware.H100_SXM, "h100-ib", nodes=True)
+TPU_V5P_ICI = hardware_model(hardware.TPU_V5P, "tpu-v5p-ici", nodes=False)
 
 
 REPLICA_SYNC = ("holders", "packed")
@@ -391,7 +395,7 @@ def replica_sync_s(placement: Placement, hw: HardwareModel, wl: Workload) -> flo
     syncs over the in-node link and one spanning nodes over the cross-node link; a device's two
     links work in parallel.
 
-    ``"packed"`` (``moejax.parallel.placed.combine_replica_grads``): one ring all-reduce over all
+    ``"packed"`` (``moejax.parallel.slots.combine_replica_grads``): one ring all-reduce over all
     ``N`` devices of ``B = packed_sync_gradients(placement)`` expert gradients; every device sends
     ``2 (N - 1) / N · B`` gradients, over the in-node link when the ``N`` devices fit in one
     node, else at the cross-node link's speed.
@@ -418,7 +422,7 @@ def packed_sync_gradients(placement: Placement) -> int:
 def packed_buffer(synced: int, num_slots: int, num_experts: int) -> int:
     """``B`` for ``synced`` experts across devices: the smallest of 0, the powers of two below
     ``min(P - E, E)`` and that bound that is ``>= synced`` (the training step compiles one branch
-    per size: ``moejax.parallel.placed.sync_buffer_sizes``, the same rule)."""
+    per size: ``moejax.parallel.slots.sync_buffer_sizes``, the same rule)."""
     if synced <= 0:
         return 0
     return min(1 << (synced - 1).bit_length(), min(num_slots - num_experts, num_experts))

@@ -18,7 +18,7 @@ The planner balances *compute*: it minimises the busiest device's rows, where an
    below ``L``; so the maximum never rises and the number of devices at the maximum falls,
    which makes the loop terminate. It stops early once ``L <= (1 + tolerance) · mean``.
 
-**Re-pack** (``packing.py``, vectorised, ~20 ms at ``P = 6144``): replica counts by
+**Re-pack** (``_packing.flat``, vectorised, ~20 ms at ``P = 6144``): replica counts by
 highest-averages apportionment, also trying splits of the coldest experts (which pack better
 into exactly ``S`` slots), packed by balanced largest differencing and pairwise rebalancing (and
 from an EPLB-style greedy start, kept when its busiest device is strictly lighter or, with
@@ -28,11 +28,11 @@ placement so that experts stay where they are.
 **Order**: a short greedy pass (``_QUICK_MOVES``) first, when the input is within
 ``_REPACK_FIRST`` x the mean; if it reaches tolerance, done. Otherwise the re-pack sets the
 target (its balance, plus ``_GLOBAL_MARGIN``), and two migration-light ways to reach it are
-tried before taking it: the **repair** (``packing.rebalance``: the busiest device swaps replicas
-with its best partner device, a few dozen rounds at most, replica counts unchanged; skipped when
-too many devices are above the target), then more greedy moves, at most as many as the re-pack
-sends expert copies (and none when more devices than that are above the target: a move lowers
-the busiest device and, at most, the other holders of one expert).
+tried before taking it: the **repair** (``_packing.flat.rebalance``: the busiest device swaps
+replicas with its best partner device, a few dozen rounds at most, replica counts unchanged;
+skipped when too many devices are above the target), then more greedy moves, at most as many
+as the re-pack sends expert copies (and none when more devices than that are above the target:
+a move lowers the busiest device and, at most, the other holders of one expert).
 
 **Replica sync** (when ``plan`` is given the ``hardware`` and ``workload``): a replica on
 another device is not free, its gradients are combined with the others' every step
@@ -41,14 +41,14 @@ the full modeled step time (compute + all-to-all + sync) against a sync-aware re
 counts scored by packed rows plus the busiest device's sync in rows
 (``cost_model.rows_per_gradient``), with candidates that replicate fewer experts across devices
 and fill the spare slots with same-device duplicates (free); the packed replicas are then moved
-between device pairs (``packing_sync.limit_sync``) so that the largest per-device sync share
+between device pairs (``_packing.sync.limit_sync``) so that the largest per-device sync share
 falls while neither it nor the busiest load rises. The re-pack must beat a candidate
 that sends fewer expert copies by ``_GLOBAL_MARGIN``. On hardware with nodes
 (``HardwareModel.devices_per_node`` dividing ``N``), the packed devices are then ordered into
 nodes so that the holders of a replicated expert share one where they can
-(``packing_nodes.group_nodes``: their all-reduce then runs over the in-node link), and
-relabelled onto the current placement node by node (``packing_nodes.align_nodes``). There,
-the hierarchical packing (``packing_hier.pack_by_node``: experts dealt to nodes, replicas packed
+(``_packing.node_order.group_nodes``: their all-reduce then runs over the in-node link), and
+relabelled onto the current placement node by node (``_packing.node_order.align_nodes``). There,
+the hierarchical packing (``_packing.by_node.pack_by_node``: experts dealt to nodes, replicas packed
 inside their node, so no replica sync leaves a node) is a further candidate, taken when its
 modeled step is lower (of its two node dealings, differencing and greedy, the one of lower
 modeled step; greedy only when strictly lower).
@@ -56,7 +56,7 @@ modeled step; greedy only when strictly lower).
 **Expert groups** (``Workload.num_groups > 1`` with group-limited routing, on hardware with
 nodes): the cost model charges the all-to-all per destination node (``groups.py``), so a
 group spread over many nodes costs cross-node traffic, and the node-aware candidate is the
-group-aware packing instead (``packing_groups.pack_by_group``: whole groups dealt to nodes,
+group-aware packing instead (``_packing.by_group.pack_by_group``: whole groups dealt to nodes,
 each group on as few nodes as the layout allows, replicas packed inside their group's nodes),
 tried at a few spill levels (hot nodes' replicas placed on other nodes) and taken at the level
 of the lowest modeled step; so a replica leaves its group's nodes only when the cost model
@@ -76,6 +76,22 @@ import dataclasses
 
 import numpy as np
 
+from moejax.placement._packing import (
+    SPILL_LEVELS,
+    align,
+    align_nodes,
+    apportion,
+    fill_spare,
+    group_nodes,
+    limit_sync,
+    pack,
+    pack_by_group,
+    pack_by_node_starts,
+    pack_starts,
+    rebalance,
+    replica_counts,
+    sync_shares,
+)
 from moejax.placement.cost_model import (
     HardwareModel,
     Workload,
@@ -84,22 +100,9 @@ from moejax.placement.cost_model import (
     rows_per_gradient,
     step_cost,
 )
-from moejax.placement.packing import (
-    align,
-    apportion,
-    fill_spare,
-    pack,
-    pack_starts,
-    rebalance,
-    replica_counts,
-)
-from moejax.placement.packing_groups import SPILL_LEVELS, pack_by_group
-from moejax.placement.packing_hier import pack_by_node_starts
-from moejax.placement.packing_nodes import align_nodes, group_nodes
-from moejax.placement.packing_sync import limit_sync, sync_shares
 from moejax.placement.table import Placement, check_counts
 
-__all__ = ["apportion", "plan"]  # apportion lives in packing.py; re-exported here
+__all__ = ["apportion", "plan"]  # apportion lives in _packing/flat.py; re-exported here
 
 _CANDIDATES = 8  # donor slots / light devices checked exactly per move
 _LIGHT = 64  # least-loaded devices searched first for donor slots
@@ -315,7 +318,7 @@ def plan(
 def _by_group(
     placement: Placement, counts: np.ndarray, hw: HardwareModel, wl: Workload
 ) -> Placement | None:
-    """The group-aware packing (``packing_groups.pack_by_group``) at the spill level the cost
+    """The group-aware packing (``_packing.by_group.pack_by_group``) at the spill level the cost
     model prices lowest (the lowest level on ties), relabelled onto ``placement`` node by
     node; None when the shapes do not split into nodes."""
     g = hw.devices_per_node
@@ -415,7 +418,7 @@ class _Nodes:
 def _by_node(
     placement: Placement, counts: np.ndarray, hw: HardwareModel, wl: Workload
 ) -> Placement | None:
-    """``packing_hier.pack_by_node`` relabelled onto ``placement`` node by node (None when the
+    """``_packing.by_node.pack_by_node`` relabelled onto ``placement`` node by node (None when the
     shapes do not split into nodes); of its two starts (``pack_by_node_starts``), the greedy
     one when its modeled step is strictly lower."""
     g = hw.devices_per_node
@@ -441,12 +444,12 @@ def _repack(
     sync: str = "holders",
     model: tuple[HardwareModel, Workload] | None = None,
 ) -> Placement:
-    """Global re-pack (``packing.py``): apportioned replica counts (weighing replica sync at
+    """Global re-pack (``_packing.flat``): apportioned replica counts (weighing replica sync at
     ``sync_rows``, modeled as ``sync``, a ``Workload.replica_sync``; spare slots left over are
     duplicated in place), balanced packing, devices grouped into ``nodes``
-    (``packing_nodes.py``; None: no nodes) and relabelled onto the current placement to keep
-    experts in place. Of the packing's two starts (``packing.pack_starts``), the greedy one is
-    kept when its busiest device is strictly lighter or, with ``model`` (hardware, workload),
+    (``_packing.node_order``; None: no nodes) and relabelled onto the current placement to keep
+    experts in place. Of the packing's two starts (``_packing.flat.pack_starts``), the greedy one
+    is kept when its busiest device is strictly lighter or, with ``model`` (hardware, workload),
     when its finished packing's modeled step is strictly lower."""
     n_dev = placement.num_devices
     r = replica_counts(counts, n_dev, placement.slots_per_device, sync_rows, sync)
@@ -495,7 +498,7 @@ def _finish(placement, counts, packed, r, sync_rows: float, nodes, sync: str):
 
 def _repair(placement: Placement, counts: np.ndarray, target: float) -> Placement:
     """Replica swaps between the devices above ``target`` and their best partners
-    (``packing.rebalance``); the input when too many devices are above it to repair."""
+    (``_packing.flat.rebalance``); the input when too many devices are above it to repair."""
     table = placement.device_table()
     r = placement.expert_replica_counts()
     weights = counts[table] / r[table]  # [N, S]

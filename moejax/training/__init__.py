@@ -2,17 +2,18 @@
 
 Input errors a user can cause (`INPUT_ERRORS`: bad shapes for the mesh, a missing or malformed
 corpus, a foreign or corrupt checkpoint directory, a run directory in use by another run or
-holding files moejax did not write, a resume with another model, batch or seed, a converted
-model failing its checksums) are `ValueError` subclasses with one-line messages that name the
-problem; `experiments/train_lm.py` prints them and exits 2.
+holding files moejax did not write, a resume with another model, batch or seed) are `ValueError`
+subclasses with one-line messages that name the problem; `experiments/train_lm.py` prints them
+(and `moejax.interop.hf.CheckpointError`, e.g. a converted model given as `train(init_params=...)`
+failing its checksums) and exits 2.
 
 Dynamic expert placement (`TrainConfig.expert_slots_per_device`, `train(controller=...)`,
 `train_lm.py --placement`): `moejax.training.placed`. The parallel strategy chosen by timing
-train steps (`train(strategy="tune")`, `train_lm.py --strategy auto`): `moejax.training.tuning`.
+train steps (`train(strategy=tuning.TuningConfig())`, `train_lm.py --strategy auto`):
+`moejax.training.tuning`.
 """
 
 from moejax.data import DataError as DataError
-from moejax.interop.hf._errors import CheckpointError as _HFCheckpointError
 from moejax.training import placed as placed
 from moejax.training import presets as presets
 from moejax.training import tuning as tuning
@@ -40,8 +41,7 @@ from moejax.training.step import make_eval_step as make_eval_step
 from moejax.training.step import make_train_step as make_train_step
 from moejax.training.step import train_step as train_step
 
-# A converted Hugging Face model given as `train(init_params=...)` that fails its checksums.
-INPUT_ERRORS = (DataError, CheckpointError, SetupError, RunDirError, _HFCheckpointError)
+INPUT_ERRORS = (DataError, CheckpointError, SetupError, RunDirError)
 
 __all__ = [
     "INPUT_ERRORS",

@@ -22,8 +22,22 @@ class TrainConfig:
         or biases).
       b1, b2, eps: Adam moments.
       clip_norm: global-norm gradient clipping threshold (of the trainable parameters).
-      load_balance_weight: weight of the mean over MoE layers of the Switch load-balancing loss.
+      load_balance: which balance loss `load_balance_weight` weighs (mean over MoE layers):
+        `"micro_batch"`: the Switch form `E * sum_e f_e P_e` over the tokens of one forward
+        (one micro-batch of `microbatches`; on a mesh, all token shards' tokens: the sharded
+        layer sums `f` and `P` over them). `"sequence"`: DeepSeek-V3's sequence-wise form, the
+        Switch form within each sequence, averaged over sequences
+        (`MoEAux.sequence_balance_loss`). `"global_batch"`: the Switch form with `f` over the
+        whole step's batch, all token shards and all `microbatches` (Qwen's global-batch
+        loss; Megatron's `global_aux_loss`): with `microbatches > 1` the step first runs a
+        forward pass over the micro-batches for their expert counts (on device, no host
+        sync; one extra forward per step), so loss and gradients equal those of one forward
+        over the whole batch.
+      load_balance_weight: weight of the balance loss `load_balance` selects.
       z_loss_weight: weight of the mean over MoE layers of the router z-loss.
+      mtp_loss_weight: weight of the mean over the model's multi-token-prediction blocks
+        (`LMConfig.mtp_layers`) of their cross-entropies (DeepSeek-V3: 0.3, later 0.1); logged
+        as `mtp_loss`. 0 (the default) leaves the blocks out of the step.
       bias_update_rate: step of the aux-loss-free correction-bias update (models whose MoE config
         has `score_correction_bias`), applied after the optimizer, outside it.
       seed: initialisation and data-shuffling seed.
@@ -37,8 +51,9 @@ class TrainConfig:
       remat: rematerialisation of each block in the backward: `"none"`, `"dots_saveable"`
         (keep matmul outputs, recompute the rest), `"full"` (keep only block inputs); see
         `moejax.models.remat_policy`. Changes memory and time, never the math.
-      scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
-        unit (`moejax.models.lm_forward`): compile time stops growing with depth.
+      scan_layers: run the blocks as `jax.lax.scan`s over repeats of a unit of blocks (the
+        `moe_every`-block unit, or the runs of `LMConfig.mlp_layer_types`;
+        `moejax.models.lm_forward`): compile time stops growing with depth.
       delay_wgrad: compute each attention's weight gradients inside the backward all-to-all
         window of the MoE layer before it (`moejax.models.lm_forward`). None: on where the mesh
         has an `expert` axis and the layers are not scanned.
@@ -63,8 +78,10 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0
+    load_balance: str = "micro_batch"
     load_balance_weight: float = 0.01
     z_loss_weight: float = 1e-3
+    mtp_loss_weight: float = 0.0
     bias_update_rate: float = 1e-3
     seed: int = 0
     eval_fraction: float = 0.05
@@ -100,7 +117,10 @@ class TrainConfig:
             _bad("min_lr_ratio", self.min_lr_ratio, "must lie in [0, 1]")
         if self.warmup_steps >= self.steps and self.warmup_steps:  # the cosine needs a step
             _bad("warmup_steps", self.warmup_steps, f"must be < steps={self.steps}")
-        for name in ("weight_decay", "load_balance_weight", "z_loss_weight", "bias_update_rate"):
+        for name in (
+            "weight_decay", "load_balance_weight", "z_loss_weight", "bias_update_rate",
+            "mtp_loss_weight",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 _bad(name, value, "must be a finite number >= 0")
@@ -115,6 +135,8 @@ class TrainConfig:
             _bad("eval_fraction", self.eval_fraction, "must lie in [0, 1)")
         if not 0 <= self.max_skipped_fraction <= 1:
             _bad("max_skipped_fraction", self.max_skipped_fraction, "must lie in [0, 1]")
+        if self.load_balance not in LOAD_BALANCE_LOSSES:
+            _bad("load_balance", self.load_balance, f"must be one of {LOAD_BALANCE_LOSSES}")
         if self.remat not in _REMAT:
             _bad("remat", self.remat, f"must be one of {_REMAT}")
         if not isinstance(self.scan_layers, bool):
@@ -127,6 +149,7 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
+LOAD_BALANCE_LOSSES = ("micro_batch", "sequence", "global_batch")
 _REMAT = ("none", "dots_saveable", "full")  # moejax.models.REMAT_POLICIES
 
 

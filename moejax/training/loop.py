@@ -85,6 +85,17 @@ class RunResult:
     placements: tuple = ()  # the final `Placement` of every MoE layer (the state's layout)
     tuning: dict | None = None  # tuning.StepRunner.summary: the strategy chosen and why
     final_loss_steps: int = 20  # `report.loss_window` of the run's steps
+    recipes: tuple = ()  # one line per training recipe in use (`recipe_lines`; upcycling: the CLI)
+
+
+def recipe_lines(train_cfg: TrainConfig) -> tuple[str, ...]:
+    """Summary lines of the training recipes `train_cfg` turns on (none for the defaults)."""
+    lines = []
+    if train_cfg.load_balance != "micro_batch":
+        lines.append(
+            f"balance loss: {train_cfg.load_balance} (weight {train_cfg.load_balance_weight:g})"
+        )
+    return tuple(lines)
 
 
 class SetupError(ValueError):
@@ -228,12 +239,12 @@ def train(
       corpus: the tokenized corpus (its tail `train_cfg.eval_fraction` is held out).
       run_dir: the run directory; an existing checkpoint there is resumed.
       mesh: a `moejax.parallel` mesh, or None for one device.
-      strategy: how the step runs on the mesh: `"auto"` (the layer's default `Strategy`) or a
-        `moejax.parallel.Strategy` or a `tuning.Candidate` (a strategy and a batch split) for
-        the whole run; or chosen by measurement: `"tune"`, a `tuning.TuningConfig` or a
-        `tuning.StrategyTuner` (`moejax.training.tuning`: timed rounds at the start and when
-        the routing load moves the dropless bucket, within a time budget; decisions go to
-        `tuning_events.jsonl` and `RunResult.tuning`). On one device tuning is skipped.
+      strategy: how the step runs on the mesh, one of: `"auto"` (the layer's default
+        `Strategy`); a `tuning.Candidate` (a `Strategy` and a batch split) for the whole run;
+        a `tuning.TuningConfig`: chosen by timing steps (`moejax.training.tuning`: timed rounds
+        at the start and when the routing load moves the dropless bucket, within a time
+        budget; decisions go to `tuning_events.jsonl` and `RunResult.tuning`; on one device
+        the default runs).
       implementation: the grouped-matmul implementation.
       stop_at: stop after this step (default `train_cfg.steps`); the schedule still spans
         `train_cfg.steps`.
@@ -303,7 +314,7 @@ def _train(
         steps = tuning.StepRunner(
             strategy, model_cfg, train_cfg, mesh, implementation, run_dir, write=primary
         )
-    except ValueError as err:  # no candidate strategy fits the run
+    except ValueError as err:  # a bad strategy, or no candidate strategy fits the run
         raise SetupError(str(err)) from None
     if primary:  # before run_dir is read or written (re-entrant: train_lm.py may hold it)
         held.enter_context(rundir.run_lock(run_dir, log=_say))
@@ -493,6 +504,7 @@ def _train(
         result.placement = placing.summary(result.wall_s, records)
         result.placements = placing.placements
         result.tuning = steps.summary()
+        result.recipes = recipe_lines(train_cfg)
         if primary and outputs and records:
             write_outputs(run_dir, result, events=placing.events)
     return result

@@ -70,6 +70,7 @@ def step_record(
         "total_loss": _num(metrics.total_loss),
         "load_balance_loss": _num(metrics.load_balance_loss),
         "z_loss": _num(metrics.z_loss),
+        **({} if metrics.mtp_loss is None else {"mtp_loss": _num(metrics.mtp_loss)}),
         "grad_norm": _num(metrics.grad_norm),
         "learning_rate": _num(metrics.learning_rate),
         "skipped": not finite,

@@ -3,7 +3,7 @@
 With `TrainConfig.expert_slots_per_device = S > 0` every MoE layer's experts live in
 `P = N·S` physical slots (`N` = the mesh's `expert` axis): the in-memory `TrainState` holds
 `experts/* [P, ...]` in its parameters and in its optimizer moments, hot experts as several
-identical replicas (`moejax.parallel.placed`). Checkpoints hold the logical `[E, ...]` form, so
+identical replicas (`moejax.parallel.slots`). Checkpoints hold the logical `[E, ...]` form, so
 they restore onto any placement and any mesh.
 
 The math is the unreplicated model's (docs/design.md, invariant "placement never changes what is
@@ -23,21 +23,28 @@ A re-placement of layer `j` gathers its new slots from the old ones (`migrate_fn
 donated: no other leaf is copied). The slot tables are an argument of the jitted step, not
 constants compiled into it: a new placement reuses the compiled step and the compiled gather,
 so re-placing costs one gather per moved layer and no compilation.
+
+The controller the loop runs (`controller_factory`) prices with this run's layer shapes and
+either datasheet figures or this mesh's own, timed by `measure_hardware`;
+`moejax.training.placement_runtime` drives it step by step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 from optax.transforms import MaskedNode
 
 from moejax.models import LMConfig
-from moejax.parallel import placed as device_placed
+from moejax.parallel import mesh as mesh_lib
+from moejax.parallel import slots
 from moejax.placement import (
     H100_NVLINK,
     TPU_V5P_ICI,
@@ -58,17 +65,15 @@ def initial_placements(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> lis
     hold local duplicates (they move no token and change no load) until the controller uses them.
     Without placement (`S = 0`) the layout is the logical one, `S = G`.
     """
-    from moejax.parallel import mesh as mesh_lib
-
     n = 1 if mesh is None else mesh_lib.axis_size(mesh, "expert")
     e = model_cfg.moe.num_experts
     s = train_cfg.expert_slots_per_device or e // n
     return [Placement.identity(e, n, s) for _ in model_cfg.moe_layers]
 
 
-def slot_tables(placements) -> tuple[device_placed.SlotTable, ...]:
-    """The device form of each layer's placement (the step's `tables` argument)."""
-    return tuple(device_placed.slot_table(p) for p in placements)
+def slot_tables(placements) -> tuple[slots.SlotTable, ...]:
+    """The device form of each layer's placement (the step's `slot_tables` argument)."""
+    return tuple(slots.slot_table(p) for p in placements)
 
 
 def map_experts(tree: dict, model_cfg: LMConfig, fn) -> dict:
@@ -81,11 +86,11 @@ def map_experts(tree: dict, model_cfg: LMConfig, fn) -> dict:
     return {**tree, "layers": layers}
 
 
-def combine_grads(grads: dict, tables, model_cfg: LMConfig, mesh=None) -> dict:
+def combine_grads(grads: dict, slot_tables, model_cfg: LMConfig, mesh=None) -> dict:
     """Every replica receives the sum of its expert's replica gradients (module docstring, 2).
 
     On `mesh`, only the experts held on several devices exchange gradients, in one packed
-    all-reduce per layer over `expert` (`moejax.parallel.placed.combine_replica_grads`); the
+    all-reduce per layer over `expert` (`moejax.parallel.slots.combine_replica_grads`); the
     gradients keep their stored layout (`lm_partition_specs`)."""
     if mesh is None:
         specs = [None] * len(model_cfg.moe_layers)
@@ -97,11 +102,11 @@ def combine_grads(grads: dict, tables, model_cfg: LMConfig, mesh=None) -> dict:
     return map_experts(
         grads,
         model_cfg,
-        lambda j, g: device_placed.combine_replica_grads(g, tables[j], mesh, specs[j]),
+        lambda j, g: slots.combine_replica_grads(g, slot_tables[j], mesh, specs[j]),
     )
 
 
-def logical_norm(grads: dict, tables, model_cfg: LMConfig) -> jax.Array:
+def logical_norm(grads: dict, slot_tables, model_cfg: LMConfig) -> jax.Array:
     """The global norm the unreplicated gradient has, from combined physical gradients.
 
     A slot of an expert with `r` replicas holds that expert's whole gradient, so its square
@@ -109,7 +114,7 @@ def logical_norm(grads: dict, tables, model_cfg: LMConfig) -> jax.Array:
     """
 
     def scaled(j, experts):
-        t = tables[j]
+        t = slot_tables[j]
         w = jax.lax.rsqrt(t.replica_count[t.slot_to_expert].astype(jnp.float32))  # [P]
         return jax.tree.map(lambda g: g * w.reshape((-1,) + (1,) * (g.ndim - 1)), experts)
 
@@ -232,7 +237,7 @@ def controller_factory(
     The cost model gets this run's layer shapes (`Workload`: tokens per device per step, top-k,
     `D`, `F`, bytes per element of the parameter dtype, Adam's two moments) and `hardware`: a
     `moejax.placement.HardwareModel`, `"measured"`: this mesh's own figures
-    (`moejax.training.hardware.measure_hardware`, timed once, here), or `"auto"` (the default):
+    (`measure_hardware`, timed once, here), or `"auto"` (the default):
     measured on a CPU mesh, whose figures are nothing like an accelerator's (a migration priced
     with H100 figures there is 10^4x below what it takes), else the datasheet figures of the
     platform (`DATASHEET`: H100 on GPU, TPU v5p on TPU). A CPU mesh without an `expert` axis of
@@ -242,15 +247,13 @@ def controller_factory(
     nothing assumed hidden): a placement whose experts each sit on one device (local duplicates
     included) costs none; one with `m` experts held on two devices or more pays a ring
     all-reduce over the `expert` axis of `B` expert gradients (`B >= m`, the packed buffer of
-    `moejax.parallel.placed.combine_replica_grads`; `moejax.placement.cost_model.
+    `moejax.parallel.slots.combine_replica_grads`; `moejax.placement.cost_model.
     packed_sync_gradients`), so the controller replicates across devices only where the
     balance gained outweighs that all-reduce.
 
     Args:
       config: the controller's `ControllerConfig` (default `TRAINING_CONTROLLER`).
     """
-    from moejax.parallel import mesh as mesh_lib
-
     moe = model_cfg.moe
     shards = 1 if mesh is None else mesh_lib.token_shards(mesh)
     param_bytes = jnp.dtype(model_cfg.param_dtype).itemsize
@@ -279,14 +282,78 @@ def controller_factory(
 
 def _hardware(name: str, mesh, workload: Workload) -> HardwareModel:
     """The `HardwareModel` `controller_factory(hardware=name)` means on `mesh`."""
-    from moejax.parallel import mesh as mesh_lib
-
     if name not in ("auto", "measured"):
         raise ValueError(f"hardware must be a HardwareModel, 'auto' or 'measured', got {name!r}")
     platform = "cpu" if mesh is None else mesh.devices.flat[0].platform
     expert = 1 if mesh is None else mesh_lib.axis_size(mesh, mesh_lib.EXPERT)
     if name == "auto" and (platform != "cpu" or expert < 2):
         return DATASHEET.get(platform, H100_NVLINK)
-    from moejax.training.hardware import measure_hardware
-
     return measure_hardware(mesh, workload)
+
+
+def _median_s(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_hardware(mesh, workload: Workload, *, repeats: int = 5) -> HardwareModel:
+    """Per-device FLOP/s and all-to-all bytes/s of `mesh`, timed on `workload`'s shapes: the
+    cost model's figures for the machine a run trains on.
+
+    `moejax.placement` ships datasheet figures for H100 and TPU v5p. A controller deciding for
+    the machine it runs on should use that machine's figures: on 8 simulated CPU devices
+    sharing two cores a matmul is ~10^5x slower than on an H100 while a device-to-device copy is
+    a memory copy, so the balance between compute, all-to-all and replica sync, which is all the
+    controller weighs, is nothing like a GPU's. Timed on every device of the mesh at once (as
+    in a training step): one expert-shaped matmul (`T·K` rows of `D x F`) and one all-to-all of
+    those rows over the `expert` axis; the medians are kept.
+
+    Args:
+      mesh: a `moejax.parallel` mesh with an `expert` axis of at least 2 devices.
+      workload: the layer shape (`T·K` rows, `D`, `F`, activation bytes).
+      repeats: timed runs after one warm-up; the medians are used.
+
+    Returns:
+      `HardwareModel("measured", flops_per_s, link_bytes_per_s)` (one flat network).
+
+    Raises:
+      ValueError: the mesh has no `expert` axis of >= 2 devices.
+    """
+    n = mesh_lib.axis_size(mesh, mesh_lib.EXPERT)
+    if n < 2:
+        raise ValueError(f"measuring the all-to-all needs an expert axis of >= 2, got {n}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    axes = tuple(mesh.axis_names)
+    shards = int(np.prod([mesh.shape[a] for a in axes]))
+    rows = max(n, workload.rows_per_step // n * n)  # [R] per device, a multiple of N
+    dtype = {2: jnp.bfloat16, 4: jnp.float32}.get(workload.activation_bytes, jnp.float32)
+    d, f = workload.d_model, workload.d_ff
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (shards * rows, d), dtype)
+    w = jax.random.normal(key, (d, f), dtype) / np.sqrt(d)
+    spec = PartitionSpec(axes)
+
+    matmul = jax.jit(
+        jax.shard_map(
+            lambda x, w: x @ w, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec
+        )
+    )
+
+    def exchange(x):  # [R, D] -> [N, R / N, D], swapped over the expert axis
+        x = x.reshape(n, rows // n, d)
+        return jax.lax.all_to_all(x, mesh_lib.EXPERT, 0, 0, tiled=True).reshape(rows, d)
+
+    all_to_all = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=spec, out_specs=spec))
+    flops = 2.0 * rows * d * f
+    sent = rows * d * workload.activation_bytes * (n - 1) / n
+    return HardwareModel(
+        "measured",
+        flops_per_s=flops / _median_s(matmul, x, w, repeats=repeats),
+        link_bytes_per_s=sent / _median_s(all_to_all, x, repeats=repeats),
+    )

@@ -21,13 +21,14 @@ re-placement (`placement_events.jsonl`, one JSON object per event):
   `decision_wall_s` (host time of the controller's checks so far).
 
 Every check of the controller, accepted or declined, is a line of `placement_decisions.jsonl`
-(`decision_record`: the step, the layer, the outcome and the reason, and for a candidate its
-predicted and forecast gain, its forecast imbalance and the migration it would cost), so a layer
-that was never re-placed says why.
+(`moejax.placement.Decision.record`: the step, the layer, the outcome and the reason, and for a
+candidate its predicted and forecast gain, its forecast imbalance and the migration it would
+cost), so a layer that was never re-placed says why. Both formats are the controller's
+(`moejax.placement.decision`).
 
 A run with a `PlacementController` also writes `placement_controller.json` at its start
-(`moejax.placement.replay.controller_spec`), from which `experiments/replay_placement.py`
-replays its `routing_trace.npy` through the same controller, or one with other knobs.
+(`PlacementController.spec`), from which `experiments/replay_placement.py` replays its
+`routing_trace.npy` through the same controller, or one with other knobs.
 
 Each layer's migration gather takes its index as an argument (`moejax.training.placed.migrate_fn`)
 and donates the state, so it compiles once per layer, in a background thread at start, while
@@ -48,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.placement import Placement, PlacementController, migration_sources
-from moejax.placement.replay import SPEC_FILE, controller_spec, event_record
+from moejax.placement.controller import SPEC_FILE
+from moejax.placement.decision import event_record
 from moejax.training import placed
 
 EVENTS_FILE = "placement_events.jsonl"
@@ -66,9 +68,9 @@ class PlacementRuntime:
     train_cfg: object = None
     mesh: object = None
     events: list = dataclasses.field(default_factory=list)
-    decisions: list = dataclasses.field(default_factory=list)  # `decision_record`s of this run
+    decisions: list = dataclasses.field(default_factory=list)  # `Decision.record`s of this run
     migration_wall_s: float = 0.0
-    _tables: tuple = ()
+    _slot_tables: tuple = ()
     _events_path: str | None = None
     _decisions_path: str | None = None
     _logged: int = 0  # the controller's log entries written so far
@@ -112,7 +114,7 @@ class PlacementRuntime:
             return runtime, state
         step = int(jax.device_get(state.step))
         state = placed.to_physical(state, placements, model_cfg, train_cfg, mesh)
-        runtime._tables = placed.slot_tables(placements)
+        runtime._slot_tables = placed.slot_tables(placements)
         if controller is not None:
             runtime.controller = controller(list(placements))
             if resumed is not None and hasattr(runtime.controller, "load_state_dict"):
@@ -125,7 +127,7 @@ class PlacementRuntime:
                 if resumed is None and isinstance(runtime.controller, PlacementController):
                     # What `moejax.placement.replay` needs to replay this run's routing trace.
                     with open(os.path.join(run_dir, SPEC_FILE), "w") as f:
-                        json.dump(controller_spec(runtime.controller), f)
+                        json.dump(runtime.controller.spec(), f)
                 runtime._events_path = os.path.join(run_dir, EVENTS_FILE)
                 runtime._decisions_path = os.path.join(run_dir, DECISIONS_FILE)
                 # Events after a resumed step are re-made by this run; earlier ones are kept.
@@ -135,8 +137,8 @@ class PlacementRuntime:
 
     @property
     def step_args(self) -> tuple:
-        """Extra arguments of the jitted step: `(tables,)` with placement, else `()`."""
-        return (self._tables,) if self.enabled else ()
+        """Extra arguments of the jitted step: `(slot_tables,)` with placement, else `()`."""
+        return (self._slot_tables,) if self.enabled else ()
 
     def logical(self, state):
         """`state` with experts in logical order (what checkpoints hold)."""
@@ -152,7 +154,7 @@ class PlacementRuntime:
         decisions = self.controller.observe(step, np.asarray(counts))
         log = getattr(self.controller, "log", [])
         for d in log[self._logged :]:  # every check, accepted or declined
-            record = decision_record(d, applied_after_step)
+            record = d.record(applied_after_step)
             self.decisions.append(record)
             _append(self._decisions_path, record)
         self._logged = len(log)
@@ -170,32 +172,11 @@ class PlacementRuntime:
         wall = time.perf_counter() - t0
         self.migration_wall_s += wall
         self.placements = tuple(new)
-        self._tables = placed.slot_tables(new)
+        self._slot_tables = placed.slot_tables(new)
+        # A scripted controller (tests) has no forecasts: its events are on the step's counts.
+        ctl = self.controller if isinstance(self.controller, PlacementController) else None
         for d in decisions:
-            if isinstance(self.controller, PlacementController):
-                event = event_record(self.controller, d, counts, step, applied_after_step)
-            else:  # another controller (a scripted one in tests): no forecasts
-                c = np.asarray(counts)[d.layer]
-                event = {
-                    "step": int(step),
-                    "applied_after_step": int(applied_after_step),
-                    "layer": int(d.layer),
-                    "reason": d.reason,
-                    "predicted_gain_s": float(d.gain_s),
-                    "predicted_gain_fraction": None,
-                    "imbalance_before": float(d.old.imbalance(c)),
-                    "imbalance_after": float(d.new.imbalance(c)),
-                    "per_step_before": None,
-                    "per_step_after": None,
-                    "forecast_before": None,
-                    "forecast_after": None,
-                    "realized_ratio": None,
-                    "num_devices": int(d.new.num_devices),
-                    "bytes_moved": int(d.bytes_moved),
-                    "modeled_migration_s": float(d.migration_s),
-                    "old": d.old.slot_to_expert.tolist(),
-                    "new": d.new.slot_to_expert.tolist(),
-                }
+            event = event_record(d, counts, step, applied_after_step, ctl)
             event["migration_wall_s"] = wall
             event["decision_wall_s"] = float(getattr(self.controller, "decision_wall_s", 0.0))
             self._log(event)
@@ -277,32 +258,6 @@ class PlacementRuntime:
     def _log(self, event: dict) -> None:
         self.events.append(event)
         _append(self._events_path, event)
-
-
-def decision_record(d, applied_after_step: int) -> dict:
-    """One check of the controller (a `moejax.placement.Decision`) as a JSON-serialisable line
-    of `placement_decisions.jsonl`: `step` (of the counts checked), `applied_after_step` (the
-    step after which it was decided), `layer`, `accepted`, `outcome` (`controller.OUTCOMES`),
-    `reason`; for a candidate (`candidate`: the planner proposed another table) its
-    `predicted_gain_s` (in sample, on the EMA), `forecast_gain_s`, `forecast_before/after`
-    (None where the check stopped before the forecast), `modeled_migration_s` and
-    `bytes_moved`."""
-    figure = lambda x: None if x is None else float(x)  # noqa: E731
-    return {
-        "step": int(d.step),
-        "applied_after_step": int(applied_after_step),
-        "layer": int(d.layer),
-        "accepted": bool(d.accepted),
-        "outcome": getattr(d, "outcome", None),
-        "reason": d.reason,
-        "candidate": d.new != d.old,
-        "predicted_gain_s": float(d.gain_s),
-        "forecast_gain_s": figure(getattr(d, "forecast_gain_s", None)),
-        "forecast_before": figure(getattr(d, "forecast_before", None)),
-        "forecast_after": figure(getattr(d, "forecast_after", None)),
-        "modeled_migration_s": float(d.migration_s),
-        "bytes_moved": int(d.bytes_moved),
-    }
 
 
 def _keep(path: str, up_to_step: int) -> list[dict]:

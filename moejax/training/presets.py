@@ -54,6 +54,18 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         scan_layers=True,
         microbatches=2,
     ),
+    # DeepSeek-V3's batch (15360 x 4096 in its report) is for 2048 GPUs; planned at 1024.
+    "deepseek_v3_4l": TrainConfig(
+        steps=100_000,
+        batch_size=1024,
+        learning_rate=2.2e-4,
+        warmup_steps=2000,
+        weight_decay=0.1,
+        checkpoint_every=1000,
+        remat="dots_saveable",
+        scan_layers=True,
+        microbatches=2,
+    ),
 }
 
 

@@ -237,6 +237,7 @@ def summary_rows(result) -> list[tuple[str, str]]:
         ("device-load imbalance (mean)", _fmt(result.mean_imbalance, "{:.3f}")),
         ("dropped fraction (mean)", _fmt(result.mean_dropped, "{:.4f}")),
         ("wall time", f"{result.wall_s:.1f} s"),
+        *(("training recipe", line) for line in getattr(result, "recipes", ())),
         *_tuning_rows(getattr(result, "tuning", None)),
         *_placement_rows(getattr(result, "placement", None)),
         ("run directory", result.run_dir),

@@ -2,7 +2,7 @@
 
 With `batch_split=2` one micro-batch's attention runs inside the other's MoE all-to-all windows
 in the forward, every expert weight-gradient GEMM sits in a backward window, XLA's DotMerger
-leaves the micro-batches' matmuls apart, and the schedule model (`moejax.schedule_model`) finds
+leaves the micro-batches' matmuls apart, and the schedule model (`moejax.aot.schedule`) finds
 70% less exposed all-to-all time than in the unsplit step. A negative control compiled with
 synchronous all-to-alls loses it all.
 
@@ -17,9 +17,9 @@ import re
 import pytest
 from _targets import CACHE_WARNING, needs_cuda
 
-from moejax import aot, parallel, schedule_model, training
+from moejax import aot, parallel, training
+from moejax.aot import hlo, schedule, windows
 from moejax.models import presets
-from moejax.parallel import gpu_hlo
 
 pytestmark = [pytest.mark.deviceless, needs_cuda, CACHE_WARNING]
 
@@ -33,7 +33,7 @@ EXPOSED_RATIO = 0.3
 @functools.cache
 def _compiled(dispatch: str, k: int, sync: bool = False, delay_wgrad=None) -> str:
     cfg = presets.get("tiny")
-    cfg = cfg.replace(moe=cfg.moe.replace(dispatch=dispatch))
+    cfg = cfg.replace(moe=cfg.moe.replace(drop_policy=dispatch))
     train_cfg = training.TrainConfig(
         batch_size=BATCH, steps=10, warmup_steps=1, delay_wgrad=delay_wgrad
     )
@@ -45,18 +45,17 @@ def _compiled(dispatch: str, k: int, sync: bool = False, delay_wgrad=None) -> st
 
 
 def _exposed_all_to_all(text: str) -> float:
-    return schedule_model.estimate(text).exposed("all-to-all")
+    return schedule.estimate(text).exposed("all-to-all")
 
 
 def _entry_tgmm(text: str) -> int:
     """tgmm kernels in the ENTRY computation (not in the dropless leftover rounds' loops)."""
-    entry = text[text.index("ENTRY") :]
-    return sum("tgmm" in line and " custom-call(" in line for line in entry.splitlines())
+    return sum(i.opcode == "custom-call" and "tgmm" in i.line for i in hlo.entry(text))
 
 
-def _split(windows):
+def _split(kernels):
     """Kernels inside windows: (forward op_names, backward op_names)."""
-    ops = [name for _, inside in windows for name, _ in inside]
+    ops = [name for _, inside in kernels for name, _ in inside]
     backward = [o for o in ops if "transpose(" in o]
     return [o for o in ops if "transpose(" not in o], backward
 
@@ -67,7 +66,7 @@ DISPATCHES = ["capacity", pytest.param("dropless", marks=pytest.mark.slow)]
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_batch_split_overlaps_attention_with_the_other_micro_batchs_all_to_all(dispatch):
     whole, split = _compiled(dispatch, 1), _compiled(dispatch, 2)
-    w1, w2 = gpu_hlo.window_kernels(whole), gpu_hlo.window_kernels(split)
+    w1, w2 = windows.window_kernels(whole), windows.window_kernels(split)
     assert len(w2) == 2 * len(w1) > 0  # each micro-batch has its own exchanges
     fwd1, _ = _split(w1)
     fwd2, bwd2 = _split(w2)
@@ -81,15 +80,15 @@ def test_batch_split_overlaps_attention_with_the_other_micro_batchs_all_to_all(d
     # all-to-all window, by construction, split or not: a barrier pairs them with the send's
     # transpose's result (`moejax.parallel._overlap.tie`; the dropless dispatcher's
     # `_send_tied`, right after the all-to-all, before the gather that follows it).
-    for text, windows in ((whole, w1), (split, w2)):
-        in_windows = sum("tgmm" in o for o in _split(windows)[1])
+    for text, kernels in ((whole, w1), (split, w2)):
+        in_windows = sum("tgmm" in o for o in _split(kernels)[1])
         assert in_windows == _entry_tgmm(text) > 0
 
 
 def _attention_weight_gemms(text: str, k: int) -> list[tuple[str, bool]]:
     """`(op_name, inside a backward all-to-all window)` of each attention weight-gradient GEMM."""
     rows = BATCH // 8 * 128 // k  # one micro-batch's tokens on a device
-    kernels = gpu_hlo.weight_gradient_kernels(text, rows)
+    kernels = windows.weight_gradient_kernels(text, rows)
     return [(op, inside) for kind, op, inside in kernels if kind == "attention"]
 
 

@@ -10,8 +10,9 @@ import pytest
 from _targets import CACHE_WARNING, needs_cuda, needs_tpu
 
 import moejax
-from moejax import aot
+from moejax import aot, parallel
 from moejax.models import presets
+from moejax.parallel import Strategy
 from moejax.training import presets as train_presets
 
 pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
@@ -22,7 +23,12 @@ PLATFORMS = [
 BACKEND = {"cuda": "mosaic_gpu", "tpu": "mosaic"}  # bf16 on H100: the Hopper kernels
 DEVICE_BYTES = {"cuda": 80 * 2**30, "tpu": 16 * 2**30}  # H100 HBM; v5e HBM per chip
 CONFIG = moejax.MoEConfig(d_model=1024, d_ff=2048, num_experts=8, top_k=2, param_dtype="bfloat16")
-STRATEGIES = aot.strategies()
+CAPACITY = CONFIG.replace(drop_policy="capacity")
+# The layer's strategy space, and the capacity dispatcher (the default of a capacity layer).
+CASES = [
+    *((CONFIG, s) for s in parallel.strategy_space(CONFIG)),
+    (CAPACITY, Strategy("expert", "capacity")),
+]
 
 
 @functools.cache
@@ -40,9 +46,8 @@ def _assert_kernels(compiled, platform):
 
 
 @pytest.mark.parametrize("platform, kw", PLATFORMS)
-@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
-def test_sharded_layer_compiles_with_the_kernels(platform, kw, strategy):
-    cfg = CONFIG.replace(dispatch="capacity") if strategy.dispatcher == "capacity" else CONFIG
+@pytest.mark.parametrize("cfg, strategy", CASES, ids=[str(s) for _, s in CASES])
+def test_sharded_layer_compiles_with_the_kernels(platform, kw, cfg, strategy):
     mesh = _mesh(platform, **kw)
     fn, args = aot.layer_program(cfg, mesh, strategy, tokens=16384, dtype=jnp.bfloat16)
     compiled = aot.compile_program(fn, args)

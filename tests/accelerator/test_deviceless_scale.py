@@ -9,8 +9,8 @@ import pytest
 from _targets import CACHE_WARNING, needs_cuda, needs_tpu
 
 from moejax import aot
+from moejax.aot import fit
 from moejax.models import presets
-from moejax.training import plan
 from moejax.training import presets as train_presets
 
 pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
@@ -18,16 +18,16 @@ pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
 
 @needs_cuda
 def test_small_preset_fits_8_h100_with_fsdp_remat_and_scan():
-    target = plan.TARGETS["h100x8"]
-    layout = plan.Layout((("fsdp", 2), ("expert", 4)), microbatches=2, remat="full")
-    row = plan.plan_row("small", presets.get("small"), train_presets.get("small"), target, layout)
+    target = fit.TARGETS["h100x8"]
+    layout = fit.Layout((("fsdp", 2), ("expert", 4)), microbatches=2, remat="full")
+    row = fit.plan_row("small", presets.get("small"), train_presets.get("small"), target, layout)
     assert row.fits and 0 < row.total_bytes < target.hbm_bytes
     assert set(aot.grouped_matmuls(row.kernels)) == {"gmm/triton", "gmm_t/triton", "tgmm/triton"}
     assert "mha_forward/triton" in row.kernels  # flash attention
     # FSDP: weights all-gathered before use, gradients reduce-scattered back to their shards.
     assert row.collectives["all-gather"] > 0 and row.collectives["reduce-scatter"] > 0
     assert row.model_flops > 0 and row.mfu_bound == pytest.approx(0.75)  # full remat: 3/4
-    line = plan.summary_line([row])
+    line = fit.summary_line([row])
     assert line.startswith("small h100x8 fsdp2xexpert4 mb2 full") and line.endswith(" fits")
 
 
@@ -43,15 +43,15 @@ def test_small_preset_fits_8_h100_with_fsdp_remat_and_scan():
 def test_real_size_presets_fit_64_devices_at_batch_1024x4096(name, target):
     model_cfg, train_cfg = presets.get(name), train_presets.get(name)
     assert train_cfg.batch_size * model_cfg.max_seq_len == 1024 * 4096
-    tgt = plan.TARGETS[target]
+    tgt = fit.TARGETS[target]
     expert = min(8, model_cfg.moe.num_experts)
-    layout = plan.Layout(
+    layout = fit.Layout(
         (("fsdp", tgt.devices // expert), ("expert", expert)),
         microbatches=train_cfg.microbatches,
         remat=train_cfg.remat,
     )
-    row = plan.plan_row(name, model_cfg, train_cfg, tgt, layout)
-    assert row.fits, plan.markdown([row])
+    row = fit.plan_row(name, model_cfg, train_cfg, tgt, layout)
+    assert row.fits, fit.markdown([row])
     backend = "triton" if tgt.platform == "cuda" else "mosaic"
     gmms = aot.grouped_matmuls(row.kernels)
     assert set(gmms) == {f"{k}/{backend}" for k in ("gmm", "gmm_t", "tgmm")}

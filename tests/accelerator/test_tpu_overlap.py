@@ -11,8 +11,8 @@ import pytest
 from _targets import CACHE_WARNING, needs_tpu
 
 from moejax import aot, parallel, training
+from moejax.aot import hlo, windows
 from moejax.models import presets
-from moejax.parallel import gpu_hlo
 
 pytestmark = [pytest.mark.deviceless, needs_tpu, CACHE_WARNING]
 
@@ -21,7 +21,7 @@ PROJECTIONS = ("bsd,dhk->bshk", "bshk,hkd->bsd")  # the attention projections' e
 
 def test_weight_gradients_sit_in_tpu_all_to_all_windows():
     cfg = presets.get("tiny")
-    cfg = cfg.replace(moe=cfg.moe.replace(dispatch="capacity"))
+    cfg = cfg.replace(moe=cfg.moe.replace(drop_policy="capacity"))
     train_cfg = training.TrainConfig(batch_size=256, steps=10, warmup_steps=1)
     mesh = aot.mesh("tpu", (8,), ("expert",), generation="v5p")
     fn, args = aot.train_step_program(
@@ -29,15 +29,16 @@ def test_weight_gradients_sit_in_tpu_all_to_all_windows():
     )
     options = {"xla_tpu_enable_async_all_to_all": True}
     text = aot.compile_program(fn, args, donate_argnums=(0,), compiler_options=options).text
-    inside = {name for _, ops in gpu_hlo.windows(text) for name, _ in ops}
+    inside = {ins.name for _, window in windows.windows(text) for ins in window}
     experts, attention = [], []
-    for name, op, line in gpu_hlo.entry_instructions(text):
+    for ins in hlo.entry(text):
+        op = hlo.op_name(ins.line)
         if "transpose(" not in op:
             continue
-        if "tgmm" in op and "custom-call(" in line:
-            experts.append(name in inside)
+        if "tgmm" in op and ins.opcode == "custom-call":
+            experts.append(ins.name in inside)
         elif "/combine/transpose(" in op and any(p in op for p in PROJECTIONS):
-            attention.append(name in inside)  # computed in the MoE layer: delayed
+            attention.append(ins.name in inside)  # computed in the MoE layer: delayed
     layers = cfg.num_layers
     assert len(experts) >= layers and all(experts), experts
     # One merged q/k/v GEMM and one o GEMM per block after the first (op kinds may split them).

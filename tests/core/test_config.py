@@ -26,7 +26,7 @@ INVALID = [
     ({"expert_capacity": 0}, "expert_capacity"),
     ({"activation": "tanh"}, "activation"),
     ({"router": "hash"}, "router"),
-    ({"dispatch": "dropfull"}, "dispatch"),
+    ({"drop_policy": "dropfull"}, "drop_policy"),
     ({"num_shared_experts": -1}, "num_shared_experts"),
     ({"shared_d_ff": 0, "num_shared_experts": 1}, "shared_d_ff"),
     ({"shared_gate": True}, "shared_gate"),

@@ -78,7 +78,7 @@ FAMILIES = {
         functools.partial(hf.switch_block, expert_capacity=2),
     ),
     "tokens_choose_top2_capacity": Family(
-        presets.mixtral(**SIZES, norm_topk_prob=False, dispatch="capacity", expert_capacity=3),
+        presets.mixtral(**SIZES, norm_topk_prob=False, drop_policy="capacity", expert_capacity=3),
         hf.to_flaxformer,
         functools.partial(hf.tokens_choose_block, num_selected_experts=2, expert_capacity=3),
     ),

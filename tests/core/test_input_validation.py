@@ -18,7 +18,7 @@ import moejax
 import moejax.linen
 from moejax import parallel, presets
 from moejax._validate import check_params
-from moejax.parallel import placed
+from moejax.parallel import slots
 from moejax.parallel.layer import physical_config
 from moejax.placement import Placement
 
@@ -61,10 +61,10 @@ def _sharded(params, x=X8, cfg=CFG, **kw):
 
 
 def _placed(experts_of):
-    table = placed.slot_table(PLACEMENT)
+    table = slots.slot_table(PLACEMENT)
     params = _params()
     params["experts"] = experts_of(params["experts"], table)
-    return _sharded(params, placement=table)
+    return _sharded(params, slot_table=table)
 
 
 def _nnx(x):
@@ -320,7 +320,7 @@ def _empty_result(y, aux):
 
 EMPTY_CASES = {
     "dropless": CFG,
-    "sigmoid_capacity": SIGMOID.replace(dispatch="capacity"),
+    "sigmoid_capacity": SIGMOID.replace(drop_policy="capacity"),
     "expert_choice": presets.expert_choice(**SIZES),
 }
 
@@ -347,8 +347,8 @@ def test_valid_inputs_pass_bf16_numpy_and_placed_experts():
     cfg = CFG.replace(param_dtype="bfloat16")
     y, _ = moejax.moe_apply(_params(cfg), np.ones((3, 16), np.float32).astype(jnp.bfloat16), cfg)
     assert y.dtype == jnp.bfloat16
-    table = placed.slot_table(PLACEMENT)
+    table = slots.slot_table(PLACEMENT)
     params = _params()
-    physical = {**params, "experts": placed.to_physical(params["experts"], table)}
+    physical = {**params, "experts": slots.to_physical(params["experts"], table)}
     physical_cfg = physical_config(CFG, table)
     check_params(physical, CFG, experts_config=physical_cfg)

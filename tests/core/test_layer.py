@@ -1,5 +1,5 @@
 """Every implementation equals the per-expert loop reference, forward and gradients, for every
-router family, activation and dispatch mode; adversarial routing; fp32 and bf16."""
+router family, activation and drop policy; adversarial routing; fp32 and bf16."""
 
 import functools
 
@@ -21,7 +21,7 @@ CONFIGS = {
     "gpt_oss": presets.gpt_oss(**SIZES, top_k=2, swiglu_limit=1.5),
     "switch": presets.switch(**SIZES, capacity_factor=1.0),
     "switch_absolute": presets.switch(**SIZES, expert_capacity=3),
-    "capacity_top2": presets.mixtral(**SIZES, dispatch="capacity", capacity_factor=0.75),
+    "capacity_top2": presets.mixtral(**SIZES, drop_policy="capacity", capacity_factor=0.75),
     "expert_choice": presets.expert_choice(**SIZES, top_k=2),
     "geglu": presets.mixtral(**SIZES, activation="geglu"),
     "gelu_bias": presets.mixtral(**SIZES, activation="gelu", expert_bias=True),
@@ -203,7 +203,7 @@ def test_dropless_equals_capacity_mode_with_capacity_at_least_tokens(impl):
     cfg = CONFIGS["mixtral"]
     params, x = make_params(cfg), inputs()
     y, aux = moejax.moe_apply(params, x, cfg, implementation=impl)
-    big = cfg.replace(dispatch="capacity", expert_capacity=16)  # = tokens per sequence
+    big = cfg.replace(drop_policy="capacity", expert_capacity=16)  # = tokens per sequence
     y_cap, aux_cap = moejax.moe_apply(params, x, big, implementation=impl)
     np.testing.assert_array_equal(y, y_cap)
     assert float(aux_cap.dropped_fraction) == 0.0

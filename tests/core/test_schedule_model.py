@@ -1,4 +1,4 @@
-"""The schedule model (`moejax.schedule_model`) against hand-computed toy schedules, and on a real
+"""The schedule model (`moejax.aot.schedule`) against hand-computed toy schedules, and on a real
 deviceless H100 compile of the sharded layer (skipped without the CUDA compiler wheels).
 
 Toy device `HW`: 1e12 bf16 FLOP/s, 1e12 HBM bytes/s, 1e11 link bytes/s, 1 us per kernel launch,
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import schedule_model as sm
+from moejax.aot import schedule as sm
 
 US = 1e-6
 HW = sm.Hardware(
@@ -353,7 +353,7 @@ def test_staggered_capacity_layer_exposes_less_all_to_all_on_h100():
     import moejax
     from moejax import aot, parallel
 
-    cfg = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2, dispatch="capacity")
+    cfg = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2, drop_policy="capacity")
     mesh = aot.mesh("cuda", (8,), ("expert",))
     strategy = parallel.Strategy(dispatcher="capacity", chunks=4)
     _, (params, x) = aot.layer_program(cfg, mesh, strategy, tokens=64 * 256, seq_len=256)

@@ -20,11 +20,11 @@ import os
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
-from moejax.interop.hf._model import model_recipes
-from moejax.interop.hf._model_config import lm_config_from_hf
-from moejax.interop.hf._safetensors import INDEX_FILE as INDEX_NAME
-from moejax.interop.hf._writer import write_safetensors
+from moejax.interop.hf import lm_config_from_hf, model_recipes
+
+INDEX_NAME = "model.safetensors.index.json"
 
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 MOE_MODULE = {"mixtral": "block_sparse_moe"}
@@ -221,6 +221,12 @@ def random_state_dict(config: dict, seed: int = 0, dtype=ml_dtypes.bfloat16) -> 
                 t = rng.standard_normal(shape) * (shape[-1] ** -0.5)
             out[name] = t.astype(dtype)
     return out
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, np.ndarray]]) -> None:
+    """`(name, array)` pairs as one safetensors file at `path`, in place (the `safetensors`
+    package's writer, not moejax's: the files the tests read are not moejax's own)."""
+    save_file({name: np.ascontiguousarray(array) for name, array in tensors}, path)
 
 
 def write_checkpoint(path: str, config: dict, sd: dict, shards: int = 3) -> None:

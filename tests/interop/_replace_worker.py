@@ -29,13 +29,12 @@ def write(out: str, value: float) -> None:
     import jax
     import jax.numpy as jnp
 
-    from moejax.interop.hf._converted import write_converted
-    from moejax.models import presets
-    from moejax.models._params import abstract_params
+    from moejax.interop.hf import save_converted
+    from moejax.models import abstract_params, presets
 
     cfg = presets.get("micro")
     params = jax.tree.map(lambda a: jnp.full(a.shape, value, a.dtype), abstract_params(cfg))
-    write_converted(out, cfg, params, {"model_type": "micro"}, "micro", overwrite=True)
+    save_converted(out, cfg, params, {"model_type": "micro"}, "micro", overwrite=True)
 
 
 def arm(point: str) -> None:
@@ -44,7 +43,7 @@ def arm(point: str) -> None:
     if point == "mid-write":
         import json
 
-        class _Json:  # write_converted's first json.dump is model.json, after the params
+        class _Json:  # save_converted's first json.dump is model.json, after the params
             load, loads = json.load, json.loads
 
             @staticmethod

@@ -15,7 +15,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
 from moejax import parallel  # noqa: E402
-from moejax.interop.hf._model import load_hf_model  # noqa: E402
+from moejax.interop.hf import load_hf_model  # noqa: E402
 
 
 def _status(key: str) -> int:

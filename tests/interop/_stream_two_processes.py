@@ -21,20 +21,19 @@ def main():
     path, coordinator, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=pid)
     from moejax import parallel
-    from moejax.interop.hf import _safetensors
-    from moejax.interop.hf._model import load_hf_model
+    from moejax.interop.hf import SafetensorsCheckpoint, load_hf_model
 
     read = []
-    original = _safetensors.SafetensorsCheckpoint.read
+    original = SafetensorsCheckpoint.read
 
     def recording(self, name, shape=None, row=None):
         read.append(name)
         return original(self, name, shape, row)
 
-    _safetensors.SafetensorsCheckpoint.read = recording
+    SafetensorsCheckpoint.read = recording
     mesh = parallel.make_mesh((8,), ("expert",))
     cfg, params, _ = load_hf_model(path, mesh=mesh)
-    _safetensors.SafetensorsCheckpoint.read = original
+    SafetensorsCheckpoint.read = original
     experts_read = sorted(
         {int(m.group(1)) for n in read if (m := re.search(r"experts\.(\d+)\.", n))}
     )
@@ -43,7 +42,7 @@ def main():
         e for shard in leaf.addressable_shards for e in range(cfg.moe.num_experts)[shard.index[0]]
     )
     # this process's shards hold what a whole single-process read gives
-    source = _safetensors.SafetensorsCheckpoint(path)
+    source = SafetensorsCheckpoint(path)
     for shard in leaf.addressable_shards:
         for k, e in enumerate(range(cfg.moe.num_experts)[shard.index[0]]):
             name = f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"

@@ -1,5 +1,6 @@
-"""experiments/convert_hf.py: Hugging Face -> orbax -> Hugging Face bit-identical, training
-continues from the converted weights (`train_lm.py --init-from`), bad input is one line."""
+"""Hugging Face -> orbax -> Hugging Face bit-identical (`moejax.interop.hf.convert_to_orbax`,
+`convert_to_hf`), training continues from the converted weights (`train_lm.py --init-from`), bad
+input is one line (`experiments/convert_hf.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import _hf_decoder_reference as ref
 import numpy as np
 import pytest
 
-from moejax.interop.hf import SafetensorsCheckpoint
+from moejax.interop.hf import SafetensorsCheckpoint, convert_to_hf, convert_to_orbax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,8 +33,8 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     sd = ref.random_state_dict(ref.CONFIGS["qwen3_moe"], seed=5)
     ref.write_checkpoint(str(root / "hf"), ref.CONFIGS["qwen3_moe"], sd, shards=2)
-    code = convert_hf.main(["to-orbax", str(root / "hf"), str(root / "conv"), "--no-progress"])
-    assert code == 0
+    cfg, family = convert_to_orbax(str(root / "hf"), str(root / "conv"))
+    assert (family, cfg.moe.num_experts) == ("qwen3_moe", ref.CONFIGS["qwen3_moe"]["num_experts"])
     return root, sd
 
 
@@ -46,7 +47,7 @@ def _same_tensors(path, sd):
 
 def test_to_orbax_and_back_is_bit_identical(converted):
     root, sd = converted
-    assert convert_hf.main(["to-hf", str(root / "conv"), str(root / "back"), "--no-progress"]) == 0
+    convert_to_hf(str(root / "conv"), str(root / "back"))
     _same_tensors(root / "back", sd)
 
 

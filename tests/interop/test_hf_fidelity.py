@@ -18,8 +18,7 @@ import pytest
 
 import moejax
 from moejax import models
-from moejax.interop.hf._model import load_hf_model, model_recipes
-from moejax.interop.hf._model_config import family_of
+from moejax.interop.hf import family_of, load_hf_model, model_recipes
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +85,7 @@ def test_logits_grads_and_topk_match_transformers(expected, family, tmp_path):
 @pytest.mark.parametrize("case", sorted(fixtures.ROPE_CASES))
 def test_rope_scaling_matches_transformers(expected, case):
     """`rope_scaling` of a config.json -> `RopeScaling` -> frequencies, as transformers'."""
-    from moejax.interop.hf._model_config import _rope
+    from moejax.interop.hf._config import _rope
 
     config = {k: v for k, v in fixtures.ROPE.items() if k != "head_dim"}
     theta, scaling = _rope(config | {"rope_scaling": fixtures.ROPE_CASES[case]})

@@ -21,8 +21,7 @@ import pytest
 from test_convert_hf import convert_hf
 
 from moejax.interop import hf
-from moejax.interop.hf import _model
-from moejax.interop.hf._model import load_hf_model
+from moejax.interop.hf import _model, load_hf_model
 
 CONFIG = ref.CONFIGS["mixtral"]
 

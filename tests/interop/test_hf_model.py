@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 
 from moejax import models
-from moejax.interop.hf import CheckpointError
-from moejax.interop.hf._model import load_hf_model, save_hf_model, tensor_names
-from moejax.interop.hf._model_config import lm_config_from_hf
-from moejax.interop.hf._safetensors import SafetensorsCheckpoint
-from moejax.interop.hf._writer import write_safetensors
+from moejax.interop.hf import (
+    CheckpointError,
+    SafetensorsCheckpoint,
+    lm_config_from_hf,
+    load_hf_model,
+    save_hf_model,
+    tensor_names,
+)
 
 FAMILIES = sorted(ref.CONFIGS)
 
@@ -154,7 +157,7 @@ def test_wrong_shape_names_file_and_tensor(checkpoints, tmp_path):
     tensors = [(n, sd.read(n)) for n in sd.tensors]
     bad = "model.layers.1.self_attn.k_norm.weight"
     tensors = [(n, t[:-1] if n == bad else t) for n, t in tensors]
-    write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+    ref.write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     match = rf"tensor '{bad}' in '.*model\.safetensors': has shape"
     with pytest.raises(CheckpointError, match=match):
         load_hf_model(path)
@@ -165,7 +168,7 @@ def test_integer_dtype_names_file_and_tensor(checkpoints, tmp_path):
     sd = SafetensorsCheckpoint(path)
     bad = "model.norm.weight"
     tensors = [(n, sd.read(n).astype(np.int32) if n == bad else sd.read(n)) for n in sd.tensors]
-    write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+    ref.write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     with pytest.raises(CheckpointError, match=rf"tensor '{bad}' in .*: has dtype I32"):
         load_hf_model(path)
 
@@ -183,7 +186,7 @@ def test_missing_tensor_names_it(checkpoints, tmp_path):
     path = _copy(checkpoints["olmoe"][0], tmp_path / "ck")
     sd = SafetensorsCheckpoint(path)
     bad = "model.layers.0.mlp.experts.3.up_proj.weight"
-    write_safetensors(
+    ref.write_safetensors(
         os.path.join(path, "model.safetensors"), [(n, sd.read(n)) for n in sd.tensors if n != bad]
     )
     with pytest.raises(CheckpointError, match=rf"tensor '{bad}': not in the checkpoint"):
@@ -205,7 +208,8 @@ def test_failed_export_leaves_nothing(checkpoints, tmp_path):
 def test_moe_layers_named_as_the_block_mapping_names_them(family, layout):
     """The whole-model table's MoE tensors are `moejax.interop.hf.block_to_hf`'s, same arrays."""
     from moejax.interop import hf
-    from moejax.interop.hf._model import _empty_tree, _set, model_recipes
+    from moejax.interop.hf import model_recipes
+    from moejax.interop.hf._model import _empty_tree, _set
 
     cfg, _ = lm_config_from_hf(ref.CONFIGS[family])
     sd = ref.random_state_dict(ref.CONFIGS[family], dtype=np.float32)

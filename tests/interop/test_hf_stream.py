@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from moejax import models, parallel
-from moejax.interop.hf import SafetensorsCheckpoint
-from moejax.interop.hf._model import load_hf_model, save_hf_model
+from moejax.interop.hf import SafetensorsCheckpoint, load_hf_model, save_hf_model
 from moejax.placement import Placement
 
 HERE = os.path.dirname(__file__)

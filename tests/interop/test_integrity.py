@@ -17,14 +17,15 @@ import orbax.checkpoint as ocp
 import pytest
 from test_convert_hf import convert_hf, train_lm
 
-from moejax.interop.hf import NonFiniteError, SafetensorsCheckpoint
-from moejax.interop.hf._converted import (
-    PARAMS_DIR,
+from moejax.interop.hf import (
     ConvertedDirError,
+    NonFiniteError,
+    SafetensorsCheckpoint,
+    load_converted_params,
     read_converted,
-    restore_params,
-    write_converted,
+    save_converted,
 )
+from moejax.interop.hf._converted import PARAMS_DIR
 from moejax.training import Checkpointer, init_train_state
 from moejax.training import presets as train_presets
 
@@ -56,7 +57,7 @@ def _tampered_copy(converted, tmp_path, value=-1.9e30):
     conv = tmp_path / "conv"
     shutil.copytree(converted / "conv", conv)
     cfg, _, _ = read_converted(str(conv))
-    params = _one_wrong_weight(restore_params(str(conv), cfg), value)
+    params = _one_wrong_weight(load_converted_params(str(conv), cfg), value)
     shutil.rmtree(conv / PARAMS_DIR)
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(str(conv / PARAMS_DIR), params)
@@ -76,7 +77,7 @@ def test_converted_directory_carries_checksums_that_restoring_verifies(converted
     conv = _tampered_copy(converted, tmp_path)
     cfg, _, _ = read_converted(str(conv))
     with pytest.raises(ConvertedDirError, match=rf"array {re.escape(BAD)} fails"):
-        restore_params(str(conv), cfg)
+        load_converted_params(str(conv), cfg)
     assert convert_hf.main(["to-hf", str(conv), str(tmp_path / "hf"), "--no-progress"]) == 2
     _one_line(capsys, f"array {BAD} fails its checksum")
     assert not (tmp_path / "hf").exists()
@@ -102,12 +103,12 @@ def test_init_from_a_flipped_converted_model_exits_2(converted, tmp_path, capsys
 
 def test_nonfinite_converted_weights_are_refused_unless_allowed(converted, tmp_path, capsys):
     cfg, hf_config, family = read_converted(str(converted / "conv"))
-    params = _one_wrong_weight(restore_params(str(converted / "conv"), cfg), np.nan)
+    params = _one_wrong_weight(load_converted_params(str(converted / "conv"), cfg), np.nan)
     conv = tmp_path / "nan"
-    write_converted(str(conv), cfg, params, hf_config, family)  # its checksums hold the NaN
+    save_converted(str(conv), cfg, params, hf_config, family)  # its checksums hold the NaN
     with pytest.raises(NonFiniteError, match=rf"array {re.escape(BAD)}: 1 of"):
-        restore_params(str(conv), cfg)
-    assert np.isnan(restore_params(str(conv), cfg, allow_nonfinite=True)["layers"][1]["moe"][
+        load_converted_params(str(conv), cfg)
+    assert np.isnan(load_converted_params(str(conv), cfg, allow_nonfinite=True)["layers"][1]["moe"][
         "experts"]["w_up"][3, 5, 7])  # fmt: skip
     out = tmp_path / "hf"
     assert convert_hf.main(["to-hf", str(conv), str(out), "--no-progress"]) == 2
@@ -115,13 +116,6 @@ def test_nonfinite_converted_weights_are_refused_unless_allowed(converted, tmp_p
     assert (
         convert_hf.main(["to-hf", str(conv), str(out), "--no-progress", "--allow-nonfinite"]) == 0
     )
-
-
-def test_a_converted_model_failing_its_checksums_is_an_input_error_of_training():
-    """`train(init_params=...)` raises what `restore_params` raises: one line, exit 2."""
-    from moejax.training import INPUT_ERRORS
-
-    assert issubclass(ConvertedDirError, INPUT_ERRORS) and issubclass(NonFiniteError, INPUT_ERRORS)
 
 
 def _train_checkpoint(converted, tmp_path):

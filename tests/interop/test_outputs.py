@@ -17,10 +17,14 @@ import numpy as np
 import pytest
 from test_convert_hf import convert_hf
 
-from moejax.interop.hf import CheckpointError, _outputs
-from moejax.interop.hf._converted import read_converted, restore_params, write_converted
-from moejax.models import presets
-from moejax.models._params import abstract_params
+from moejax.interop.hf import (
+    CheckpointError,
+    _outputs,
+    load_converted_params,
+    read_converted,
+    save_converted,
+)
+from moejax.models import abstract_params, presets
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "_replace_worker.py")
@@ -133,7 +137,7 @@ def _params(value: float):
 
 
 def _write(out, value: float) -> None:
-    write_converted(str(out), MICRO, _params(value), {"model_type": "micro"}, "micro",
+    save_converted(str(out), MICRO, _params(value), {"model_type": "micro"}, "micro",
                     overwrite=True)  # fmt: skip
 
 
@@ -141,7 +145,7 @@ def _value(out) -> float:
     """The one value every parameter of the converted directory `out` holds, read verified
     (its checksums): the directory is complete."""
     cfg, _, _ = read_converted(str(out))
-    leaves = [np.asarray(x) for x in jax.tree.leaves(restore_params(str(out), cfg))]
+    leaves = [np.asarray(x) for x in jax.tree.leaves(load_converted_params(str(out), cfg))]
     values = {float(v) for leaf in leaves for v in np.unique(leaf)}
     assert len(values) == 1, values
     return values.pop()
@@ -239,6 +243,6 @@ def test_library_writers_refuse_foreign_directories(tmp_path):
     with pytest.raises(CheckpointError, match="notes.txt"):
         hf.save_safetensors(tmp_path / "mine", tensors, overwrite=True)
     with pytest.raises(CheckpointError, match="notes.txt"):
-        write_converted(str(tmp_path / "mine"), MICRO, _params(1.0), {}, "micro", overwrite=True)
+        save_converted(str(tmp_path / "mine"), MICRO, _params(1.0), {}, "micro", overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["mine"]
     assert os.listdir(tmp_path / "mine") == ["notes.txt"]

@@ -7,7 +7,7 @@ import pytest
 
 import moejax
 from moejax.models import LMConfig, param_counts, presets
-from moejax.models._params import abstract_params
+from moejax.models._lm_params import abstract_params
 from moejax.training import presets as train_presets
 
 MOE = moejax.MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=2)

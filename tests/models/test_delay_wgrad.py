@@ -44,7 +44,7 @@ def _mesh(name):
 
 def _config(strategy):
     capacity = isinstance(strategy, S) and strategy.dispatcher == "capacity"
-    return CFG.replace(moe=CFG.moe.replace(dispatch="capacity")) if capacity else CFG
+    return CFG.replace(moe=CFG.moe.replace(drop_policy="capacity")) if capacity else CFG
 
 
 def _grad_fn(mesh, strategy, batch_split, cfg=None, scan=False):

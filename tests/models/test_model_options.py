@@ -9,7 +9,7 @@ import pytest
 
 from moejax import MoEConfig, parallel
 from moejax.models import LMConfig, RopeScaling, init_lm_params, lm_forward, lm_partition_specs
-from moejax.models._params import abstract_params
+from moejax.models._lm_params import abstract_params
 
 MOE = MoEConfig(d_model=32, d_ff=16, num_experts=4, top_k=2)
 BASE = LMConfig(

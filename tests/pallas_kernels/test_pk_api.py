@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import autotune, config, introspect, shapes
+from pallas_kernels import autotune, config, introspect, shapes, tuned
 
 
 def test_public_names_import():
@@ -91,25 +91,23 @@ def test_group_sizes_must_be_integer_and_num_groups_consistent():
 
 
 def test_autotune_cache_key_buckets_rows():
-    key = autotune.cache_key(3000, 512, 1024, 8, jnp.bfloat16, device_kind="NVIDIA H100")
+    key = tuned.cache_key(3000, 512, 1024, 8, jnp.bfloat16, device_kind="NVIDIA H100")
     assert key == (4096, 512, 1024, 8, "bfloat16", "NVIDIA H100", "gmm")
-    assert (
-        autotune.cache_key(3000, 512, 1024, 8, jnp.bfloat16, "NVIDIA H100", kernel="gmm_t") != key
-    )
-    assert autotune.cache_key(2049, 512, 1024, 8, jnp.bfloat16, "NVIDIA H100") == key
-    assert autotune.cache_key(2048, 512, 1024, 8, jnp.bfloat16, "NVIDIA H100") != key
-    assert autotune.cache_key(3000, 512, 1024, 8, jnp.float32, "NVIDIA H100") != key
-    assert autotune.cache_key(1, 8, 8, 1, jnp.float32, "x")[0] == 64
-    assert autotune.cache_key(10, 8, 8, 1, jnp.float32)[-2] == jax.devices()[0].device_kind
+    assert tuned.cache_key(3000, 512, 1024, 8, jnp.bfloat16, "NVIDIA H100", kernel="gmm_t") != key
+    assert tuned.cache_key(2049, 512, 1024, 8, jnp.bfloat16, "NVIDIA H100") == key
+    assert tuned.cache_key(2048, 512, 1024, 8, jnp.bfloat16, "NVIDIA H100") != key
+    assert tuned.cache_key(3000, 512, 1024, 8, jnp.float32, "NVIDIA H100") != key
+    assert tuned.cache_key(1, 8, 8, 1, jnp.float32, "x")[0] == 64
+    assert tuned.cache_key(10, 8, 8, 1, jnp.float32)[-2] == jax.devices()[0].device_kind
 
 
 def test_autotune_cache_and_cpu_refusal():
-    key = autotune.cache_key(100, 8, 8, 2, jnp.float32, "x")
-    autotune.clear_cache()
-    assert autotune.cached_config(key) is None
-    autotune.store_config(key, pk.Config(tm=32))
-    assert autotune.cached_config(key) == pk.Config(tm=32)
-    autotune.clear_cache()
+    key = tuned.cache_key(100, 8, 8, 2, jnp.float32, "x")
+    tuned.clear_cache()
+    assert tuned.cached_config(key) is None
+    tuned.store_config(key, pk.Config(tm=32))
+    assert tuned.cached_config(key) == pk.Config(tm=32)
+    tuned.clear_cache()
     for kernel in ("gmm", "gmm_t"):
         for dtype in (jnp.float32, jnp.bfloat16):
             space = autotune.candidates(kernel, dtype)

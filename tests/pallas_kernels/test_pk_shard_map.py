@@ -1,12 +1,17 @@
 """The kernels inside `jax.shard_map`, as the expert-parallel MoE layer calls them.
 
 With `check_vma=True` the Pallas kernels lower for cuda and tpu (the out_shape carries the
-varying axes, see pallas_kernels/vma.py), and run in interpret mode on CPU (jax 0.10's
-interpreter needs the lowering fix in `vma._install_interpret_fix`). Weights replicated over the
+varying axes, see pallas_kernels/vma.py), and run in interpret mode on CPU (jax's interpreter
+needs the lowering fix `vma.install_interpret_fix`, which the interpreting code paths call;
+importing does not install it). Weights replicated over the
 mesh meeting sharded rows get the summed gradient: the VJP's cotangents vary like its primals.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +115,24 @@ def test_replicated_weights_get_the_summed_gradient(backend):
         want += 2 * numpy_tgmm(lhs[rows], y, sizes[shard])
         assert_close(dlhs[rows], 2 * numpy_gmm(y, rhs, sizes[shard], True), jnp.float32)
     assert_close(drhs, want, jnp.float32)
+
+
+_IMPORT_THEN_INSTALL = """
+from jax._src.interpreters import mlir
+from jax._src.pallas import pallas_call as lib
+rule = lambda: getattr(mlir._lowerings[lib.pallas_call_p], "rule", None)
+import moejax, moejax.models, moejax.parallel, moejax.training, pallas_kernels
+from pallas_kernels import vma
+assert rule() is lib._pallas_call_lowering, "importing patched the pallas_call lowering"
+assert vma.install_interpret_fix() and rule() is not lib._pallas_call_lowering
+patched = rule()
+assert vma.install_interpret_fix() and rule() is patched  # idempotent
+"""
+
+
+def test_the_interpret_fix_is_an_explicit_call_not_an_import_side_effect():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_THEN_INSTALL], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

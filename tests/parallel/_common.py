@@ -10,7 +10,7 @@ from moejax import parallel
 
 SIZES = dict(d_model=16, d_ff=32, num_experts=8, block_size=8)
 DROPLESS = moejax.MoEConfig(**SIZES, top_k=2, expert_bias=True)
-CAPACITY = moejax.MoEConfig(**SIZES, top_k=2, dispatch="capacity", capacity_factor=0.75)
+CAPACITY = moejax.MoEConfig(**SIZES, top_k=2, drop_policy="capacity", capacity_factor=0.75)
 SHARED = moejax.MoEConfig(**SIZES, top_k=2, num_shared_experts=1, shared_d_ff=16, shared_gate=True)
 MESHES = {
     "e8": ((8,), ("expert",)),

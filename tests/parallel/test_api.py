@@ -102,7 +102,7 @@ def test_call_validation():
     m = mesh("d2e4")
     params = make_params(DROPLESS)
     x3 = jnp.ones((8, 8, 16))
-    with pytest.raises(ValueError, match="dispatch='capacity'"):
+    with pytest.raises(ValueError, match="drop_policy='capacity'"):
         parallel.moe_apply_sharded(
             params, x3, DROPLESS, m, strategy=Strategy(dispatcher="capacity")
         )
@@ -117,11 +117,13 @@ def test_call_validation():
 
 
 def test_cost_model_orders_modes():
-    s = parallel.cost.LayerShape(tokens=1024, top_k=2, d_model=512, d_ff=1024, num_experts=8, n=8)
-    worst = parallel.cost.buffer_bytes(s, "worst")
-    cap1 = parallel.cost.buffer_bytes(s, "capacity", capacity_factor=1.0)
+    s = parallel.traffic.LayerShape(
+        tokens=1024, top_k=2, d_model=512, d_ff=1024, num_experts=8, n=8
+    )
+    worst = parallel.traffic.buffer_bytes(s, "worst")
+    cap1 = parallel.traffic.buffer_bytes(s, "capacity", capacity_factor=1.0)
     assert worst == 8 * cap1  # N T K D vs E (T K / E) D
-    assert parallel.cost.buffer_bytes(s, "dropless", bucket=256) == cap1
-    assert parallel.cost.comm_bytes(s, "expert", "dropless", bucket=256) == pytest.approx(
-        parallel.cost.comm_bytes(s, "expert", "capacity"), rel=0.15
+    assert parallel.traffic.buffer_bytes(s, "dropless", bucket=256) == cap1
+    assert parallel.traffic.comm_bytes(s, "expert", "dropless", bucket=256) == pytest.approx(
+        parallel.traffic.comm_bytes(s, "expert", "capacity"), rel=0.15
     )

@@ -16,7 +16,7 @@ import pytest
 
 import moejax
 from moejax import aot, parallel
-from moejax.parallel import gpu_hlo
+from moejax.aot import windows
 from pallas_kernels import targets
 
 pytestmark = [
@@ -60,14 +60,14 @@ def _compiled(platform: str, chunks: int, stagger: bool, grad: bool) -> str:
 
 def _windows(text: str) -> list[int]:
     """GEMMs inside each async exchange window (ragged rows and the sizes' all-to-all)."""
-    pairs = gpu_hlo.overlap(text, "ragged-all-to-all") + gpu_hlo.overlap(text, "all-to-all")
+    pairs = windows.overlap(text, "ragged-all-to-all") + windows.overlap(text, "all-to-all")
     return [n for _, n in pairs]
 
 
 @needs_cuda
 def test_h100_exchanges_rows_with_ragged_all_to_all():
     text = _compiled("cuda", 1, False, True)
-    ragged = gpu_hlo.overlap(text, "ragged-all-to-all")
+    ragged = windows.overlap(text, "ragged-all-to-all")
     # Round 0 in the ENTRY computation, async: send and return in the forward, their
     # transposes (return and send) in the backward.
     assert len(ragged) == 4, ragged

@@ -12,7 +12,6 @@ import pytest
 
 import moejax
 from moejax import aot, parallel
-from moejax.parallel import gpu_hlo
 from pallas_kernels import targets
 
 pytestmark = [
@@ -25,7 +24,7 @@ pytestmark = [
 
 
 def test_staged_pipeline_overlaps_gemms_with_all_to_all():
-    cfg = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2, dispatch="capacity")
+    cfg = moejax.MoEConfig(d_model=512, d_ff=1024, num_experts=8, top_k=2, drop_policy="capacity")
     mesh = aot.mesh("cuda", (8,), ("expert",))
     windows = {}
     for stagger in (True, False):
@@ -38,7 +37,7 @@ def test_staged_pipeline_overlaps_gemms_with_all_to_all():
 
         _, (params, x) = aot.layer_program(cfg, mesh, strategy, tokens=64 * 256, seq_len=256)
         x = jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding)
-        windows[stagger] = gpu_hlo.overlap(aot.compile_program(fn, (params, x)).text)
+        windows[stagger] = aot.windows.overlap(aot.compile_program(fn, (params, x)).text)
     staged, plain = windows[True], windows[False]
     assert len(staged) == len(plain) == 12  # 4 chunks x (counts, rows, return) all-to-alls
     # Staged: chunk i's expert GEMMs run inside chunk i+1's exchange windows.

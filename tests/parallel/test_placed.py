@@ -10,7 +10,7 @@ from _common import DROPLESS, inputs, make_params, mesh, single_device
 
 import moejax
 from moejax import parallel
-from moejax.parallel import Strategy, placed
+from moejax.parallel import Strategy, slots
 from moejax.placement import Placement, migration_sources
 from moejax.testing import assert_close, force_routing
 
@@ -36,7 +36,7 @@ def _placed_step(cfg, mesh_name, strategy):
 
     def f(params, x, table):
         y, aux = parallel.moe_apply_sharded(
-            params, x, cfg, m, strategy=strategy, implementation="ragged_dot", placement=table
+            params, x, cfg, m, strategy=strategy, implementation="ragged_dot", slot_table=table
         )
         return _loss(y, aux), (y, aux)
 
@@ -44,16 +44,16 @@ def _placed_step(cfg, mesh_name, strategy):
 
 
 def _check(cfg, params, x, mesh_name, strategy, placement):
-    table = placed.slot_table(placement)
-    physical = {**params, "experts": placed.to_physical(params["experts"], table)}
+    table = slots.slot_table(placement)
+    physical = {**params, "experts": slots.to_physical(params["experts"], table)}
     (_, (y0, aux0)), (g0, gx0) = single_device(cfg, "ragged_dot")(params, x)
     (_, (y, aux)), (g, gx) = _placed_step(cfg, mesh_name, strategy)(physical, x, table)
     assert_close(y, y0, err_msg="y")
     assert_close(aux, aux0, err_msg="aux")
     assert_close(gx, gx0, err_msg="dx")
     assert_close(g["router"], g0["router"], err_msg="router grad")
-    combined = placed.combine_replica_grads(g["experts"], table)
-    assert_close(combined, placed.to_physical(g0["experts"], table), err_msg="expert grads")
+    combined = slots.combine_replica_grads(g["experts"], table)
+    assert_close(combined, slots.to_physical(g0["experts"], table), err_msg="expert grads")
     return aux0
 
 
@@ -77,19 +77,21 @@ def test_identity_placement_with_spare_slots_matches():
 
 
 def test_assign_slots_splits_each_expert_evenly_over_its_replicas():
-    table = placed.slot_table(PLACEMENT)
+    table = slots.slot_table(PLACEMENT)
     rng = np.random.default_rng(0)
     index = jnp.asarray(
         rng.choice(8, size=(200, 2), p=[0.1, 0.05, 0.05, 0.05, 0.05, 0.6, 0.05, 0.05]), jnp.int32
     )
     kept = jnp.asarray(rng.random((200, 2)) < 0.9)
     for shard in range(3):
-        slots = np.asarray(placed.assign_slots(index, kept, table, shard))
+        assigned = np.asarray(slots.assign_slots(index, kept, table, shard))
         index_np, kept_np = np.asarray(index), np.asarray(kept)
         # Every kept assignment lands on a replica of its own expert.
-        np.testing.assert_array_equal(PLACEMENT.slot_to_expert[slots][kept_np], index_np[kept_np])
+        np.testing.assert_array_equal(
+            PLACEMENT.slot_to_expert[assigned][kept_np], index_np[kept_np]
+        )
         for e in range(8):
-            per_replica = [int(np.sum((slots == p) & kept_np)) for p in PLACEMENT.replicas_of(e)]
+            per_replica = [int(np.sum((assigned == p) & kept_np)) for p in PLACEMENT.replicas_of(e)]
             assert sum(per_replica) == int(np.sum((index_np == e) & kept_np))
             assert max(per_replica) - min(per_replica) <= 1, (e, per_replica)
 
@@ -98,21 +100,21 @@ def test_migration_moves_state_to_the_new_placement():
     cfg = DROPLESS
     experts = make_params(cfg)["experts"]
     new = Placement(np.array([5, 5, 0, 1, 2, 6, 3, 4, 5, 0, 7, 1]), 8, 4, 3)
-    old_t, new_t = placed.slot_table(PLACEMENT), placed.slot_table(new)
+    old_t, new_t = slots.slot_table(PLACEMENT), slots.slot_table(new)
     sources = migration_sources(PLACEMENT, new)
-    moved = placed.migrate(placed.to_physical(experts, old_t), jnp.asarray(sources))
-    jax.tree.map(np.testing.assert_array_equal, moved, placed.to_physical(experts, new_t))
-    jax.tree.map(np.testing.assert_array_equal, placed.to_logical(moved, new_t), experts)
+    moved = slots.migrate(slots.to_physical(experts, old_t), jnp.asarray(sources))
+    jax.tree.map(np.testing.assert_array_equal, moved, slots.to_physical(experts, new_t))
+    jax.tree.map(np.testing.assert_array_equal, slots.to_logical(moved, new_t), experts)
     # Slot 0 now holds expert 5, which device 0 held in slot 1 (a local copy); slot 2 keeps its
     # expert 0 (no move); slot 5 gets expert 6 from device 3 (a transfer).
     assert sources[0] == 1 and sources[2] == 2 and sources[5] == 9
 
 
 def test_capacity_dispatcher_with_placement_raises():
-    cfg = moejax.MoEConfig(d_model=16, d_ff=32, num_experts=8, dispatch="capacity")
+    cfg = moejax.MoEConfig(d_model=16, d_ff=32, num_experts=8, drop_policy="capacity")
     params = make_params(cfg)
-    table = placed.slot_table(PLACEMENT)
-    physical = {**params, "experts": placed.to_physical(params["experts"], table)}
+    table = slots.slot_table(PLACEMENT)
+    physical = {**params, "experts": slots.to_physical(params["experts"], table)}
     with pytest.raises(ValueError, match="dispatcher='capacity' with a placement"):
         parallel.moe_apply_sharded(
             physical,
@@ -120,5 +122,5 @@ def test_capacity_dispatcher_with_placement_raises():
             cfg,
             mesh("d2e4"),
             strategy=Strategy(dispatcher="capacity"),
-            placement=table,
+            slot_table=table,
         )

@@ -1,4 +1,4 @@
-"""Replica gradient sync is proportional to replication (`placed.combine_replica_grads`).
+"""Replica gradient sync is proportional to replication (`slots.combine_replica_grads`).
 
 Numerics: on the 8 simulated devices with the real sharding, every slot gets the sum of its
 expert's replica gradients (a float64 numpy reference: the former `segment_sum` over all `P`
@@ -22,7 +22,7 @@ from _common import DROPLESS, make_params, mesh
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moejax.parallel import mesh as mesh_lib
-from moejax.parallel import placed
+from moejax.parallel import slots
 from moejax.placement import Placement
 from moejax.placement.cost_model import packed_sync_gradients
 
@@ -84,7 +84,7 @@ def _grads(placement, seed=0):
 def _combine(mesh_name):
     m = mesh(mesh_name)
     specs = mesh_lib.param_partition_specs(DROPLESS, m)["experts"]  # F over model on e4m2
-    return jax.jit(lambda g, t: placed.combine_replica_grads(g, t, m, specs)), specs
+    return jax.jit(lambda g, t: slots.combine_replica_grads(g, t, m, specs)), specs
 
 
 @pytest.mark.parametrize("mesh_name", ["d2e4", "e4m2"])
@@ -93,7 +93,7 @@ def test_combine_sums_every_experts_replicas(mesh_name):
     for name, (placement, spread) in PLACEMENTS.items():
         grads = _grads(placement)
         shard = lambda g, s: jax.device_put(g, NamedSharding(mesh(mesh_name), s))
-        table = placed.slot_table(placement)
+        table = slots.slot_table(placement)
         out = jax.tree.map(np.asarray, combine(jax.tree.map(shard, grads, specs), table))
         want = _reference(grads, placement)
         for key in grads:
@@ -101,12 +101,12 @@ def test_combine_sums_every_experts_replicas(mesh_name):
             np.testing.assert_allclose(out[key], want[key], rtol=1e-6, atol=1e-6, err_msg=msg)
             assert out[key].dtype == np.float32
             for e in range(E):
-                slots = placement.replicas_of(e)
-                for s in slots[1:]:  # replicas stay identical bit for bit
-                    np.testing.assert_array_equal(out[key][s], out[key][slots[0]], err_msg=msg)
-                if len(slots) == 1:  # an unreplicated expert's gradient is not touched
-                    np.testing.assert_array_equal(out[key][slots[0]], grads[key][slots[0]])
-        rank, count = placed.sync_ranks(table, 4)
+                held = placement.replicas_of(e)
+                for s in held[1:]:  # replicas stay identical bit for bit
+                    np.testing.assert_array_equal(out[key][s], out[key][held[0]], err_msg=msg)
+                if len(held) == 1:  # an unreplicated expert's gradient is not touched
+                    np.testing.assert_array_equal(out[key][held[0]], grads[key][held[0]])
+        rank, count = slots.sync_ranks(table, 4)
         holders = [len(set(placement.device_of_slot(placement.replicas_of(e)))) for e in range(E)]
         spans = np.array(holders) >= 2
         assert int(count) == spans.sum() == (spans.sum() if spread is None else spread), name
@@ -117,12 +117,12 @@ def test_combine_on_one_device_and_eight_expert_devices():
     # All 8 spare slots of e8 to other experts (X = E = 8: the largest buffer), and no mesh.
     placement = _table([[d, (d + 3) % E] for d in range(E)])
     grads = _grads(placement, seed=1)
-    table = placed.slot_table(placement)
+    table = slots.slot_table(placement)
     m = mesh("e8")
     sharded = jax.device_put(grads, NamedSharding(m, PartitionSpec("expert")))
     for got in (
-        jax.jit(lambda g, t: placed.combine_replica_grads(g, t, m))(sharded, table),
-        jax.jit(placed.combine_replica_grads)(grads, table),
+        jax.jit(lambda g, t: slots.combine_replica_grads(g, t, m))(sharded, table),
+        jax.jit(slots.combine_replica_grads)(grads, table),
     ):
         want = _reference(grads, placement)
         for key in grads:
@@ -131,16 +131,16 @@ def test_combine_on_one_device_and_eight_expert_devices():
 
 
 def test_buffer_sizes_and_the_cost_models_rule_agree():
-    assert placed.sync_buffer_sizes(8, 8) == (0,)
-    assert placed.sync_buffer_sizes(10, 8) == (0, 1, 2)
-    assert placed.sync_buffer_sizes(12, 8) == (0, 1, 2, 4)
-    assert placed.sync_buffer_sizes(14, 8) == (0, 1, 2, 4, 6)
-    assert placed.sync_buffer_sizes(40, 8) == (0, 1, 2, 4, 8)  # at most E experts to sync
+    assert slots.sync_buffer_sizes(8, 8) == (0,)
+    assert slots.sync_buffer_sizes(10, 8) == (0, 1, 2)
+    assert slots.sync_buffer_sizes(12, 8) == (0, 1, 2, 4)
+    assert slots.sync_buffer_sizes(14, 8) == (0, 1, 2, 4, 6)
+    assert slots.sync_buffer_sizes(40, 8) == (0, 1, 2, 4, 8)  # at most E experts to sync
     for n, s in ((2, 5), (4, 3), (4, 4), (8, 2), (8, 3)):
-        sizes = placed.sync_buffer_sizes(n * s, E)
+        sizes = slots.sync_buffer_sizes(n * s, E)
         for seed in range(20):
             p = _random(n, s, seed)
-            _, m = placed.sync_ranks(placed.slot_table(p), n)
+            _, m = slots.sync_ranks(slots.slot_table(p), n)
             want = min(b for b in sizes if b >= int(m))
             assert packed_sync_gradients(p) == want, (n, s, seed)
 
@@ -260,15 +260,15 @@ def _segment_sum_combine(grads, tables, lm):
     return train_placed.map_experts(grads, lm, layer)
 
 
-def _compiled_combine(lm, slots: int, m, combine=None) -> str:
-    """The training step's `combine_grads` (its stored specs), compiled for `slots` per device
-    (or `combine(grads, tables, lm)` on the same sharded inputs)."""
+def _compiled_combine(lm, per_device: int, m, combine=None) -> str:
+    """The training step's `combine_grads` (its stored specs), compiled for `per_device` slots
+    per device (or `combine(grads, tables, lm)` on the same sharded inputs)."""
     from moejax.models import lm_partition_specs
     from moejax.training import placed as train_placed
     from moejax.training import presets as train_presets
     from moejax.training.state import abstract_state
 
-    cfg = train_presets.get("micro").replace(expert_slots_per_device=slots)
+    cfg = train_presets.get("micro").replace(expert_slots_per_device=per_device)
     n = dict(m.shape)["expert"]
     placements = train_placed.initial_placements(lm, cfg, m)
     p = placements[0].num_slots
@@ -292,7 +292,7 @@ def _compiled_combine(lm, slots: int, m, combine=None) -> str:
     if combine is None:
         combine = lambda g, t, lm: train_placed.combine_grads(g, t, lm, m)
     fn = jax.jit(lambda g, t: combine(g, t, lm), out_shardings=shardings)
-    assert p == n * slots
+    assert p == n * per_device
     return fn.lower(grads, tables).compile().as_text()
 
 
@@ -326,8 +326,8 @@ def test_compiled_train_step_has_no_expert_axis_collective_without_spare_slots(l
     m = mesh_lib.make_mesh((4, 2), ("data", "expert"))
     grad = 3 * 32 * 32 * 4
     found = {}
-    for slots in (4, 6):
-        cfg = train_presets.get("micro").replace(expert_slots_per_device=slots)
+    for per_device in (4, 6):
+        cfg = train_presets.get("micro").replace(expert_slots_per_device=per_device)
         ps = train_placed.initial_placements(lm, cfg, m)
         state = train_placed.to_physical(init_train_state(lm, cfg, m), ps, lm, cfg, m)
         batch = jax.ShapeDtypeStruct(
@@ -335,7 +335,7 @@ def test_compiled_train_step_has_no_expert_axis_collective_without_spare_slots(l
         )
         step = make_train_step(lm, cfg, m)
         text = step.lower(state, batch, train_placed.slot_tables(ps)).compile().as_text()
-        found[slots] = [
+        found[per_device] = [
             (op, shapes, nbytes)
             for _, op, groups, shapes, nbytes in collectives(text)
             if groups == _expert_groups(m) and op == "all-reduce"

@@ -21,8 +21,8 @@ from moejax.placement import (
     drifting_zipf,
     step_cost,
 )
-from moejax.placement.controller import OUTCOMES
 from moejax.placement.cost_model import replica_sync_s
+from moejax.placement.decision import OUTCOMES
 from moejax.placement.replay import replay
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 

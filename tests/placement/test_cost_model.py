@@ -146,7 +146,7 @@ def test_step_cost_charges_replica_sync_by_hand():
 def test_packed_replica_sync_is_the_training_steps_all_reduce_by_hand():
     # `Workload(replica_sync="packed")`: one ring all-reduce over all N devices of B expert
     # gradients, B the smallest of 0, 1, 2, 4, ..., min(P - E, E) holding the m experts that
-    # sit on two devices or more (moejax.parallel.placed.combine_replica_grads).
+    # sit on two devices or more (moejax.parallel.slots.combine_replica_grads).
     from moejax.placement.cost_model import packed_sync_gradients, replica_sync_s
 
     wl = Workload(tokens_per_device=512, top_k=2, d_model=1024, d_ff=1024, replica_sync="packed")

@@ -42,6 +42,7 @@ def test_an_all_zero_layer_is_left_alone_and_the_other_balanced():
     zero = [d for d in ctl.log if d.layer == 1]
     assert zero and all(not d.accepted for d in zero)
     assert all(d.reason == "no rows routed to this layer: nothing to balance" for d in zero)
+    assert all(d.outcome == "no_rows" and not d.accepted for d in zero)
     assert [d.layer for d in ctl.accepted] == [0]  # the skewed layer is still re-placed
     assert ctl.placements[1] == Placement.identity(E, N, S)
 

@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.placement import H100_IB, HardwareModel, Placement, Workload, plan, step_cost
+from moejax.placement._packing.by_group import SPILL_LEVELS, group_homes, pack_by_group
 from moejax.placement.groups import (
     cross_node_copies,
     expert_groups,
     min_nodes_per_group,
     nodes_per_group,
 )
-from moejax.placement.packing_groups import SPILL_LEVELS, group_homes, pack_by_group
 
 # 2 nodes of 2 devices; a slow cross-node link so that it sets the all-to-all time.
 TOY_HW = HardwareModel(

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.placement import Placement, plan
-from moejax.placement.packing import align, apportion, pack, rebalance, replica_counts
-from moejax.placement.packing_sync import limit_sync, sync_shares
+from moejax.placement._packing.flat import align, apportion, pack, rebalance, replica_counts
+from moejax.placement._packing.sync import limit_sync, sync_shares
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 
 
@@ -264,17 +264,18 @@ def test_sync_shares_match_the_cost_model():
     assert np.isclose(replica_sync_s(placement, H100_IB, wl), expected)
 
 
-def test_has_duplicates_matches_sorting_each_side():
-    # The equal-position lookup (packing._has_duplicates) against the definition: some side of
-    # the split holds one expert twice.
-    from moejax.placement.packing import _has_duplicates, _splits
+def test_duplicate_splits_match_sorting_each_side():
+    # The equal-position lookup (common.duplicate_splits) against the definition: some side of
+    # the split holds one expert twice. Rows without a repeated expert included.
+    from moejax.placement._packing.common import duplicate_splits, splits
 
     rng = np.random.default_rng(0)
     for s in range(1, 9):
-        mask = _splits(s)
+        mask = splits(s)
         items = rng.integers(-2, 2 * s, (40, 2 * s))
+        items[:4] = rng.permutation(2 * s)  # distinct experts: no split can repeat one
         want = [[len(set(row[m])) < s or len(set(row[~m])) < s for m in mask] for row in items]
-        assert _has_duplicates(items, mask).tolist() == want
+        assert duplicate_splits(items, mask).tolist() == want
 
 
 def test_replica_counts_weigh_the_packed_sync_by_experts_replicated():

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.placement import H100_IB, Placement, Workload, plan, step_cost
-from moejax.placement.packing import greedy_pack, pack, pack_starts, replica_counts
-from moejax.placement.packing_hier import _pack_dealt, pack_by_node, pack_by_node_starts
+from moejax.placement._packing.by_node import _pack_dealt, pack_by_node, pack_by_node_starts
+from moejax.placement._packing.flat import greedy_pack, pack, pack_starts, replica_counts
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 
 
@@ -122,7 +122,7 @@ def test_hierarchical_dealings_packed_together_equal_one_by_one():
 def test_planner_node_candidate_is_no_worse_by_modeled_step(seed, greedy_lower):
     # With nodes, _by_node weighs both dealings by modeled step: its pick costs no more than
     # either start relabelled onto the input (seed 3: the greedy dealing models faster).
-    from moejax.placement.packing_nodes import align_nodes
+    from moejax.placement._packing.node_order import align_nodes
     from moejax.placement.planner import _by_node
 
     e, n, s, g = 256, 64, 6, H100_IB.devices_per_node

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.placement import H100_IB, Placement, Workload, plan, step_cost
+from moejax.placement._packing.by_node import pack_by_node
 from moejax.placement.cost_model import replica_sync_s, rows_per_gradient
-from moejax.placement.packing_hier import pack_by_node
 from moejax.placement.planner import _Nodes, _repack
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 

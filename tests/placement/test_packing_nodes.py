@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.placement import H100_IB, HardwareModel, Placement, Workload, plan, step_cost
+from moejax.placement._packing.node_order import align_nodes, group_nodes
 from moejax.placement.cost_model import replica_sync_s
-from moejax.placement.packing_nodes import align_nodes, group_nodes
 from moejax.placement.planner import _Nodes, _repack
 from moejax.placement.traces import zipf_exponent_for, zipf_probs
 

@@ -201,7 +201,7 @@ def large_placements_and_counts(draw):
 @example((Placement.identity(256, 32, 8), np.arange(256.0)), "H100_IB")
 def test_plan_at_scale_returns_a_valid_placement_and_never_raises(case, hardware):
     # Regression (issue 17, item 4): when the re-pack replicates no expert (no spare slot, or
-    # replica sync priced above the balance it buys), packing_nodes.group_nodes raised
+    # replica sync priced above the balance it buys), _packing.node_order.group_nodes raised
     # OverflowError on node-aware hardware (about 1 example in 5 with H100_IB before the fix).
     from moejax.placement import H100_IB, H100_NVLINK, Workload, step_cost
 

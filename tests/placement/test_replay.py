@@ -14,7 +14,7 @@ from moejax.placement import (
     Workload,
     drifting_zipf,
 )
-from moejax.placement.replay import controller_from_spec, controller_spec, replay
+from moejax.placement.replay import replay
 
 WL = Workload(tokens_per_device=256, top_k=2, d_model=256, d_ff=512)
 CONFIG = ControllerConfig(decide_every=2, patience=1, min_interval=4, forecast_window=3)
@@ -31,9 +31,9 @@ def _trace(steps=60, layers=2, seed=0):
 
 
 def test_spec_round_trips_through_json_and_decides_the_same():
-    spec = json.loads(json.dumps(controller_spec(_controller())))
+    spec = json.loads(json.dumps(_controller().spec()))
     trace = _trace()
-    a, b = replay(_controller(), trace), replay(controller_from_spec(spec), trace)
+    a, b = replay(_controller(), trace), replay(PlacementController.from_spec(spec), trace)
     assert a.events, "a drifting Zipf trace must make the controller re-place"
     assert [(e["applied_after_step"], e["layer"], e["new"]) for e in a.events] == [
         (e["applied_after_step"], e["layer"], e["new"]) for e in b.events
@@ -64,12 +64,12 @@ def test_decisions_run_from_step_seen_plus_lag(lag):
 
 
 def test_overrides_change_the_knobs_and_unknown_ones_fail():
-    spec = controller_spec(_controller())
-    assert controller_from_spec(spec, react_steps=1).config.react_steps == 1
+    spec = _controller().spec()
+    assert PlacementController.from_spec(spec, react_steps=1).config.react_steps == 1
     with pytest.raises(ValueError, match="unknown ControllerConfig fields"):
-        controller_from_spec(spec, react_stepz=1)
+        PlacementController.from_spec(spec, react_stepz=1)
     with pytest.raises(ValueError, match="react_steps"):
-        controller_from_spec(spec, react_steps=0)
+        PlacementController.from_spec(spec, react_steps=0)
 
 
 def test_replay_rejects_a_trace_of_another_shape():

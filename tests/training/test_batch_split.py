@@ -13,7 +13,7 @@ from test_scale import _mesh, _reference, _steps
 
 from moejax import models, parallel
 from moejax.models import lm_forward
-from moejax.parallel import placed
+from moejax.parallel import slots
 from moejax.placement import Placement
 from moejax.testing import assert_close, kernels_run
 from moejax.training import global_batch, init_train_state, make_train_step
@@ -101,9 +101,9 @@ def test_split_forward_under_placement_equals_unsplit():
     training combines them.)"""
     m = _mesh("d2e4")
     placement = Placement(np.array([0, 5, 0, 1, 2, 5, 3, 4, 5, 6, 7, 1]), 8, 4, 3)
-    table = placed.slot_table(placement)
+    table = slots.slot_table(placement)
     params = models.init_lm_params(MODEL, jax.random.key(0))
-    physical = lambda moe: {**moe, "experts": placed.to_physical(moe["experts"], table)}  # noqa: E731
+    physical = lambda moe: {**moe, "experts": slots.to_physical(moe["experts"], table)}  # noqa: E731
     layers = [
         {**layer, "moe": physical(layer["moe"])} if MODEL.is_moe(i) else layer
         for i, layer in enumerate(params["layers"])
@@ -112,7 +112,7 @@ def test_split_forward_under_placement_equals_unsplit():
     tables = (table,) * MODEL.num_moe_layers
 
     def loss(p, k):
-        logits, aux = lm_forward(p, _tokens(), MODEL, mesh=m, placements=tables, batch_split=k)
+        logits, aux = lm_forward(p, _tokens(), MODEL, mesh=m, slot_tables=tables, batch_split=k)
         return jnp.mean(logits**2) + aux.load_balance_loss.mean()
 
     grads = {k: jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, k) for k in (1, 2)}

@@ -10,8 +10,9 @@ import math
 import pytest
 from _helpers import MODEL, TRAIN, corpus, mesh
 
+from moejax import parallel
 from moejax.parallel import Strategy
-from moejax.training import report, train, tuning
+from moejax.training import SetupError, report, train, tuning
 from moejax.training.tuning import Candidate, StrategyTuner, TuningConfig
 
 DROPLESS, DATA, ALLGATHER = (tuning.parse_candidate(s) for s in ("dropless", "data", "allgather"))
@@ -201,18 +202,25 @@ def test_wanted_bucket_grows_with_imbalance_up_to_the_cap():
     assert tuning.wanted_bucket(1.0, 4096, 2, 4, margin=0) == 2048
 
 
-def _tuned_run(run_dir, cfg, stop_at):
+def _tuned_run(run_dir, cfg, stop_at, monkeypatch):
     clock = CandidateClock({"allgather": 0.2, "data": 0.1})
     config = TuningConfig((ALLGATHER, DATA), repeats=2, budget=math.inf, redecide=False)
-    tuner = tuning.tuner_for_run(MODEL, cfg, mesh(), config, clock=clock)
-    clock.tuner = tuner
-    kw = dict(mesh=mesh(), strategy=tuner, stop_at=stop_at, progress=False)
+    real = tuning.tuner.tuner_for_run
+
+    def with_clock(*args):  # the tuner `train` builds for `config`, on the test's clock
+        clock.tuner = real(*args, clock=clock)
+        return clock.tuner
+
+    monkeypatch.setattr(tuning.runner, "tuner_for_run", with_clock)
+    kw = dict(mesh=mesh(), strategy=config, stop_at=stop_at, progress=False)
     return train(MODEL, cfg, corpus(), run_dir=str(run_dir), **kw)
 
 
-def test_train_tunes_records_its_decisions_compiles_each_program_once_and_resumes(tmp_path):
+def test_train_tunes_records_its_decisions_compiles_each_program_once_and_resumes(
+    tmp_path, monkeypatch
+):
     cfg = TRAIN.replace(steps=16, eval_batches=1, checkpoint_every=0)
-    result = _tuned_run(tmp_path, cfg, stop_at=12)
+    result = _tuned_run(tmp_path, cfg, stop_at=12, monkeypatch=monkeypatch)
     assert result.step == 12 and result.final_loss is not None
     assert result.tuning["chosen"] == "data" and result.tuning["kind"] == "measured"
     assert list(result.tuning["times"])[0] == "data"
@@ -232,7 +240,7 @@ def test_train_tunes_records_its_decisions_compiles_each_program_once_and_resume
 
     # Resumed: it continues on data (the probe times it; the bucket was decided for) and the
     # log keeps the first run's decisions.
-    resumed = _tuned_run(tmp_path, cfg, stop_at=None)
+    resumed = _tuned_run(tmp_path, cfg, stop_at=None, monkeypatch=monkeypatch)
     assert resumed.steps_this_run == 4 and resumed.tuning["compiled"] == {"data": 1}
     events = [json.loads(line) for line in (tmp_path / "tuning_events.jsonl").open()]
     assert [(e["kind"], e["chosen"]) for e in events[2:]] == [("probe", "data")]
@@ -241,6 +249,29 @@ def test_train_tunes_records_its_decisions_compiles_each_program_once_and_resume
 def test_one_device_runs_the_default(tmp_path):
     cfg = TRAIN.replace(steps=3, eval_batches=0, checkpoint_every=0)
     result = train(
-        MODEL, cfg, corpus(), run_dir=str(tmp_path), strategy="tune", progress=False, outputs=False
-    )
+        MODEL, cfg, corpus(), run_dir=str(tmp_path), strategy=TuningConfig(), progress=False,
+        outputs=False,
+    )  # fmt: skip
     assert result.tuning["kind"] == "fixed" and "one device" in result.tuning["reason"]
+
+
+@pytest.mark.parametrize("strategy", ["tune", Strategy(), "default", None])
+def test_train_takes_auto_a_candidate_or_a_tuning_config(tmp_path, strategy):
+    cfg = TRAIN.replace(steps=3, eval_batches=0, checkpoint_every=0)
+    with pytest.raises(SetupError, match="must be 'auto', a tuning.Candidate"):
+        train(MODEL, cfg, corpus(), run_dir=str(tmp_path), mesh=mesh(), strategy=strategy)
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+@pytest.mark.parametrize("drop_policy", ["dropless", "capacity"])
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_default_candidates_come_from_the_layer_strategy_space(drop_policy, platform):
+    moe = MODEL.moe.replace(drop_policy=drop_policy)
+    space = parallel.strategy_space(moe)
+    assert space[0] == parallel.Strategy(dispatcher=drop_policy)  # the "auto" default
+    assert len(set(space)) == len(space)
+    assert ("capacity" in {s.dispatcher for s in space}) == (drop_policy == "capacity")
+    candidates = tuning.default_candidates(moe, platform)
+    assert candidates[0] == Candidate(space[0])
+    assert {c.strategy for c in candidates} <= set(space)
+    assert any(c.batch_split == 2 for c in candidates) == (platform != "cpu")

@@ -14,13 +14,9 @@ from collections.abc import Container, Iterable, Mapping
 
 import numpy as np
 
-from moejax._config import MoEConfig
-from moejax._params import param_specs
+from moejax import MoEConfig, param_specs
 from moejax.interop.hf._errors import CheckpointError, MissingTensorError
-from moejax.interop.hf._families import HFFamily, check_layout, get_family
-
-# Tensor dtypes a moejax parameter can hold (safetensors names: F32, BF16, F16, F64).
-FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
+from moejax.interop.hf._families import FLOAT_DTYPES, HFFamily, check_layout, get_family
 
 
 def _check_features(cfg: MoEConfig, fam: HFFamily) -> None:

@@ -1,20 +1,106 @@
-"""`config.json` of a Hugging Face MoE model <-> `MoEConfig` of its MoE blocks.
+"""The one reader of a Hugging Face `config.json`: -> `MoEConfig` (one MoE block) or `LMConfig` (a
+whole decoder); and `MoEConfig` -> the block's `config.json` fields.
 
-Only the fields that shape one MoE block are read; the rest of the model (attention, norms, which
-layers are sparse) is the whole-model reader's. A field moejax cannot honour is a `ValueError`
-naming it, unless the caller lists it in `ignore` (e.g. `router_jitter_noise`, training-time noise
-that a model loaded for inference never applies). Missing fields take transformers' defaults
+`read_config` reads the file (the safetensors reader's hardened JSON reading). Every reading starts
+with `check_fields`: the count and size fields are ints >= 1 within `COUNT_CAPS`, so nothing is
+sized from a hostile file. `family_of` (from `model_type`, or `architectures` when it is absent)
+then picks the family's field reader. A field moejax cannot honour is a `CheckpointError` naming
+it, unless the caller lists it in `ignore` (e.g. `router_jitter_noise`, training-time noise that a
+model loaded for inference never applies). Missing fields take transformers' defaults
 (transformers 5.24 `configuration_<family>.py`), as `from_pretrained` would.
+
+Whole decoders (`lm_config_from_hf`: the families with an `HFFamily.decoder`) add attention,
+norms, rope and which layers are sparse; the model's forward pass sees only the resulting
+`LMConfig`. What differs by family is its `HFDecoder`:
+
+| family (`model_type`) | MoE module | experts (per-expert names) | attention extras |
+|---|---|---|---|
+| `mixtral` | `block_sparse_moe` | `w1` gate, `w3` up, `w2` down | - |
+| `qwen3_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` | `qk_norm="head"`, optional biases |
+| `olmoe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` | `qk_norm="full"`, optional biases |
+| `qwen2_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared expert | q/k/v biases |
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any
 
-from moejax._config import MoEConfig
-from moejax.interop.hf._families import FAMILIES, HFFamily, get_family
+from moejax import MoEConfig
+from moejax.interop.hf._errors import CheckpointError
+from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, get_family
+from moejax.interop.hf._safetensors import read_json
+from moejax.models import LMConfig, RopeScaling
+
+CONFIG_FILE = "config.json"
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Fields that count or size something: ints >= 1 when present. Counts have a cap (far above any
+# published model) so that no config.json can make moejax build a huge name list or tree
+# before the tensors are checked against it; sizes are checked against the tensors' shapes.
+_SIZE_FIELDS = (
+    "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "head_dim",
+    "max_position_embeddings", "decoder_sparse_step", "num_experts_per_tok",
+    "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
+)  # fmt: skip
+COUNT_CAPS = {
+    "num_hidden_layers": 4096,
+    "num_experts": 65536,
+    "num_local_experts": 65536,
+    "num_attention_heads": 65536,
+    "num_key_value_heads": 65536,
+    "vocab_size": 2**24,
+    "hidden_size": 2**20,
+}
+
+
+def check_fields(config) -> None:
+    """`config` is a JSON object whose count and size fields are ints >= 1 within
+    `COUNT_CAPS`: CheckpointError naming the field otherwise (nothing is sized before)."""
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"{CONFIG_FILE} is a JSON {type(config).__name__}, need an object of fields"
+        )
+    for key in (*_SIZE_FIELDS, *COUNT_CAPS):
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{CONFIG_FILE} {key}={value!r}: need an int >= 1")
+        if value > COUNT_CAPS.get(key, value):
+            raise CheckpointError(
+                f"{CONFIG_FILE} {key}={value}: over moejax's cap of {COUNT_CAPS[key]} (no "
+                "published model comes near it; a damaged or hostile config?)"
+            )
+    for key in ("rope_scaling", "rope_parameters", "quantization_config"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise CheckpointError(f"{CONFIG_FILE} {key}={config[key]!r}: need an object")
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `config.json` of checkpoint directory `path` (or the file itself).
+
+    Raises:
+      CheckpointError: missing, not JSON, or not a JSON object.
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = file / CONFIG_FILE
+    config = read_json(str(file), CONFIG_FILE)
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"is a JSON {type(config).__name__}, need an object of fields", file=str(file)
+        )
+    return config
+
+
+def stored_dtype(config: Mapping[str, Any]) -> str | None:
+    """The dtype name the checkpoint says its weights are stored in (`dtype` in transformers 5,
+    `torch_dtype` before), e.g. "bfloat16"; None if it does not say."""
+    return config.get("dtype") or config.get("torch_dtype")
+
 
 # Activations moejax computes exactly as transformers' ACT2FN does.
 _GATED_ACT = {
@@ -24,11 +110,10 @@ _GATED_ACT = {
     "gelu_pytorch_tanh": "geglu",
 }
 _UNGATED_ACT = {"relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
-_PARAM_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 class _Fields:
-    """Reads one `config.json`; every refusal is a `ValueError` naming the field."""
+    """Reads one `config.json`; every refusal is a `CheckpointError` naming the field."""
 
     def __init__(self, config: Mapping[str, Any], family: str, ignore: Collection[str]):
         self.config, self.family, self.ignore = config, family, frozenset(ignore)
@@ -51,7 +136,7 @@ class _Fields:
         return present.get(found, default)
 
     def bad(self, key: str, value: Any, why: str):
-        raise ValueError(f"config.json {key}={value!r}: {why} ({self.family})")
+        raise CheckpointError(f"{CONFIG_FILE} {key}={value!r}: {why} ({self.family})")
 
     def require(self, key: str, allowed: Collection, default: Any, why: str) -> Any:
         """`config[key]`, which must be in `allowed` unless `key` is ignored."""
@@ -65,9 +150,9 @@ def _common(f: _Fields) -> dict[str, Any]:
     if "quantization_config" in f.config and "quantization_config" not in f.ignore:
         method = (f.config["quantization_config"] or {}).get("quant_method", "?")
         f.bad("quantization_config", method, "quantized checkpoints cannot be loaded; dequantize")
-    dtype = f.get("dtype", f.get("torch_dtype", "float32"))
-    if dtype not in _PARAM_DTYPES:
-        f.bad("dtype", dtype, f"moejax parameters are one of {_PARAM_DTYPES}")
+    dtype = stored_dtype(f.config) or "float32"
+    if dtype not in FLOAT_DTYPES:
+        f.bad("dtype", dtype, f"moejax parameters are one of {FLOAT_DTYPES}")
     f.source["param_dtype"] = "dtype"
     return {"param_dtype": dtype}
 
@@ -177,7 +262,7 @@ def _switch(f: _Fields) -> dict:
         "router": "softmax",
         "norm_topk_prob": False,
         "router_bias": bool(f.get("router_bias", False, to="router_bias")),
-        "dispatch": "capacity",
+        "drop_policy": "capacity",
         "capacity_factor": 1.0,  # unused: expert_capacity is set
         "expert_capacity": f.get("expert_capacity", 64, to="expert_capacity"),
         "activation": _UNGATED_ACT.get(act, "relu"),
@@ -195,36 +280,42 @@ _READERS: dict[str, Callable[[_Fields], dict]] = {
 }
 
 
-def family_of(config: Mapping[str, Any]) -> HFFamily:
-    """The family of a `config.json`, from `model_type` (or `architectures` when it is absent).
+def family_of(config: Mapping[str, Any]) -> str:
+    """The family (a key of `FAMILIES`) of a `config.json`, from `model_type` (or `architectures`
+    when it is absent).
 
     Raises:
-      ValueError: naming the `model_type` / `architectures` value and the families moejax reads.
+      CheckpointError: naming the `model_type` / `architectures` value and the families moejax
+        reads.
+
+    >>> family_of({"model_type": "switch_transformers"})
+    'switch'
     """
-    known = sorted(f.model_type for f in FAMILIES.values())
+    if not isinstance(config, Mapping):
+        raise CheckpointError(f"{CONFIG_FILE} is a JSON {type(config).__name__}, need an object")
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
     by_type = {f.model_type: f for f in FAMILIES.values()}
     if model_type is not None:
         if model_type not in by_type:
-            raise ValueError(
-                f"config.json model_type={model_type!r}: not an MoE family moejax reads; "
-                f"it reads model_type in {known}"
+            raise CheckpointError(
+                f"{CONFIG_FILE} model_type={model_type!r}: not supported; moejax reads "
+                f"model_type in {sorted(by_type)}"
             )
         fam = by_type[model_type]
         for arch in archs:
             if not str(arch).startswith(fam.architecture_prefix):
-                raise ValueError(
-                    f"config.json architectures={archs!r}: {arch!r} is not a "
+                raise CheckpointError(
+                    f"{CONFIG_FILE} architectures={archs!r}: {arch!r} is not a "
                     f"{fam.architecture_prefix}* class, but model_type={model_type!r}"
                 )
-        return fam
+        return fam.name
     for fam in FAMILIES.values():
         if archs and all(str(a).startswith(fam.architecture_prefix) for a in archs):
-            return fam
-    raise ValueError(
-        f"config.json architectures={archs!r} (no model_type): not an MoE family moejax reads; "
-        f"it reads {sorted(f.architecture_prefix + '*' for f in FAMILIES.values())}"
+            return fam.name
+    raise CheckpointError(
+        f"{CONFIG_FILE} architectures={archs!r} (no model_type): not supported; moejax reads "
+        f"{sorted(f.architecture_prefix + '*' for f in FAMILIES.values())}"
     )
 
 
@@ -239,89 +330,33 @@ def moe_config_from_hf(
         drop (e.g. `{"router_jitter_noise"}` to run a Switch or Mixtral model without jitter).
 
     Returns:
-      `(MoEConfig, family)`, family one of `moejax.interop.hf.FAMILIES`.
+      `(MoEConfig, family)`, family a key of `moejax.interop.hf.FAMILIES`.
 
     Raises:
-      ValueError: naming the `config.json` field moejax cannot honour (an activation, a
-        quantization, a router option), or an unknown `model_type` / `architectures`.
+      CheckpointError (a ValueError): naming the `config.json` field moejax cannot honour (a
+        count or size, an activation, a quantization, a router option), or an unknown
+        `model_type` / `architectures`.
 
     >>> cfg, family = moe_config_from_hf({"model_type": "mixtral", "hidden_size": 16,
     ...     "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2})
     >>> family, cfg.d_ff, cfg.top_k, cfg.norm_topk_prob
     ('mixtral', 32, 2, True)
     """
-    fam = family_of(config)
-    fields = _Fields(config, fam.name, ignore)
-    kw = {**_common(fields), **_READERS[fam.name](fields)}
+    check_fields(config)
+    family = family_of(config)
+    fields = _Fields(config, family, ignore)
+    kw = {**_common(fields), **_READERS[family](fields)}
     try:
-        return MoEConfig(**kw), fam.name
-    except ValueError as err:  # name the config.json field behind the MoEConfig field
+        return MoEConfig(**kw), family
+    except (ValueError, TypeError) as err:  # name the config.json field behind the MoEConfig one
         field = str(err).split("=", 1)[0].removeprefix("MoEConfig.")
         key = fields.source.get(field)
-        if key is None:
-            raise
-        raise ValueError(f"config.json {key}={config.get(key)!r}: {err} ({fam.name})") from err
+        where = CONFIG_FILE if key is None else f"{CONFIG_FILE} {key}={config.get(key)!r}"
+        raise CheckpointError(f"{where}: {err} ({family})") from None
 
 
 # Fields of MoEConfig that a config.json does not carry (layer execution, not the model).
 _NOT_IN_CONFIG = frozenset({"block_size", "init_scale", "router_dtype", "capacity_factor"})
-
-_WRITE_KEYS: dict[str, dict[str, str]] = {  # MoEConfig field -> config.json field, per family
-    "mixtral": {
-        "d_model": "hidden_size",
-        "d_ff": "intermediate_size",
-        "num_experts": "num_local_experts",
-        "top_k": "num_experts_per_tok",
-    },
-    "qwen2_moe": {
-        "d_model": "hidden_size",
-        "d_ff": "moe_intermediate_size",
-        "num_experts": "num_experts",
-        "top_k": "num_experts_per_tok",
-        "norm_topk_prob": "norm_topk_prob",
-        "shared_width": "shared_expert_intermediate_size",
-    },
-    "qwen3_moe": {
-        "d_model": "hidden_size",
-        "d_ff": "moe_intermediate_size",
-        "num_experts": "num_experts",
-        "top_k": "num_experts_per_tok",
-        "norm_topk_prob": "norm_topk_prob",
-    },
-    "olmoe": {
-        "d_model": "hidden_size",
-        "d_ff": "intermediate_size",
-        "num_experts": "num_experts",
-        "top_k": "num_experts_per_tok",
-        "norm_topk_prob": "norm_topk_prob",
-    },
-    "deepseek_v3": {
-        "d_model": "hidden_size",
-        "d_ff": "moe_intermediate_size",
-        "num_experts": "n_routed_experts",
-        "top_k": "num_experts_per_tok",
-        "num_groups": "n_group",
-        "topk_groups": "topk_group",
-        "routed_scaling_factor": "routed_scaling_factor",
-        "norm_topk_prob": "norm_topk_prob",
-        "num_shared_experts": "n_shared_experts",
-    },
-    "gpt_oss": {
-        "d_model": "hidden_size",
-        "d_ff": "intermediate_size",
-        "num_experts": "num_local_experts",
-        "top_k": "num_experts_per_tok",
-        "swiglu_limit": "swiglu_limit",
-        "swiglu_alpha": "swiglu_alpha",
-    },
-    "switch": {
-        "d_model": "d_model",
-        "d_ff": "d_ff",
-        "num_experts": "num_experts",
-        "expert_capacity": "expert_capacity",
-        "router_bias": "router_bias",
-    },
-}
 
 _ACT_NAMES = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "relu": "relu", "gelu": "gelu_new"}
 
@@ -338,7 +373,7 @@ def moe_config_to_hf(cfg: MoEConfig, family: str) -> dict[str, Any]:
     """
     fam = get_family(family)
     out: dict[str, Any] = {"model_type": fam.model_type}
-    for field, key in _WRITE_KEYS[fam.name].items():
+    for field, key in fam.config_keys.items():
         out[key] = getattr(cfg, field)
     if fam.name == "switch":
         out["dense_act_fn"] = _ACT_NAMES.get(cfg.activation, cfg.activation)
@@ -362,3 +397,124 @@ def moe_config_to_hf(cfg: MoEConfig, family: str) -> dict[str, Any]:
                 f"MoEConfig.{field.name}={mine!r}: a {fam.name} block has {field.name}={theirs!r}"
             )
     return out
+
+
+def _get(config: dict, key: str, default=None, *, required: bool = False):
+    if key not in config or config[key] is None:
+        if required and default is None:
+            raise CheckpointError(f"{CONFIG_FILE}: {key!r} missing")
+        return default
+    return config[key]
+
+
+def _flag(config: dict, spec) -> bool:
+    return bool(config.get(spec, False)) if isinstance(spec, str) else spec
+
+
+def _rope(config: dict) -> tuple[float, RopeScaling | None]:
+    """`(rope_theta, RopeScaling or None)` from `rope_scaling` (transformers 4) or
+    `rope_parameters` (transformers 5)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(
+            f"{CONFIG_FILE}: rope_scaling type {kind!r} is not supported; supported: {ROPE_TYPES}"
+        )
+    if kind == "default":
+        return theta, None
+    keys = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor")
+    extra = {k: scaling[k] for k in (*keys, "mscale", "mscale_all_dim", "truncate") if k in scaling}
+    original = scaling.get("original_max_position_embeddings")
+    if kind == "yarn" and original is None:
+        original = config.get("max_position_embeddings")
+    try:
+        return theta, RopeScaling(
+            kind=kind,
+            factor=float(scaling["factor"]),
+            original_max_position_embeddings=original,
+            **extra,
+        )
+    except (KeyError, ValueError) as err:
+        raise CheckpointError(f"{CONFIG_FILE}: rope_scaling {scaling}: {err}") from None
+
+
+def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LMConfig, str]:
+    """`(LMConfig, family)` of a Hugging Face MoE decoder config.
+
+    Raises:
+      CheckpointError: not a JSON object, a count or size that is not an int >= 1 or is over
+        `COUNT_CAPS`, an unknown `model_type`, an activation other than SiLU, a layer pattern
+        moejax cannot express (`mlp_only_layers`), `clip_qkv`, a rope type not in
+        `ROPE_TYPES`, a missing field, or fields that do not fit together; each names the
+        field.
+
+    >>> cfg, family = lm_config_from_hf({"model_type": "olmoe", "vocab_size": 64,
+    ...     "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...     "intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2,
+    ...     "tie_word_embeddings": True})
+    >>> family, cfg.qk_norm, cfg.tie_embeddings, cfg.moe.num_experts, cfg.head_dim
+    ('olmoe', 'full', True, 8, 8)
+    """
+    check_fields(config)
+    try:
+        return _from_fields(config, param_dtype)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError) as err:  # LMConfig's own checks: fields that do not fit
+        raise CheckpointError(f"{CONFIG_FILE}: {err}") from None
+
+
+def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
+    family = family_of(config)
+    dec = FAMILIES[family].decoder
+    if dec is None:
+        readers = sorted(name for name, fam in FAMILIES.items() if fam.decoder is not None)
+        raise CheckpointError(
+            f"{CONFIG_FILE} model_type={config.get('model_type')!r}: moejax reads the MoE blocks "
+            f"of {family} models (block_from_hf), not whole ones; whole decoders: {readers}"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        act = config["hidden_act"]
+        raise CheckpointError(f"{CONFIG_FILE}: hidden_act={act!r}: only silu is supported")
+    if config.get("mlp_only_layers"):
+        raise CheckpointError(
+            f"{CONFIG_FILE}: mlp_only_layers={config['mlp_only_layers']}: dense layers at "
+            "arbitrary positions are not supported (decoder_sparse_step is)"
+        )
+    if config.get("clip_qkv") is not None:
+        raise CheckpointError(f"{CONFIG_FILE}: clip_qkv={config['clip_qkv']}: not supported")
+    if config.get("use_sliding_window"):
+        raise CheckpointError(f"{CONFIG_FILE}: use_sliding_window=true: not supported")
+    heads = _get(config, "num_attention_heads", required=True)
+    d = _get(config, "hidden_size", required=True)
+    head_dim = _get(config, "head_dim", d // heads)
+    max_len = _get(config, "max_position_embeddings", 4096)
+    if dec.window_caps_length and config.get("sliding_window"):
+        max_len = min(max_len, config["sliding_window"])  # exact up to the window
+    theta, scaling = _rope(config)
+    layers = _get(config, "num_hidden_layers", required=True)
+    step = _get(config, "decoder_sparse_step", 1)
+    moe, _ = moe_config_from_hf(config)
+    cfg = LMConfig(
+        vocab_size=_get(config, "vocab_size", required=True),
+        d_model=d,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=_get(config, "num_key_value_heads", heads),
+        head_dim=head_dim,
+        max_seq_len=max_len,
+        moe=moe.replace(param_dtype=param_dtype),
+        moe_every=step,
+        dense_d_ff=config.get("intermediate_size") if step > 1 else None,
+        rope_theta=theta,
+        norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=dec.qk_norm,
+        attention_bias=_flag(config, dec.qkv_bias),
+        attention_out_bias=_flag(config, dec.out_bias),
+        rope_scaling=scaling,
+        param_dtype=param_dtype,
+    )
+    return cfg, family

@@ -1,5 +1,8 @@
 """A converted model directory: a Hugging Face model as an orbax checkpoint that training starts
-from (`experiments/train_lm.py --init-from DIR`) and that converts back.
+from (`experiments/train_lm.py --init-from DIR`) and that converts back: `convert_to_orbax`,
+`convert_to_hf` (what `experiments/convert_hf.py` runs), built on `save_converted`,
+`read_converted`, `load_converted_params` and `params_of_train_checkpoint` (a training
+checkpoint's parameters, for the way back).
 
 ```
 DIR/model.json          {"format", "family", "config": LMConfig as JSON}
@@ -25,20 +28,16 @@ import sys
 
 import jax
 
-from moejax._config import MoEConfig
-from moejax.interop.hf._errors import CheckpointError
-from moejax.interop.hf._outputs import OutputDir
-from moejax.interop.hf._safetensors import NonFiniteError
-from moejax.models import LMConfig, RopeScaling
+from moejax import MoEConfig
+from moejax.interop.hf._config import COUNT_CAPS, family_of
+from moejax.interop.hf._errors import ConvertedDirError, NonFiniteError
+from moejax.interop.hf._model import load_hf_model, save_hf_model
+from moejax.interop.hf._outputs import OutputDir, check_output
+from moejax.models import LMConfig, RopeScaling, abstract_params, lm_partition_specs
 
 FORMAT = "moejax-hf-converted/1"
 MODEL_JSON, HF_CONFIG_JSON, PARAMS_DIR = "model.json", "hf_config.json", "params"
 CHECKSUMS_JSON = "checksums.json"
-
-
-class ConvertedDirError(CheckpointError):
-    """A directory that is not a converted model, or whose parameters fail their checksums or
-    hold NaN/Inf (names the directory and the array or file)."""
 
 
 def lm_config_to_json(cfg: LMConfig) -> dict:
@@ -48,14 +47,16 @@ def lm_config_to_json(cfg: LMConfig) -> dict:
 
 def lm_config_from_json(obj: dict) -> LMConfig:
     """The inverse of `lm_config_to_json`."""
-    obj = dict(obj)
-    obj["moe"] = MoEConfig(**obj["moe"])
+    obj, moe = dict(obj), dict(obj["moe"])
+    if "dispatch" in moe and "drop_policy" not in moe:  # written before the rename (CHANGELOG)
+        moe["drop_policy"] = moe.pop("dispatch")
+    obj["moe"] = MoEConfig(**moe)
     if obj.get("rope_scaling") is not None:
         obj["rope_scaling"] = RopeScaling(**obj["rope_scaling"])
     return LMConfig(**obj)
 
 
-def write_converted(
+def save_converted(
     path: str,
     cfg: LMConfig,
     params: dict,
@@ -124,8 +125,6 @@ def read_converted(path: str) -> tuple[LMConfig, dict, str]:
 def _check_caps(cfg: LMConfig, where: str) -> None:
     """The counts of a converted model's config within the caps of a Hugging Face one (nothing
     is sized from them before)."""
-    from moejax.interop.hf._model_config import COUNT_CAPS
-
     counts = {
         "num_hidden_layers": cfg.num_layers,
         "num_experts": cfg.moe.num_experts,
@@ -139,16 +138,12 @@ def _check_caps(cfg: LMConfig, where: str) -> None:
 
 
 def _target(cfg: LMConfig, mesh):
-    from moejax.models._params import abstract_params
-
     abstract = abstract_params(cfg)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
         )
-    from moejax.models import lm_partition_specs
-
     specs = lm_partition_specs(cfg, mesh)
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(
@@ -159,7 +154,7 @@ def _target(cfg: LMConfig, mesh):
     )
 
 
-def restore_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinite: bool = False):
+def load_converted_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinite: bool = False):
     """The parameters of a converted directory, read straight onto `mesh`'s shardings
     (`moejax.models.lm_partition_specs`; one device without a mesh), verified against the
     directory's checksums.
@@ -230,3 +225,93 @@ def params_of_train_checkpoint(step_dir: str, cfg: LMConfig, *, allow_nonfinite=
         return ckpt.restore_params(int(name), _target(cfg, None))[0]
     finally:
         ckpt.close()
+
+
+def convert_to_orbax(
+    hf_dir: str,
+    out: str,
+    *,
+    param_dtype: str = "float32",
+    overwrite: bool = False,
+    allow_nonfinite: bool = False,
+    progress: bool = False,
+) -> tuple[LMConfig, str]:
+    """A Hugging Face checkpoint directory -> a converted model directory `out` (atomic).
+
+    `out` is checked (`check_output`) before anything is read, then the model is streamed in
+    (`load_hf_model`, validated) and written (`save_converted`).
+
+    Args:
+      hf_dir: `config.json` and safetensors weights (one file or shards).
+      out: the converted directory: absent, empty, or (with `overwrite`) an earlier moejax output.
+      param_dtype: dtype of the stored parameters ("float32" or "bfloat16").
+      overwrite: replace an earlier moejax output at `out`.
+      allow_nonfinite: convert weights holding NaN or Inf.
+      progress: a tqdm progress bar over the tensors.
+
+    Returns:
+      `(LMConfig, family)` of the model written.
+
+    Raises:
+      CheckpointError: `out` may not be written, or `hf_dir` fails to load (`load_hf_model`);
+        nothing is written then.
+    """
+    check_output(out, overwrite=overwrite, inputs=[hf_dir])  # before reading
+    cfg, params, hf_config = load_hf_model(
+        hf_dir, param_dtype=param_dtype, progress=progress, allow_nonfinite=allow_nonfinite
+    )
+    family = family_of(hf_config)
+    save_converted(out, cfg, params, hf_config, family, overwrite=overwrite, inputs=[hf_dir])
+    return cfg, family
+
+
+def convert_to_hf(
+    converted: str,
+    out: str,
+    *,
+    checkpoint: str | None = None,
+    layout: str = "per_expert",
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+    allow_nonfinite: bool = False,
+    progress: bool = False,
+) -> None:
+    """A converted model directory (or a training checkpoint of it) -> a Hugging Face
+    checkpoint directory `out` (atomic, `save_hf_model`).
+
+    Args:
+      converted: a directory written by `save_converted` / `convert_to_orbax`.
+      out: the Hugging Face directory: absent, empty, or (with `overwrite`) an earlier moejax
+        output.
+      checkpoint: a `moejax.training` checkpoint step directory of the same model whose
+        parameters are written instead of the converted ones (`params_of_train_checkpoint`).
+      layout, dtype, max_shard_bytes: as `save_hf_model`.
+      overwrite: replace an earlier moejax output at `out`.
+      allow_nonfinite: write parameters holding NaN or Inf.
+      progress: a tqdm progress bar over the tensors.
+
+    Raises:
+      CheckpointError: `out` may not be written, `converted` is not a converted model or fails
+        its checksums; moejax.training.CheckpointError: `checkpoint` is not a verified step of
+        this model. Nothing is written then.
+    """
+    inputs = [converted] + ([checkpoint] if checkpoint else [])
+    check_output(out, overwrite=overwrite, inputs=inputs)  # before reading
+    cfg, hf_config, _ = read_converted(converted)
+    if checkpoint:
+        params = params_of_train_checkpoint(checkpoint, cfg, allow_nonfinite=allow_nonfinite)
+    else:
+        params = load_converted_params(converted, cfg, allow_nonfinite=allow_nonfinite)
+    save_hf_model(
+        out,
+        params,
+        cfg,
+        hf_config,
+        layout=layout,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        progress=progress,
+        overwrite=overwrite,
+        inputs=inputs,
+    )

@@ -1,10 +1,23 @@
-"""Errors of checkpoint reading and writing: each names the tensor and, when known, the file."""
+"""The one error tree of `moejax.interop.hf`: every refusal of something read from or written to
+disk is a `CheckpointError` (a `ValueError`) naming the tensor, the file or the config field.
+
+```
+CheckpointError (ValueError)     a file, config.json field or output path moejax refuses
+├── MissingTensorError (KeyError)  a tensor the block or model needs is absent
+├── NonFiniteError                 a float tensor holding NaN or Inf (unless allowed)
+└── ConvertedDirError              not a converted model directory, or one failing its checksums
+```
+
+Wrong arguments (an unknown family name, a `MoEConfig` a family cannot express, parameters of
+the wrong shape) are plain `ValueError` / `KeyError`: they are the caller's, not the file's.
+"""
 
 from __future__ import annotations
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that moejax cannot read or write: a wrong shape or dtype, a missing shard.
+    """A checkpoint that moejax cannot read or write: a wrong shape or dtype, a missing shard, a
+    `config.json` field moejax cannot honour, an output path it may not write.
 
     Attributes:
       tensor: the Hugging Face tensor name, or None when the error is about a whole file.
@@ -27,3 +40,13 @@ class MissingTensorError(CheckpointError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.args[0]
+
+
+class NonFiniteError(CheckpointError):
+    """A float tensor holding NaN or Inf (names the tensor, the file and the count); readers
+    and loaders accept such tensors only when given `allow_nonfinite=True`."""
+
+
+class ConvertedDirError(CheckpointError):
+    """A directory that is not a converted model (`save_converted`), or whose parameters fail
+    their checksums (names the directory and the array or file)."""

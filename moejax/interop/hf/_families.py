@@ -1,4 +1,6 @@
-"""The Hugging Face MoE families moejax reads: how each names its block's tensors.
+"""The Hugging Face MoE families moejax reads, in one table (`FAMILIES`): how each names its MoE
+block's tensors, which `MoEConfig` features a block can carry, and, for the families whose whole
+decoders moejax loads (`HFFamily.decoder`), what their `config.json` implies for attention.
 
 Names are local to the block module (the caller adds the block's prefix, e.g.
 `model.layers.3.mlp.`). Two layouts exist:
@@ -19,6 +21,27 @@ from typing import Literal
 
 Layout = Literal["fused", "per_expert"]
 LAYOUTS: tuple[str, ...] = Layout.__args__
+# Tensor dtypes a moejax parameter can hold (safetensors F32, BF16, F16, F64).
+FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFDecoder:
+    """The whole-decoder facts of a family whose models `load_hf_model` reads: the `LMConfig`
+    options its `config.json` implies (the rest of the decoder is the same in every family).
+
+    Attributes:
+      qk_norm: `LMConfig.qk_norm` (`"head"`: one RMSNorm per head, `"full"`: over all heads).
+      qkv_bias: q/k/v projection biases: True, False, or the `config.json` field that says.
+      out_bias: the output projection's bias, likewise.
+      window_caps_length: `config.json` `sliding_window`, when set, caps `LMConfig.max_seq_len`
+        (Mixtral: full attention equals the windowed one up to the window).
+    """
+
+    qk_norm: Literal["head", "full"] | None
+    qkv_bias: str | bool
+    out_bias: str | bool
+    window_caps_length: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +63,10 @@ class HFFamily:
       shared_gate: Qwen2-MoE's `shared_expert_gate` Linear `[1, D]`, or None.
       features: for each tree-shaping `MoEConfig` property, the values the layout can carry.
       prefix: the block's prefix in a whole decoder-only model, per layout, with `{layer}`.
+      config_keys: `MoEConfig` field -> the `config.json` field that carries it
+        (`moe_config_to_hf` writes these; reading also accepts transformers' aliases).
+      decoder: the whole-decoder facts (`HFDecoder`), or None when moejax reads only this
+        family's MoE blocks.
     """
 
     name: str
@@ -54,6 +81,8 @@ class HFFamily:
     shared_gate: str | None
     features: dict[str, frozenset]
     prefix: dict[str, str]
+    config_keys: dict[str, str]
+    decoder: HFDecoder | None = None
 
     @property
     def layouts(self) -> tuple[str, ...]:
@@ -77,108 +106,121 @@ def _features(**overrides) -> dict[str, frozenset]:
     return {**base, **overrides}
 
 
-_SWIGLU_PROJ = ("gate_proj", "up_proj", "down_proj")
 _DECODER = "model.layers.{layer}.mlp."
+
+
+def _family(
+    name: str, architecture_prefix: str, d_ff: str, experts: str, keys=None, **fields
+) -> HFFamily:
+    """An `HFFamily` with the fields most families share: a `gate` router, per-expert
+    `experts.{i}.{gate,up,down}_proj` and chunked fused tensors, both in the decoder's `mlp.`,
+    `config_keys` `hidden_size`, `d_ff`, `experts`, `num_experts_per_tok`, then `keys`."""
+    base = dict(
+        model_type=name,
+        router="gate",
+        correction_bias=None,
+        expert_pattern="experts.{i}.{proj}.weight",
+        projections=("gate_proj", "up_proj", "down_proj"),
+        fused="chunked",
+        shared=None,
+        shared_gate=None,
+        features=_features(),
+        prefix={"per_expert": _DECODER, "fused": _DECODER},
+    )
+    config_keys = {"d_model": "hidden_size", "d_ff": d_ff, "num_experts": experts}
+    config_keys.update(top_k="num_experts_per_tok", **(keys or {}))
+    fields = {**base, "config_keys": config_keys, **fields}
+    return HFFamily(name, architecture_prefix=architecture_prefix, **fields)
+
+
+_NORM = {"norm_topk_prob": "norm_topk_prob"}
 
 FAMILIES: dict[str, HFFamily] = {
     f.name: f
     for f in (
-        HFFamily(
-            name="mixtral",
-            model_type="mixtral",
-            architecture_prefix="Mixtral",
-            router="gate",
-            correction_bias=None,
-            expert_pattern="experts.{i}.{proj}.weight",
+        _family(
+            "mixtral",
+            "Mixtral",
+            "intermediate_size",
+            "num_local_experts",
             projections=("w1", "w3", "w2"),
-            fused="chunked",
-            shared=None,
-            shared_gate=None,
-            features=_features(),
             # transformers 5 renames block_sparse_moe to mlp when it fuses the experts.
             prefix={"per_expert": "model.layers.{layer}.block_sparse_moe.", "fused": _DECODER},
+            decoder=HFDecoder(None, False, False, window_caps_length=True),
         ),
-        HFFamily(
-            name="qwen2_moe",
-            model_type="qwen2_moe",
-            architecture_prefix="Qwen2Moe",
-            router="gate",
-            correction_bias=None,
-            expert_pattern="experts.{i}.{proj}.weight",
-            projections=_SWIGLU_PROJ,
-            fused="chunked",
+        _family(
+            "qwen2_moe",
+            "Qwen2Moe",
+            "moe_intermediate_size",
+            "num_experts",
+            {**_NORM, "shared_width": "shared_expert_intermediate_size"},
             shared="shared_expert",
             shared_gate="shared_expert_gate",
             features=_features(shared=_YES, shared_gate=_YES),
-            prefix={"per_expert": _DECODER, "fused": _DECODER},
+            decoder=HFDecoder(None, True, False),
         ),
-        HFFamily(
-            name="qwen3_moe",
-            model_type="qwen3_moe",
-            architecture_prefix="Qwen3Moe",
-            router="gate",
-            correction_bias=None,
-            expert_pattern="experts.{i}.{proj}.weight",
-            projections=_SWIGLU_PROJ,
-            fused="chunked",
-            shared=None,
-            shared_gate=None,
-            features=_features(),
-            prefix={"per_expert": _DECODER, "fused": _DECODER},
+        _family(
+            "qwen3_moe",
+            "Qwen3Moe",
+            "moe_intermediate_size",
+            "num_experts",
+            _NORM,
+            decoder=HFDecoder("head", "attention_bias", "attention_bias"),
         ),
-        HFFamily(
-            name="olmoe",
-            model_type="olmoe",
-            architecture_prefix="Olmoe",
-            router="gate",
-            correction_bias=None,
-            expert_pattern="experts.{i}.{proj}.weight",
-            projections=_SWIGLU_PROJ,
-            fused="chunked",
-            shared=None,
-            shared_gate=None,
-            features=_features(),
-            prefix={"per_expert": _DECODER, "fused": _DECODER},
+        _family(
+            "olmoe",
+            "Olmoe",
+            "intermediate_size",
+            "num_experts",
+            _NORM,
+            decoder=HFDecoder("full", "attention_bias", "attention_bias"),
         ),
-        HFFamily(
-            name="deepseek_v3",
-            model_type="deepseek_v3",
-            architecture_prefix="DeepseekV3",
-            router="gate",
+        _family(
+            "deepseek_v3",
+            "DeepseekV3",
+            "moe_intermediate_size",
+            "n_routed_experts",
+            {
+                "num_groups": "n_group",
+                "topk_groups": "topk_group",
+                "routed_scaling_factor": "routed_scaling_factor",
+                **_NORM,
+                "num_shared_experts": "n_shared_experts",
+            },
             correction_bias="gate.e_score_correction_bias",
-            expert_pattern="experts.{i}.{proj}.weight",
-            projections=_SWIGLU_PROJ,
-            fused="chunked",
             shared="shared_experts",
-            shared_gate=None,
             features=_features(score_correction_bias=_YES, shared=_YES),
-            prefix={"per_expert": _DECODER, "fused": _DECODER},
         ),
-        HFFamily(
-            name="gpt_oss",
-            model_type="gpt_oss",
-            architecture_prefix="GptOss",
+        _family(
+            "gpt_oss",
+            "GptOss",
+            "intermediate_size",
+            "num_local_experts",
+            {"swiglu_limit": "swiglu_limit", "swiglu_alpha": "swiglu_alpha"},
             router="router",
-            correction_bias=None,
             expert_pattern=None,  # GPT-OSS checkpoints store only the fused tensors
             projections=None,
             fused="interleaved",
-            shared=None,
-            shared_gate=None,
             features=_features(router_bias=_YES, expert_bias=_YES),
             prefix={"fused": _DECODER},
         ),
-        HFFamily(
-            name="switch",
+        _family(
+            "switch",
+            "SwitchTransformers",
+            "d_ff",
+            "num_experts",
             model_type="switch_transformers",
-            architecture_prefix="SwitchTransformers",
+            config_keys={
+                "d_model": "d_model",
+                "d_ff": "d_ff",
+                "num_experts": "num_experts",
+                "expert_capacity": "expert_capacity",
+                "router_bias": "router_bias",
+            },
             router="router.classifier",
-            correction_bias=None,
             expert_pattern="experts.expert_{i}.{proj}.weight",
             projections=(None, "wi", "wo"),
             fused=None,
-            shared=None,
-            shared_gate=None,
             features=_features(router_bias=_ANY, gated=_NO),
             prefix={},  # encoder-decoder: `encoder.block.{i}.layer.1.mlp.`, decoder `layer.2`
         ),

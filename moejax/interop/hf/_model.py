@@ -36,7 +36,8 @@ final_norm/scale                      model.norm.weight
 unembed/kernel [D, V]                 lm_head.weight [V, D]               (absent when tied)
 ```
 
-`{moe}` and the expert projection names are the family's (`FAMILIES`). The per-expert layout
+`{moe}` and the expert projection names are the family's (`FAMILIES`: `block_prefix`,
+`HFFamily.projections`), as in the block mapping (`block_to_hf`). The per-expert layout
 is the one of the published checkpoints; the fused one is transformers 5's in-memory layout.
 """
 
@@ -46,25 +47,17 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import numpy as np
 
+from moejax.interop.hf._config import CONFIG_FILE, lm_config_from_hf, read_config, stored_dtype
 from moejax.interop.hf._errors import CheckpointError
-from moejax.interop.hf._model_config import (
-    CONFIG_NAME,
-    FAMILIES,
-    lm_config_from_hf,
-    stored_dtype,
-)
-from moejax.interop.hf._safetensors import DTYPES, SafetensorsCheckpoint, read_config
+from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, LAYOUTS, Layout, block_prefix
+from moejax.interop.hf._safetensors import DTYPES, SafetensorsCheckpoint
 from moejax.interop.hf._writer import CheckpointWriter
-from moejax.models import LMConfig
-from moejax.models._params import abstract_params
+from moejax.models import LMConfig, abstract_params
 
-Layout = Literal["per_expert", "fused"]
-LAYOUTS: tuple[str, ...] = Layout.__args__
 Path = tuple  # a leaf's keys in the parameter tree, e.g. ("layers", 3, "attn", "wq")
 
 
@@ -160,13 +153,12 @@ def _moe_recipes(cfg: LMConfig, family: str, i: int, layout: Layout) -> list[Rec
     fam = FAMILIES[family]
     d, f, e = cfg.d_model, cfg.moe.d_ff, cfg.moe.num_experts
     leaf = ("layers", i, "moe")
-    module = fam.moe_module if layout == "per_expert" else "mlp"
-    pre = f"model.layers.{i}.{module}."
-    out = [_linear((*leaf, "router", "kernel"), f"{pre}gate.weight", (e, d), (d, e))]
+    pre = block_prefix(family, i, layout)
+    out = [_linear((*leaf, "router", "kernel"), f"{pre}{fam.router}.weight", (e, d), (d, e))]
     experts = (*leaf, "experts")
     if layout == "per_expert":
-        gate, up, down = fam.expert_names
-        names = lambda p: [f"{pre}experts.{j}.{p}.weight" for j in range(e)]  # noqa: E731
+        gate, up, down = fam.projections
+        names = lambda p: [pre + fam.expert_pattern.format(i=j, proj=p) for j in range(e)]  # noqa: E731
         out += [
             _stacked((*experts, "w_gate"), names(gate), (f, d)),
             _stacked((*experts, "w_up"), names(up), (f, d)),
@@ -194,18 +186,24 @@ def _moe_recipes(cfg: LMConfig, family: str, i: int, layout: Layout) -> list[Rec
                 lambda read, j: [read(down, (e, d, f), j).T],
             )
         )
-    if fam.shared_expert:
-        fs = cfg.moe.shared_width
-        out += _mlp_recipes((*leaf, "shared"), f"{pre}shared_expert.", d, fs)
-        out.append(_linear((*leaf, "shared", "gate"), f"{pre}shared_expert_gate.weight", (1, d),
-                           (d, 1)))  # fmt: skip
+    if fam.shared:
+        out += _mlp_recipes((*leaf, "shared"), f"{pre}{fam.shared}.", d, cfg.moe.shared_width)
+    if fam.shared_gate:
+        gate_name = f"{pre}{fam.shared_gate}.weight"
+        out.append(_linear((*leaf, "shared", "gate"), gate_name, (1, d), (d, 1)))
     return out
 
 
 def model_recipes(cfg: LMConfig, family: str, layout: Layout = "per_expert") -> list[Recipe]:
-    """Every recipe of the model, in checkpoint order (embedding, layer by layer, head)."""
+    """Every recipe of the model, in checkpoint order (embedding, layer by layer, head).
+
+    Raises:
+      ValueError: an unknown layout, or a family whose whole decoders moejax does not read.
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: must be one of {LAYOUTS}")
+    if FAMILIES[family].decoder is None:
+        raise ValueError(f"family={family!r}: moejax reads its MoE blocks, not whole models")
     v, d = cfg.vocab_size, cfg.d_model
     out = [_one(("embed", "embedding"), "model.embed_tokens.weight", (v, d))]
     for i in range(cfg.num_layers):
@@ -230,14 +228,13 @@ def tensor_names(cfg: LMConfig, family: str, layout: Layout = "per_expert") -> l
     return [n for r in model_recipes(cfg, family, layout) for n in r.tensors]
 
 
-def _detect_layout(source: SafetensorsCheckpoint, cfg: LMConfig) -> Layout:
+def _detect_layout(source: SafetensorsCheckpoint, cfg: LMConfig, family: str) -> Layout:
     if not cfg.moe_layers:
         return "per_expert"
-    i = cfg.moe_layers[0]
-    return "fused" if f"model.layers.{i}.mlp.experts.gate_up_proj" in source else "per_expert"
+    fused = block_prefix(family, cfg.moe_layers[0], "fused") + "experts.gate_up_proj"
+    return "fused" if fused in source else "per_expert"
 
 
-_PARAM_DTYPES = ("F64", "F32", "F16", "BF16")  # what a model parameter can be read from
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -249,25 +246,24 @@ def _check_counts(source: SafetensorsCheckpoint, cfg: LMConfig, family: str) -> 
     held = max(layers) + 1 if layers else 0
     if cfg.num_layers != held:
         raise CheckpointError(
-            f"{CONFIG_NAME} num_hidden_layers={cfg.num_layers}, but the checkpoint's tensors "
+            f"{CONFIG_FILE} num_hidden_layers={cfg.num_layers}, but the checkpoint's tensors "
             f"name {held} layers (model.layers.<i>. up to {held - 1})",
             file=str(source.path),
         )
-    layout = _detect_layout(source, cfg)
+    layout = _detect_layout(source, cfg, family)
     if not cfg.moe_layers:
         return layout
     i = cfg.moe_layers[0]
+    pre = block_prefix(family, i, layout) + "experts."
     if layout == "fused":
-        name = f"model.layers.{i}.mlp.experts.gate_up_proj"
-        shape = source.shape_of(name)
+        shape = source.shape_of(pre + "gate_up_proj")
         held = shape[0] if shape else 0
     else:
-        pre = f"model.layers.{i}.{FAMILIES[family].moe_module}.experts."
         found = {n[len(pre) :].split(".", 1)[0] for n in source.tensors if n.startswith(pre)}
         held = max((int(e) + 1 for e in found if e.isdigit()), default=0)
     if cfg.moe.num_experts != held:
         raise CheckpointError(
-            f"{CONFIG_NAME} says {cfg.moe.num_experts} experts, but the checkpoint holds "
+            f"{CONFIG_FILE} says {cfg.moe.num_experts} experts, but the checkpoint holds "
             f"{held} in layer {i}",
             file=str(source.path),
         )
@@ -278,10 +274,10 @@ def _float_reader(source: SafetensorsCheckpoint):
     """`read(name, shape, row=None)` of model parameters: float tensors only."""
 
     def read(name: str, shape, row=None):
-        if source.info(name).dtype not in _PARAM_DTYPES:
+        if source.dtype_of(name) not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"has dtype {source.info(name).dtype}; model parameters are read from "
-                f"{_PARAM_DTYPES}",
+                f"{FLOAT_DTYPES}",
                 tensor=name,
                 file=source.file_of(name),
             )
@@ -426,7 +422,7 @@ def load_hf_model(
     if unexpected:
         raise CheckpointError(
             f"(and {len(unexpected) - 1} more) not part of a {family} model with this "
-            f"{CONFIG_NAME}",
+            f"{CONFIG_FILE}",
             tensor=unexpected[0],
             file=source.file_of(unexpected[0]),
         )
@@ -519,4 +515,4 @@ def save_hf_model(
             leaves = [_host_leaf(params, p, moe_index, placements) for p in recipe.leaves]
             for tensor_name, t in zip(recipe.tensors, recipe.to_tensors(leaves), strict=True):
                 writer.add(tensor_name, np.ascontiguousarray(t.astype(out_dtype)))
-        writer.add_file(CONFIG_NAME, hf_config)
+        writer.add_file(CONFIG_FILE, hf_config)

@@ -41,11 +41,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from moejax.interop.hf._errors import CheckpointError, MissingTensorError
+from moejax.interop.hf._errors import CheckpointError, MissingTensorError, NonFiniteError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 # The `safetensors` package's own limit on a header (a larger one is not a checkpoint).
 MAX_HEADER_BYTES = 100_000_000
 MAX_JSON_BYTES = 100_000_000  # an index or config.json larger than this is refused unread
@@ -70,11 +69,6 @@ DTYPES = {
 _FLOATS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 # numpy names of the float dtypes (what `dtype_of` reports; others keep the safetensors name).
 _DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
-class NonFiniteError(CheckpointError):
-    """A float tensor holding NaN or Inf (names the tensor, the file and the count); readers
-    and loaders accept such tensors only when given `allow_nonfinite=True`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,29 +121,14 @@ def _parse_json(raw: bytes, file: str, what: str) -> Any:
         raise CheckpointError(f"{what} is not valid JSON ({detail})", file=file) from None
 
 
-def _read_json(path: str, what: str) -> Any:
+def read_json(path: str, what: str) -> Any:
+    """The JSON file `path` (a regular file of at most `MAX_JSON_BYTES`, no duplicate names, no
+    NaN), or CheckpointError naming it as `what`."""
     with _open_regular(path, what) as f:
         raw = f.read(MAX_JSON_BYTES + 1)
     if len(raw) > MAX_JSON_BYTES:
         raise CheckpointError(f"{what} is over {MAX_JSON_BYTES} bytes", file=path)
     return _parse_json(raw, path, what)
-
-
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed `config.json` of checkpoint directory `path` (or the file itself).
-
-    Raises:
-      CheckpointError: missing, not JSON, or not a JSON object.
-    """
-    file = Path(path)
-    if file.is_dir():
-        file = file / CONFIG_FILE
-    config = _read_json(str(file), "config.json")
-    if not isinstance(config, dict):
-        raise CheckpointError(
-            f"is a JSON {type(config).__name__}, need an object of fields", file=str(file)
-        )
-    return config
 
 
 def _is_int(x) -> bool:
@@ -303,7 +282,7 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
 
     def _read_index(self, index: Path) -> None:
         where = str(index)
-        obj = _read_json(where, "index")
+        obj = read_json(where, "index")
         weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(

@@ -1,5 +1,5 @@
-"""Safetensors checkpoints written atomically (`CheckpointWriter`, `save_safetensors`), and a
-plain one-file writer (`write_safetensors`: tests, fixtures).
+"""The package's one safetensors writer: checkpoint directories written atomically
+(`CheckpointWriter`, `save_safetensors`), through the `safetensors` package.
 
 Writing puts every file into a temporary directory beside the target and swaps it into place
 at the end (`_outputs.OutputDir`), so a failure leaves nothing behind and an existing directory
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,11 +18,10 @@ import numpy as np
 
 from moejax.interop.hf._errors import CheckpointError
 from moejax.interop.hf._outputs import OutputDir
-from moejax.interop.hf._safetensors import DTYPES, INDEX_FILE, SINGLE_FILE
+from moejax.interop.hf._safetensors import INDEX_FILE, SINGLE_FILE
 
 # ml_dtypes types that safetensors writes (numpy kind "V").
 _ML_DTYPES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
-_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -167,30 +165,3 @@ def save_safetensors(
         for name, content in (files or {}).items():
             writer.add_file(name, content)
     return Path(path)
-
-
-def _header_bytes(tensors: list[tuple[str, np.ndarray]], metadata: dict | None) -> bytes:
-    header, offset = {}, 0
-    for name, arr in tensors:
-        if arr.dtype not in _NAMES:
-            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} has no safetensors name")
-        header[name] = {
-            "dtype": _NAMES[arr.dtype],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as the reference writer
-
-
-def write_safetensors(path: str, tensors: list[tuple[str, np.ndarray]], metadata=None) -> None:
-    """Write `(name, array)` pairs to one safetensors file (little-endian, C order), in place."""
-    header = _header_bytes(tensors, metadata)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for _, arr in tensors:
-            f.write(np.ascontiguousarray(arr).tobytes())

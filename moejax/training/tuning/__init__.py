@@ -4,7 +4,8 @@ What is chosen is a `Candidate`: the MoE layers' `moejax.parallel.Strategy` (mod
 pipeline degree `chunks`, `stagger`, dropless `bucket`) and the model's `batch_split`
 (`moejax.models.lm_forward`). Every candidate computes the same update (within float
 tolerance); only the time differs. `train(strategy=TuningConfig())` (`train_lm.py --strategy
-auto`, the CLI default) lets a `StrategyTuner` choose; a `Strategy` or `Candidate` pins one.
+auto`, the CLI default) lets a `StrategyTuner` choose; a `Candidate` pins one; `"auto"` runs the
+default. The candidates come from the layer's strategy space (`moejax.parallel.strategy_space`).
 
 How the tuner decides (plain Python on the host; no tracing, testable with a fake clock):
 
@@ -52,11 +53,10 @@ Every decision (probe, measured round, decision by cost function, skip for budge
 `tuning_events.jsonl` and the run summary shows the last one. Several processes must run the
 same program: every timed sample is broadcast from process 0 (`agree`), so all decide alike.
 
-For a target you do not have, a cost function replaces the clock: `schedule_cost` compiles a
-candidate's train step for a deviceless mesh of the target (`moejax.aot.train_step_program`) and
-replays the schedule on the target's model (`moejax.schedule_model.estimate`); `plan_strategy`
-ranks the target's candidates by it (`choose_by_cost`), and `StrategyTuner(cost=...)` decides
-with it instead of timing steps.
+For a target you do not have, a cost function replaces the clock: `moejax.aot.ranking`'s
+`schedule_cost` compiles a candidate's train step for a deviceless mesh of the target and replays
+the schedule on the target's model; `plan_strategy` there ranks the target's candidates by it
+(`choose_by_cost`), and `StrategyTuner(cost=...)` decides with it instead of timing steps.
 
 >>> c = parse_candidate("dropless,chunks=2,stagger,batch_split=2")
 >>> c.strategy.chunks, c.strategy.stagger, c.batch_split
@@ -74,7 +74,7 @@ from moejax.training.tuning.candidates import (
     parse_candidates,
     wanted_bucket,
 )
-from moejax.training.tuning.cost import choose_by_cost, plan_strategy, schedule_cost
+from moejax.training.tuning.cost import choose_by_cost
 from moejax.training.tuning.runner import EVENTS_FILE, StepRunner, read_decisions
 from moejax.training.tuning.tuner import Decision, StrategyTuner, TuningConfig, tuner_for_run
 
@@ -91,9 +91,7 @@ __all__ = [
     "default_candidates",
     "parse_candidate",
     "parse_candidates",
-    "plan_strategy",
     "read_decisions",
-    "schedule_cost",
     "tuner_for_run",
     "wanted_bucket",
 ]

@@ -9,7 +9,7 @@ import math
 from moejax._config import MoEConfig
 from moejax.parallel.dispatch_dropless import choose_bucket
 from moejax.parallel.modes import MODES
-from moejax.parallel.strategy import DISPATCHERS, Strategy, resolve_strategy
+from moejax.parallel.strategy import DISPATCHERS, Strategy, strategy_space
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,18 +104,22 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
 
 
 def default_candidates(config: MoEConfig, platform: str) -> tuple[Candidate, ...]:
-    """The candidates tried by default, the default (`strategy="auto"`) first.
+    """The candidates tried by default, from the layer's `strategy_space`, the default
+    (`strategy="auto"`) first.
 
     Everywhere: the default, data-parallel experts (weights all-gathered, no token exchange)
-    and the all-gather dispatcher. On GPU and TPU also a staggered 2-chunk pipeline and a batch
-    split of 2, which only pay where collectives run beside compute: XLA:CPU runs them
-    synchronously, so on CPU they only add work (and each costs a compile).
+    and the all-gather dispatcher. On GPU and TPU also the space's staggered 2-chunk pipeline
+    and a batch split of 2, which only pay where collectives run beside compute: XLA:CPU runs
+    them synchronously, so on CPU they only add work (and each costs a compile). Tensor mode and,
+    for a capacity layer, the dropless dispatcher are not tried by default: give them in
+    `TuningConfig.candidates`.
     """
-    first = resolve_strategy("auto", config)
+    first, pipelined, *others = strategy_space(config)
     out = [Candidate(first)]
     if platform != "cpu":
-        out += [Candidate(first.replace(chunks=2, stagger=True)), Candidate(first, batch_split=2)]
-    out += [Candidate(Strategy(mode="data")), Candidate(Strategy(dispatcher="allgather"))]
+        out += [Candidate(pipelined), Candidate(first, batch_split=2)]
+    out += [Candidate(s) for s in others if s.mode == "data"]
+    out += [Candidate(s) for s in others if s.mode == "expert" and s.dispatcher == "allgather"]
     return tuple(out)
 
 
@@ -159,7 +163,7 @@ def candidate_problems(candidate: Candidate, model_cfg, train_cfg, mesh) -> list
         problems.append(f"chunks={s.chunks} does not divide a shard's tokens")
     if s.mode == "tensor" and (moe.d_ff // m) % n:
         problems.append(f"tensor mode needs d_ff/model={moe.d_ff // m} divisible by expert={n}")
-    capacity_routing = moe.dispatch == "capacity" or moe.router == "expert_choice"
+    capacity_routing = moe.drop_policy == "capacity" or moe.router == "expert_choice"
     if s.mode == "expert" and s.dispatcher == "capacity":
         if not capacity_routing:
             problems.append("the capacity dispatcher needs a capacity config")

@@ -16,18 +16,23 @@ EVENTS_FILE = "tuning_events.jsonl"
 class StepRunner:
     """The loop's side of the strategy: which jitted train step runs each step.
 
-    Fixed (`strategy` a `Strategy`, `"auto"` or a `Candidate`): one step function, dispatched
-    asynchronously, as before. Tuned (a `TuningConfig`, `"tune"` or a `StrategyTuner`; on a mesh
-    only: one device has nothing to choose and runs the default): asks the tuner per step, keeps
-    one jitted step per candidate here (so `make_train_step`'s small cache never forces a
-    recompile), and times the steps the tuner asks for (waits for the previous step, runs,
-    waits for the outputs). New decisions are appended to `<run_dir>/tuning_events.jsonl`
-    (with `write`: process 0). A resumed single-process run continues on the strategy its log
-    last chose; with several processes each starts from the default (they must agree, and
-    only process 0 may see the log).
+    `strategy`, as `train(strategy=)` takes it, is one of:
+
+    - `"auto"`: the layer's default `Strategy` (`moejax.parallel.strategy_space`'s first), one
+      step function, dispatched asynchronously;
+    - a `Candidate`: that strategy and batch split for the whole run;
+    - a `TuningConfig`: chosen by timing steps (on a mesh only: one device has nothing to choose
+      and runs `"auto"`). The tuner is asked per step; one jitted step per candidate is kept
+      here (so `make_train_step`'s small cache never forces a recompile), and the steps the
+      tuner asks for are timed (waits for the previous step, runs, waits for the outputs). New
+      decisions are appended to `<run_dir>/tuning_events.jsonl` (with `write`: process 0). A
+      resumed single-process run continues on the strategy its log last chose; with several
+      processes each starts from the default (they must agree, and only process 0 may see
+      the log).
 
     Raises:
-      ValueError: a pinned `Candidate` or a candidate space that does not fit the run.
+      ValueError: another `strategy`, a pinned `Candidate` or a candidate space that does not
+        fit the run.
     """
 
     def __init__(
@@ -37,21 +42,23 @@ class StepRunner:
         self.implementation = implementation
         self.tuner: StrategyTuner | None = None
         self.note = None  # why a tuned run runs fixed
-        if strategy == "tune":
-            strategy = TuningConfig()
-        if isinstance(strategy, TuningConfig | StrategyTuner) and mesh is None:
+        default = isinstance(strategy, str) and strategy == "auto"
+        if not (default or isinstance(strategy, Candidate | TuningConfig)):
+            raise ValueError(
+                f"strategy={strategy!r}: must be 'auto', a tuning.Candidate (a Strategy and a "
+                "batch split) or a tuning.TuningConfig (tune)"
+            )
+        if isinstance(strategy, TuningConfig) and mesh is None:
             strategy, self.note = "auto", "one device: no parallel strategy to choose"
         if isinstance(strategy, TuningConfig):
-            strategy = tuner_for_run(model_cfg, train_cfg, mesh, strategy)
-        if isinstance(strategy, StrategyTuner):
-            self.tuner, self.fixed = strategy, None
+            self.tuner, self.fixed = tuner_for_run(model_cfg, train_cfg, mesh, strategy), None
         elif isinstance(strategy, Candidate):
             problems = candidate_problems(strategy, model_cfg, train_cfg, mesh)
             if problems:
                 raise ValueError(f"strategy {strategy.label}: {'; '.join(problems)}")
             self.fixed = (strategy.strategy, strategy.batch_split)
-        else:  # "auto" or a Strategy, exactly as before tuning existed
-            self.fixed = (strategy, 1)
+        else:
+            self.fixed = ("auto", 1)
         self._fns: dict = {}
         self._path = None if run_dir is None else os.path.join(run_dir, EVENTS_FILE)
         self._write, self._written = write, 0

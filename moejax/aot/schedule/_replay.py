@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from moejax.schedule_model._hardware import H100_SXM, Hardware
-from moejax.schedule_model._ops import (
+from moejax.aot.schedule._hardware import H100_SXM, Hardware
+from moejax.aot.schedule._ops import (
     BRANCH,
     COLLECTIVES,
     COMPUTE,

@@ -26,27 +26,23 @@ Plain numpy; no jax.
 
 from __future__ import annotations
 
-import functools
 import heapq
-import itertools
-import math
 from typing import Literal
 
 import numpy as np
 
+from moejax.placement._packing.common import (
+    duplicate_splits,
+    larger_side,
+    match_devices,
+    order_slots,
+    splits,
+)
 from moejax.placement.cost_model import packed_buffer
 
 _REFINE = 3  # cold-split counts tried between the best grid point's neighbours
-_MAX_SPLITS = 256  # above this many 2S-item splits per pair, rebalancing tries single swaps
 _MAX_PASSES = 16  # pairwise rebalancing passes at most
 _STALL_PASSES = 2  # stop after this many passes without a lower maximum
-
-
-def unique_ints(values: np.ndarray) -> np.ndarray:
-    """Sorted distinct values of an int array: ``np.unique`` by sorting (numpy 2.4's default,
-    hash-based ``np.unique`` took ~0.9 ms on 6144 ints on the development VM, this ~0.09)."""
-    values = np.sort(values, axis=None)
-    return values[np.concatenate([[True], values[1:] != values[:-1]])]
 
 
 def apportion(counts: np.ndarray, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
@@ -368,24 +364,6 @@ def _differencing(weights: np.ndarray, num_devices: int) -> tuple[np.ndarray, np
     return parts[0]
 
 
-@functools.cache
-def _splits(s: int) -> np.ndarray:
-    """``[C, 2S]`` bool: the ways to split a pair's ``2S`` replicas into two devices of ``S``
-    (side A always holds replica 0, since the two devices are interchangeable; the first split
-    is the current one). Past ``_MAX_SPLITS``: the current split and every single swap."""
-    if math.comb(2 * s, s) // 2 <= _MAX_SPLITS:
-        sides = [c for c in itertools.combinations(range(2 * s), s) if c[0] == 0]
-    else:
-        current = tuple(range(s))
-        sides = [current] + [
-            tuple(sorted(set(current) - {a} | {s + b})) for a in range(s) for b in range(s)
-        ]
-    mask = np.zeros((len(sides), 2 * s), bool)
-    for row, side in enumerate(sides):
-        mask[row, list(side)] = True
-    return mask
-
-
 def rebalance(table: np.ndarray, weights: np.ndarray, target: float, rounds: int) -> np.ndarray:
     """Migration-light repair: the busiest device swaps replicas with its best partner.
 
@@ -407,21 +385,16 @@ def rebalance(table: np.ndarray, weights: np.ndarray, target: float, rounds: int
     n, s = table.shape
     tab, w = table.copy(), weights.astype(np.float64, copy=True)
     loads = w.sum(axis=1)
-    mask = _splits(s)  # [C, 2S]
+    mask = splits(s)  # [C, 2S]
     for _ in range(rounds):
         d = int(np.argmax(loads))
         if loads[d] <= target or n < 2:
             break
         items = np.concatenate([np.broadcast_to(tab[d], (n, s)), tab], axis=1)  # [N, 2S]
         item_w = np.concatenate([np.broadcast_to(w[d], (n, s)), w], axis=1)
-        side_a = item_w @ mask.T  # [N, C]
-        worst = np.maximum(side_a, item_w.sum(axis=1, keepdims=True) - side_a)
+        worst = np.where(duplicate_splits(items, mask), np.inf, larger_side(item_w, mask))  # [N, C]
         worst[:, 0] = np.inf  # the current split changes nothing
         worst[d] = np.inf
-        grouped = np.sort(items, axis=1)
-        repeated = np.flatnonzero(np.any(grouped[:, 1:] == grouped[:, :-1], axis=1))
-        if repeated.size:
-            worst[repeated] += np.where(_has_duplicates(items[repeated], mask), np.inf, 0.0)
         partner, split = np.unravel_index(np.argmin(worst), worst.shape)
         if not worst[partner, split] < loads[d]:
             break
@@ -446,38 +419,16 @@ def _rebalance_pairs(tab: np.ndarray, w: np.ndarray, loads: np.ndarray, shift: i
     heavy, light = order[::-1][:half], np.roll(order[:half], shift)
     items = np.concatenate([tab[heavy], tab[light]], axis=1)  # [half, 2S]
     item_w = np.concatenate([w[heavy], w[light]], axis=1)  # [half, 2S]
-    mask = _splits(s)  # [C, 2S]
-    side_a = item_w @ mask.T  # [half, C]
-    worst = np.maximum(side_a, item_w.sum(axis=1, keepdims=True) - side_a)
-    if s > 1:  # only pairs that hold some expert twice can put it twice on one device
-        grouped = np.sort(items, axis=1)
-        repeated = np.flatnonzero(np.any(grouped[:, 1:] == grouped[:, :-1], axis=1))
-        if repeated.size:
-            worst[repeated] += np.where(_has_duplicates(items[repeated], mask), np.inf, 0.0)
-    worst[:, 0] = np.maximum(side_a[:, 0], item_w.sum(axis=1) - side_a[:, 0])  # always allowed
+    mask = splits(s)  # [C, 2S]
+    larger = larger_side(item_w, mask)  # [half, C]
+    worst = np.where(duplicate_splits(items, mask), np.inf, larger)
+    worst[:, 0] = larger[:, 0]  # the current split is always allowed
     pick = mask[np.argmin(worst, axis=1)]  # [half, 2S]
     tab, w, loads = tab.copy(), w.copy(), loads.copy()
     tab[heavy], tab[light] = items[pick].reshape(half, s), items[~pick].reshape(half, s)
     w[heavy], w[light] = item_w[pick].reshape(half, s), item_w[~pick].reshape(half, s)
     loads[heavy], loads[light] = w[heavy].sum(axis=1), w[light].sum(axis=1)
     return tab, w, loads
-
-
-def _has_duplicates(items: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """``[half, C]`` bool: split ``c`` of pair ``i`` puts one expert twice on a device.
-
-    A split does exactly when two positions ``j < k`` of the pair hold the same expert and it
-    puts them on the same side: the (few) equal position pairs are looked up in a table of
-    which splits keep them together, instead of sorting both sides of every split."""
-    half, two_s = items.shape
-    upper = np.triu(np.ones((two_s, two_s), bool), 1)  # position pairs j < k
-    row, j, k = np.nonzero((items[:, :, None] == items[:, None, :]) & upper)  # sorted by row
-    dup = np.zeros((half, mask.shape[0]), bool)
-    if row.size:
-        together = mask[:, j] == mask[:, k]  # [C, pairs]
-        starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
-        dup[row[starts]] = np.logical_or.reduceat(together, starts, axis=1).T
-    return dup
 
 
 def align(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> np.ndarray:
@@ -497,73 +448,3 @@ def align(old_table: np.ndarray, new: np.ndarray, num_experts: int) -> np.ndarra
     """
     device = match_devices(old_table, new, num_experts)  # [N] old device of packed device b
     return order_slots(old_table, new, device)
-
-
-def order_slots(old_table: np.ndarray, new: np.ndarray, device: np.ndarray) -> np.ndarray:
-    """Puts packed device ``b`` at ``device[b]`` and keeps each staying expert in its old slot.
-
-    Args:
-      old_table: ``[N, S]`` current experts per device.
-      new: ``[N, S]`` packed experts per device.
-      device: ``[N]`` permutation, the old device each packed device becomes.
-
-    Returns:
-      ``[P]`` int64 slot-to-expert table.
-    """
-    n, s = new.shape
-    out = np.empty_like(new)
-    out[device] = new
-    # Within each device: an expert that was in old slot k stays in slot k.
-    result = np.full((n, s), -1, np.int64)
-    used = np.zeros((n, s), bool)
-    for k in range(s):
-        match = (out == old_table[:, k : k + 1]) & ~used  # [N, S]
-        has = match.any(axis=1)
-        j = np.argmax(match, axis=1)
-        result[has, k] = out[has, j[has]]
-        used[has, j[has]] = True
-    result[result < 0] = out[~used]  # row-major: the rest, in order, per device
-    return result.reshape(-1)
-
-
-def match_devices(
-    old_table: np.ndarray, new: np.ndarray, num_experts: int, groups: np.ndarray | None = None
-) -> np.ndarray:
-    """``[N]`` old device for each packed device, maximising (greedily) the shared experts.
-
-    ``groups`` (``[N]``, optional): devices left without a shared expert are matched within
-    their group (packed device ``b`` to an old device of group ``groups[b]``); the caller makes
-    sure that shared experts only occur within a group.
-    """
-    n, s = new.shape
-    old_keys = unique_ints(np.arange(n)[:, None] * num_experts + old_table)  # (device, expert)
-    old_dev, old_exp = old_keys // num_experts, old_keys % num_experts
-    by_expert = np.argsort(old_exp, kind="stable")
-    start = np.searchsorted(old_exp[by_expert], np.arange(num_experts + 1))
-    items = new.reshape(-1)  # [P]
-    bins = np.repeat(np.arange(n), s)
-    reps = start[items + 1] - start[items]  # old devices holding each packed replica's expert
-    pos = np.repeat(start[items] - np.cumsum(reps) + reps, reps) + np.arange(reps.sum())
-    pairs, shared = np.unique(
-        np.repeat(bins, reps) * n + old_dev[by_expert][pos], return_counts=True
-    )
-    order = np.argsort(-shared, kind="stable")
-    bins, olds = pairs[order] // n, pairs[order] % n  # candidate pairs, most shared first
-    device = np.full(n, -1, np.int64)
-    taken = np.zeros(n, bool)
-    while bins.size:
-        # Accept every pair that is the best remaining one of both its packed and old device.
-        first_bin = np.zeros(bins.size, bool)
-        first_bin[np.unique(bins, return_index=True)[1]] = True
-        first_old = np.zeros(bins.size, bool)
-        first_old[np.unique(olds, return_index=True)[1]] = True
-        accept = first_bin & first_old
-        device[bins[accept]], taken[olds[accept]] = olds[accept], True
-        keep = (device[bins] < 0) & ~taken[olds]
-        bins, olds = bins[keep], olds[keep]
-    free_bins, free_olds = np.flatnonzero(device < 0), np.flatnonzero(~taken)
-    if groups is not None:  # the same number of each group's devices is left on both sides
-        free_bins = free_bins[np.argsort(groups[free_bins], kind="stable")]
-        free_olds = free_olds[np.argsort(groups[free_olds], kind="stable")]
-    device[free_bins] = free_olds
-    return device

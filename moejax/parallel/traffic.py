@@ -1,4 +1,4 @@
-"""Cost model of one sharded MoE call: dispatch-buffer bytes and communication per device.
+"""Traffic of one sharded MoE call: dispatch-buffer bytes and communication per device.
 
 Elements moved off-device per device per forward call (the backward moves the same again), with
 `N` expert-axis devices, `T` local tokens, `K` top-k, `D` d_model, `E` experts, `F/M` the stored

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
+from moejax import hardware
+from moejax.aot import hlo, programs
 from moejax.models import LMConfig
 from moejax.training._config import TrainConfig
 from moejax.training.metrics import flops_per_token
@@ -37,29 +38,38 @@ class Target:
 
     Attributes:
       name: e.g. "h100x64".
-      platform: "cuda" or "tpu".
-      topology: the deviceless topology (`pallas_kernels.targets`): GPU "slices x hosts x
-        devices per host", TPU "generation:shape".
+      device: the chip (`moejax.hardware`); its platform is the lowering platform.
+      topology: the deviceless topology (`moejax.aot.mesh`): GPU "slices x hosts x devices per
+        host", TPU "generation:shape".
       devices: devices in the slice.
-      hbm_bytes: memory of one device.
-      peak_flops: dense bf16 FLOP/s of one device.
     """
 
     name: str
-    platform: str
+    device: hardware.Device
     topology: str
     devices: int
-    hbm_bytes: float
-    peak_flops: float
+
+    @property
+    def platform(self) -> str:
+        return self.device.platform
+
+    @property
+    def hbm_bytes(self) -> float:
+        """Memory of one device."""
+        return self.device.hbm_bytes
+
+    @property
+    def peak_flops(self) -> float:
+        """Dense bf16 FLOP/s of one device."""
+        return self.device.peak("bf16")
 
 
-_H100 = dict(platform="cuda", hbm_bytes=84_942_979_072, peak_flops=989e12)  # SXM, dense bf16
-_V5P = dict(platform="tpu", hbm_bytes=95e9, peak_flops=459e12)
+_H100, _V5P = hardware.H100_SXM, hardware.TPU_V5P
 TARGETS: dict[str, Target] = {
-    "h100x8": Target("h100x8", topology="1x1x8", devices=8, **_H100),
-    "h100x64": Target("h100x64", topology="1x8x8", devices=64, **_H100),
-    "v5p-64": Target("v5p-64", topology="v5p:4x4x4", devices=64, **_V5P),
-    "v5p-128": Target("v5p-128", topology="v5p:4x4x8", devices=128, **_V5P),
+    "h100x8": Target("h100x8", _H100, topology="1x1x8", devices=8),
+    "h100x64": Target("h100x64", _H100, topology="1x8x8", devices=64),
+    "v5p-64": Target("v5p-64", _V5P, topology="v5p:4x4x4", devices=64),
+    "v5p-128": Target("v5p-128", _V5P, topology="v5p:4x4x8", devices=128),
 }
 
 
@@ -118,41 +128,23 @@ class PlanRow:
         return self.model_flops / (self.step_time_bound_s * self.target.peak_flops)
 
 
-def mesh_for(target: Target, layout: Layout):
+def _mesh(target: Target, layout: Layout):
     """The deviceless mesh of `layout` on `target`."""
-    import jax
-    import numpy as np
-    from jax.sharding import AxisType
-
-    from pallas_kernels import targets
-
     names, sizes = zip(*layout.axes, strict=True)
     if math.prod(sizes) != target.devices:
         raise ValueError(f"layout {layout.mesh_name} has {math.prod(sizes)} devices, "
                          f"{target.name} has {target.devices}")  # fmt: skip
-    if target.platform == "cuda":
-        return targets.gpu_mesh(sizes, names, topology=target.topology)
-    import os
-
-    from jax.experimental import topologies
-
-    for key, value in targets.LIBTPU_ENV.items():
-        os.environ.setdefault(key, value)
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
-    devices = np.array(topo.devices).reshape(sizes)
-    return jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+    return programs.mesh(target.platform, sizes, names, topology=target.topology)
 
 
 def plan_row(
     preset: str, model_cfg: LMConfig, train_cfg: TrainConfig, target: Target, layout: Layout
 ) -> PlanRow:
     """Compile the train step of `model_cfg` with `layout` for `target` (see the module doc)."""
-    from moejax import aot
-
     cfg = train_cfg.replace(microbatches=layout.microbatches, remat=layout.remat, scan_layers=True)
-    mesh = mesh_for(target, layout)
-    fn, args = aot.train_step_program(model_cfg, cfg, mesh)
-    compiled = aot.compile_program(fn, args, donate_argnums=(0,))
+    mesh = _mesh(target, layout)
+    fn, args = programs.train_step_program(model_cfg, cfg, mesh)
+    compiled = programs.compile_program(fn, args, donate_argnums=(0,))
     seq_len = cfg.seq_len or model_cfg.max_seq_len
     tokens = cfg.batch_size * seq_len / target.devices
     return PlanRow(
@@ -166,16 +158,11 @@ def plan_row(
         xla_flops=compiled.cost.get("flops", 0.0),
         model_flops=tokens * flops_per_token(model_cfg, seq_len),
         kernels=compiled.kernels,
-        collectives={op: _count_op(compiled.text, op) for op in _COLLECTIVES},
+        collectives={op: hlo.count_ops(compiled.text, op) for op in _COLLECTIVES},
     )
 
 
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
-
-
-def _count_op(hlo_text: str, op: str) -> int:
-    """Instructions of collective `op` (sync `op(` or async `op-start(`) in compiled HLO."""
-    return len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", hlo_text))
 
 
 def default_layouts(model_cfg: LMConfig, target: Target) -> list[Layout]:

@@ -12,9 +12,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import moejax
-from moejax import _wgrad
+from moejax import _routing, _wgrad
+from moejax.models import _mtp
 from moejax.models._config import LMConfig
 from moejax.models._layers import attention, rms_norm, rope_tables, swiglu_mlp
+from moejax.models._mla import mla_attention
+from moejax.models._patterns import ScanRun, scan_runs
 from moejax.models._sharding import constrain as constrain_specs
 from moejax.models._sharding import lm_compute_specs
 
@@ -36,6 +39,10 @@ class LMAux:
     #                            softmax(router logits)
     routed_fraction: jax.Array  # [Lm, E] fp32 f: fraction of the assignments to each expert
     mean_probs: jax.Array  # [Lm, E] fp32 P: mean router probability of each expert
+    sequence_balance_loss: jax.Array  # [Lm] fp32 DeepSeek-V3 sequence-wise balance loss per
+    #                                   layer (mean over sequences; 1.0 = balanced)
+    expert_index: jax.Array | None = None  # [Lm, B, S, K] int32 logical experts every token
+    #                                        chose, only with `lm_forward(return_experts=True)`
 
 
 def cast_floating(tree, dtype):
@@ -53,18 +60,25 @@ def _router_entropy(logits: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
 
-def _moe_ffn(p, h, cfg: LMConfig, mesh, strategy, implementation, placement, wgrad=None):
-    """`(y, MoEAux, slots)`: the MoE layer, and with `wgrad` (a `_wgrad.Delayed`) the slots of
-    the weight gradients it computes in its backward (None without)."""
+def _moe_ffn(
+    p, h, cfg: LMConfig, mesh, strategy, implementation, slot_table, wgrad=None, replay=None
+):
+    """`(y, MoEAux, slots)`: the MoE layer (with `replay`, `[B, S, K]` recorded experts, router
+    replay), and with `wgrad` (a `_wgrad.Delayed`) the slots of the weight gradients it computes
+    in its backward (None without)."""
     if mesh is None:  # no exchange to bound the delayed weight gradients by
         return _wgrad.beside(
-            lambda h: moejax.moe_apply(p, h, cfg.moe, implementation=implementation), h, wgrad
+            lambda h: moejax.moe_apply(
+                p, h, cfg.moe, implementation=implementation, replay_experts=replay
+            ),
+            h,
+            wgrad,
         )
     from moejax import parallel
 
     out = parallel.moe_apply_sharded(
         p, h, cfg.moe, mesh, strategy=strategy, implementation=implementation,
-        placement=placement, wgrad=wgrad,
+        slot_table=slot_table, wgrad=wgrad, replay_experts=replay,
     )  # fmt: skip
     return out if wgrad is not None else (*out, None)
 
@@ -97,11 +111,14 @@ def lm_forward(
     mesh=None,
     strategy="auto",
     implementation: str = "auto",
-    placements=None,
+    slot_tables=None,
     remat: Remat = "none",
     scan_layers: bool = False,
     batch_split: int = 1,
     delay_wgrad: bool | None = None,
+    replay_experts: jax.Array | None = None,
+    return_experts: bool = False,
+    mtp_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, LMAux]:
     """Logits of every position of `tokens`, and the MoE layers' routing statistics.
 
@@ -121,15 +138,18 @@ def lm_forward(
         `model`) just before the layer uses them.
       strategy: the sharded MoE `Strategy` (or `"auto"`); ignored without a mesh.
       implementation: the grouped-matmul implementation (`moejax.moe_apply`).
-      placements: None (experts in logical order `[E, ...]`), or one
+      slot_tables: None (experts in logical order `[E, ...]`), or one
         `moejax.parallel.SlotTable` per MoE layer (needs a mesh): that layer's `experts/*` are
-        then physical `[P, ...]` slots with identical replicas (`moejax.parallel.placed`).
+        then physical `[P, ...]` slots with identical replicas (`moejax.parallel.slots`).
         Routing statistics stay per logical expert.
       remat: rematerialisation of each block in the backward (`remat_policy`).
-      scan_layers: run the blocks as a `jax.lax.scan` over repeats of the `moe_every`-block
-        unit (dense blocks then one MoE block), so the traced and compiled program holds one
-        unit whatever the depth; the parameters are stacked for the scan in the forward (the
-        stored tree stays one dict per layer). Leftover dense blocks run unscanned.
+      scan_layers: run the blocks as `jax.lax.scan`s over runs of a repeated unit of blocks
+        (`layer_runs`: the `moe_every`-block unit, dense blocks then one MoE block, from layer
+        0; with `mlp_layer_types`, the runs `moejax.models._patterns.scan_runs` finds, e.g.
+        DeepSeek-V3's dense first layers and its MoE layers), so the traced and compiled
+        program holds one unit per run whatever the depth; the parameters are stacked for the
+        scan in the forward (the stored tree stays one dict per layer). Blocks outside every
+        run go unscanned.
       batch_split: split each device's rows into this many micro-batches that go through
         every block side by side, one stage behind the other (`split_block`): while one
         micro-batch's tokens are in an MoE layer's all-to-all, the other's attention (or dense
@@ -144,24 +164,53 @@ def lm_forward(
         also loop carries in the forward and the backward (measured: +4.6 GiB per device for
         Mixtral-8x7B on 64 TPU v5p chips, 1.15 GiB per carry). None (the default): on where
         the mesh has an `expert` axis of more than one device and the layers are not scanned.
+      replay_experts: router replay (RL: route the training step as the rollout was routed):
+        None, or `[Lm, B, S, K]` int logical expert ids per MoE layer, e.g. the `expert_index`
+        of an earlier `return_experts=True` forward. Each MoE layer uses them instead of its
+        top-k, with weights from its current router (`moejax.moe_apply`'s `replay_experts`);
+        counts and balance losses follow them. Not with `router="expert_choice"`.
+      return_experts: also return the experts every token chose, `LMAux.expert_index
+        [Lm, B, S, K]` (otherwise None, and nothing is computed for it).
+      mtp_tokens: None, or `[B, S + j]` ids (`j >= 1`: the inputs and what follows them, e.g.
+        the training window) for the multi-token-prediction blocks (`cfg.mtp_layers`,
+        `moejax.models._mtp`), which then run after the main model.
 
     Returns:
-      `(logits [B, S, V] fp32, LMAux)`.
+      `(logits [B, S, V] fp32, LMAux)`; with `mtp_tokens`, `(logits, LMAux, mtp_logits [M, B,
+      S, V] fp32)`.
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens.shape={tokens.shape}: need [B, S]")
     if tokens.shape[1] > cfg.max_seq_len:
         raise ValueError(f"tokens.shape[1]={tokens.shape[1]} > max_seq_len={cfg.max_seq_len}")
-    if placements is not None:
-        if mesh is None:
-            raise ValueError("placements need a mesh (expert placement is across devices)")
-        if len(placements) != len(cfg.moe_layers):
+    if mtp_tokens is not None:
+        if not cfg.mtp_layers:
+            raise ValueError("mtp_tokens given, but the model has no MTP blocks (mtp_layers=0)")
+        if mtp_tokens.ndim != 2 or mtp_tokens.shape[0] != tokens.shape[0]:
+            raise ValueError(f"mtp_tokens.shape={mtp_tokens.shape}: need [B, S + j]")
+        if mtp_tokens.shape[1] <= tokens.shape[1]:
             raise ValueError(
-                f"len(placements)={len(placements)}: need one per MoE layer ({len(cfg.moe_layers)})"
+                f"mtp_tokens.shape={mtp_tokens.shape}: need more than the {tokens.shape[1]} "
+                "input positions (the inputs and at least the next token)"
             )
+    if slot_tables is not None:
+        if mesh is None:
+            raise ValueError("slot_tables need a mesh (expert placement is across devices)")
+        if len(slot_tables) != len(cfg.moe_layers):
+            raise ValueError(
+                f"len(slot_tables)={len(slot_tables)}: need one per MoE layer "
+                f"({len(cfg.moe_layers)})"
+            )
+    if delay_wgrad and cfg.mla is not None:
+        raise ValueError("delay_wgrad=True: not implemented for multi-head latent attention")
     if delay_wgrad is None:  # where the MoE layers exchange tokens, unscanned (see docstring)
         delay_wgrad = mesh is not None and dict(mesh.shape).get("expert", 1) > 1
-        delay_wgrad = delay_wgrad and not scan_layers
+        delay_wgrad = delay_wgrad and not scan_layers and cfg.mla is None
+    if (replay_experts is not None or return_experts) and cfg.moe.router == "expert_choice":
+        raise ValueError("router replay: router='expert_choice' has no per-token choice")
+    if replay_experts is not None:
+        lead = (cfg.num_moe_layers, *tokens.shape)
+        _routing.check_replay(replay_experts, lead, cfg.moe, "replay_experts")
     policy = remat_policy(remat)
     shards = 1 if mesh is None else _token_shards(mesh)
     if isinstance(batch_split, bool) or not isinstance(batch_split, int) or batch_split < 1:
@@ -174,7 +223,7 @@ def lm_forward(
     p = cast_floating(params, cfg.dtype)
     compute = None if mesh is None else lm_compute_specs(cfg, mesh)
     constrain = _batch_constraint(mesh)
-    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
     embed = _gathered(p["embed"], compute and compute["embed"], mesh)
     x = constrain(jnp.take(embed["embedding"], tokens, axis=0))  # [B, S, D]
     xs = tuple(constrain(m) for m in split_rows(x, batch_split))  # k x [B / k, S, D]
@@ -189,24 +238,42 @@ def lm_forward(
             _moe_ffn, cfg=cfg, mesh=mesh, strategy=strategy, implementation=implementation
         ),
         attn_impl=_attention_implementation(implementation),
+        return_experts=return_experts,
     )
-    tables = list(placements) if placements is not None else [None] * cfg.num_moe_layers
+    tables = list(slot_tables) if slot_tables is not None else [None] * cfg.num_moe_layers
+    replays = None  # per micro-batch [Lm, B / k, S, K]
+    if replay_experts is not None:
+        rows = split_rows(jnp.swapaxes(replay_experts, 0, 1), batch_split)
+        replays = tuple(jnp.swapaxes(r, 0, 1) for r in rows)
     if scan_layers:
         xs, stats = _scanned_layers(
-            p, xs, cfg, compute, tables, block, policy, mesh=mesh, delay_wgrad=delay_wgrad
-        )
+            p, xs, cfg, compute, tables, block, policy, mesh=mesh, delay_wgrad=delay_wgrad,
+            replays=replays,
+        )  # fmt: skip
     else:
         xs, stats = _unscanned_layers(
-            p, xs, cfg, compute, tables, block, policy, delay_wgrad=delay_wgrad
+            p, xs, cfg, compute, tables, block, policy, delay_wgrad=delay_wgrad, replays=replays
         )
-    x = constrain(merge_rows(xs))
-    x = rms_norm(x, p["final_norm"]["scale"], cfg.norm_eps)
+    h = constrain(merge_rows(xs))
+    x = rms_norm(h, p["final_norm"]["scale"], cfg.norm_eps)
     if cfg.tie_embeddings:
         unembed = embed["embedding"].T
     else:
         unembed = _gathered(p["unembed"], compute and compute["unembed"], mesh)["kernel"]
     logits = jnp.einsum("bsd,dv->bsv", x, unembed, preferred_element_type=jnp.float32)
-    return logits, stats
+    if mtp_tokens is None:
+        return logits, stats
+    mtp = _gathered(p["mtp"], compute and compute["mtp"], mesh)
+    block_compute = compute and compute["mtp"][0]["block"]  # the same for every MTP block
+
+    def mtp_block(layer, z):
+        (y,), _, _, _ = block(
+            layer, (constrain(z),), None, is_moe=cfg.mtp_is_moe, compute=block_compute
+        )
+        return y
+
+    mtp_logits = _mtp.mtp_logits(mtp, h, mtp_tokens, embed["embedding"], unembed, cfg, mtp_block)
+    return logits, stats, mtp_logits
 
 
 def _gathered(tree, specs, mesh):
@@ -225,6 +292,7 @@ def _layer_stats(aux) -> LMAux:
         router_entropy=_router_entropy(aux.router_logits),
         routed_fraction=aux.routed_fraction,
         mean_probs=aux.mean_probs,
+        sequence_balance_loss=aux.sequence_balance_loss,
     )
 
 
@@ -234,26 +302,28 @@ def _attention_implementation(implementation: str) -> str:
     return implementation if implementation in ("auto", "pallas") else "xla"
 
 
-def _attention_stage(layer, x, slots, *, cfg, cos, sin, mesh, constrain, attn_impl):
+def _attention_stage(layer, x, slots, *, cfg, cos, sin, mesh, constrain, attn_impl, window=None):
     """The first half of a pre-norm block: `x + attention(norm(x))`."""
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
+        if cfg.mla is not None:
+            return constrain(x + mla_attention(layer["attn"], h, cos, sin, cfg))
         a = attention(
             layer["attn"], h, cos, sin, mesh=mesh, implementation=attn_impl,
-            qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, wgrad_slots=slots,
+            qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, wgrad_slots=slots, window=window,
         )  # fmt: skip
         return constrain(x + a)
 
 
-def _ffn_stage(layer, x, table, next_attn, *, is_moe, cfg, constrain, moe):
+def _ffn_stage(layer, x, table, next_attn, replay=None, *, is_moe, cfg, constrain, moe):
     """The second half: `(x + ffn(norm(x)), MoEAux or None, the FFN input, the next block's
-    attention weight-gradient slots or None)`."""
+    attention weight-gradient slots or None)`; `replay`: recorded experts `[B, S, K]`."""
     h = rms_norm(x, layer["ffn_norm"]["scale"], cfg.norm_eps)
     slots = None
     if is_moe:
         with jax.named_scope("moe"):
             side = None if next_attn is None else _wgrad.attention_side(h, next_attn)
-            y, aux, slots = moe(layer["moe"], h, placement=table, wgrad=side)
+            y, aux, slots = moe(layer["moe"], h, slot_table=table, wgrad=side, replay=replay)
     else:
         with jax.named_scope("mlp"):
             y, aux = swiglu_mlp(layer["mlp"], h), None
@@ -261,8 +331,9 @@ def _ffn_stage(layer, x, table, next_attn, *, is_moe, cfg, constrain, moe):
 
 
 def split_block(
-    layer, xs, table, slots=None, next_attn=None, *,
+    layer, xs, table, slots=None, next_attn=None, replay=None, *,
     is_moe, compute, cfg, cos, sin, mesh, constrain, moe, attn_impl, next_compute=None,
+    return_experts=False, window=None,
 ):  # fmt: skip
     """One block over micro-batches `xs` (a tuple), staggered stage by stage.
 
@@ -280,6 +351,9 @@ def split_block(
     block's MoE backward; `next_attn` (the next block's attention weights, raw, laid out by
     `next_compute`) makes this block's MoE layer compute the next block's in its backward.
 
+    Router replay: `replay` (one `[B / k, S, K]` per micro-batch, or None) are the MoE layer's
+    experts; with `return_experts` its `LMAux` carries the experts chosen (`expert_index`).
+
     Returns:
       `(xs, LMAux of this layer (merged over micro-batches) or None, the FFN inputs, the next
       block's slots (one per micro-batch) or None)`.
@@ -292,15 +366,21 @@ def split_block(
     attend = functools.partial(
         _attention_stage,
         cfg=cfg, cos=cos, sin=sin, mesh=mesh, constrain=constrain, attn_impl=attn_impl,
+        window=window,
     )  # fmt: skip
     ffn = functools.partial(_ffn_stage, is_moe=is_moe, cfg=cfg, constrain=constrain, moe=moe)
+    replay = tuple(map(constrain, replay)) if replay is not None else (None,) * len(xs)
     mid = _staggered(lambda x, s: (attend(layer, x, s), None), list(zip(xs, slots, strict=True)))
     outs = _staggered(
-        lambda x, _: _split_ffn_out(ffn(layer, x, table, next_attn)), [(m, None) for m, _ in mid]
+        lambda x, r: _split_ffn_out(ffn(layer, x, table, next_attn, r)),
+        [(m, r) for (m, _), r in zip(mid, replay, strict=True)],
     )
     ys = tuple(y for y, _ in outs)
     auxes, hs, next_slots = zip(*(rest for _, rest in outs), strict=True)
     stats = None if auxes[0] is None else merge_stats([_layer_stats(a) for a in auxes])
+    if stats is not None and return_experts:
+        chosen = [a.topk_indices.reshape(*h.shape[:-1], -1) for a, h in zip(auxes, hs, strict=True)]
+        stats = dataclasses.replace(stats, expert_index=constrain(merge_rows(chosen)))
     return ys, stats, hs, (None if next_slots[0] is None else next_slots)
 
 
@@ -358,28 +438,36 @@ def merge_stats(stats: list[LMAux]) -> LMAux:
 
 
 def _unscanned_layers(
-    p, x, cfg, compute, tables, block, policy, start=0, delay_wgrad=False, slots=None
-):
-    """Blocks `[start, L)` one after the other: `(x, LMAux stacked over their MoE layers)`.
+    p, x, cfg, compute, tables, block, policy, start=0, delay_wgrad=False, slots=None, stop=None,
+    replays=None,
+):  # fmt: skip
+    """Blocks `[start, stop)` (`stop` None: to the last) one after the other: `(x, LMAux
+    stacked over their MoE layers)`; `tables` are those of their MoE layers, in order.
 
     With `delay_wgrad`, each MoE block followed by another block computes that block's
     attention weight gradients in its MoE layer's backward (`split_block`); `slots` are the
-    first block's, from a block before `start`."""
-    stats, tables = [], iter(tables)
-    for i in range(start, cfg.num_layers):
+    first block's, from a block before `start`. `replays`: per micro-batch `[Lm', B / k, S, K]`
+    recorded experts of their `Lm'` MoE layers, in order, or None."""
+    stats, tables, j = [], iter(tables), 0
+    stop = cfg.num_layers if stop is None else stop
+    for i in range(start, stop):
         delay = delay_wgrad and cfg.is_moe(i) and i + 1 < cfg.num_layers
         fn = functools.partial(
             block,
             is_moe=cfg.is_moe(i),
             compute=compute and compute["layers"][i],
             next_compute=compute and compute["layers"][i + 1]["attn"] if delay else None,
+            window=cfg.window(i),
         )
         if policy is not None:
             fn = jax.checkpoint(fn, policy=policy)
         next_attn = p["layers"][i + 1]["attn"] if delay else None
         with jax.named_scope(f"layer_{i}"):
             table = next(tables) if cfg.is_moe(i) else None
-            x, s, _, slots = fn(p["layers"][i], x, table, slots, next_attn)
+            replay = None
+            if replays is not None and cfg.is_moe(i):
+                replay, j = tuple(r[j] for r in replays), j + 1
+            x, s, _, slots = fn(p["layers"][i], x, table, slots, next_attn, replay)
         if s is not None:
             stats.append(s)
     return x, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
@@ -390,24 +478,100 @@ def _side(x, weights):
     return side.weights, side.templates
 
 
-def _scanned_layers(p, x, cfg, compute, tables, block, policy, mesh=None, delay_wgrad=False):
-    """Blocks `[0, R * u)` as a scan over R units of `u = moe_every` blocks (the last one MoE),
-    then the leftover (dense) blocks unscanned.
+def layer_runs(cfg: LMConfig) -> tuple[ScanRun, ...]:
+    """The runs `lm_forward(scan_layers=True)` scans (`moejax.models._patterns.scan_runs`)."""
+    legacy = cfg.moe_every if cfg.mlp_layer_types is None and cfg.layer_types is None else None
+    return scan_runs(cfg.layer_kinds, legacy_unit=legacy)
 
-    With `delay_wgrad`, unit `r`'s MoE layer computes the weight gradients of the attention of
-    the block after it (unit `r + 1`'s first, or the first leftover block's), whose weights
-    the scan takes with unit `r`'s, and whose slots it carries. The last unit's, where no
-    block follows, go to block 0's weights with zero inputs: they add exactly nothing. Block
-    0's own come from slots made before the scan, computed after its backward."""
-    u, layers = cfg.moe_every, p["layers"]
-    repeats = cfg.num_layers // u
-    units = [layers[k * u : (k + 1) * u] for k in range(repeats)]
+
+def _scanned_layers(
+    p, x, cfg, compute, tables, block, policy, mesh=None, delay_wgrad=False, replays=None
+):
+    """The runs of `layer_runs` as scans over their units, the layers between and after them
+    unscanned: `(x, LMAux stacked over the MoE layers in order)`. `replays`: per micro-batch
+    `[Lm, B / k, S, K]` recorded experts, or None.
+
+    `delay_wgrad` needs one run from layer 0 whose unit ends in an MoE block (every
+    `moe_every` pattern): see `_scan_run`."""
+    runs = layer_runs(cfg)
+    if delay_wgrad and not (len(runs) == 1 and runs[0].start == 0 and cfg.is_moe(runs[0].unit - 1)):
+        raise ValueError(
+            f"delay_wgrad=True with scan_layers: the layer pattern {cfg.mlp_kinds} scans as "
+            f"{runs}; delaying needs one run from layer 0 whose unit ends in an MoE layer "
+            "(a moe_every pattern); pass delay_wgrad=False or scan_layers=False"
+        )
+    moe_index = {layer: j for j, layer in enumerate(cfg.moe_layers)}
+
+    def tables_of(lo, hi):
+        return [tables[moe_index[i]] for i in range(lo, hi) if i in moe_index]
+
+    def replays_of(lo, hi):  # the MoE layers of blocks [lo, hi) are consecutive in `replays`
+        if replays is None:
+            return None
+        first = sum(i < lo for i in cfg.moe_layers)
+        n = sum(lo <= i < hi for i in cfg.moe_layers)
+        return tuple(r[first : first + n] for r in replays)
+
+    stats, pos, slots = [], 0, None
+    for run in runs:
+        x, s = _unscanned_layers(
+            p, x, cfg, compute, tables_of(pos, run.start), block, policy, start=pos,
+            stop=run.start, replays=replays_of(pos, run.start),
+        )  # fmt: skip
+        stats.append(s)
+        end = run.start + run.unit * run.repeats
+        x, s, slots = _scan_run(
+            p, x, cfg, compute, tables_of(run.start, end), block, policy, run,
+            mesh=mesh, delay_wgrad=delay_wgrad, replays=replays_of(run.start, end),
+        )  # fmt: skip
+        stats.append(s)
+        pos = end
+    x, s = _unscanned_layers(
+        p, x, cfg, compute, tables_of(pos, cfg.num_layers), block, policy, start=pos,
+        delay_wgrad=delay_wgrad, slots=slots if pos < cfg.num_layers else None,
+        replays=replays_of(pos, cfg.num_layers),
+    )  # fmt: skip
+    stats = [s for s in [*stats, s] if s is not None]
+    if not stats:
+        return x, None
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
+
+
+def _scan_run(
+    p, x, cfg, compute, tables, block, policy, run, mesh=None, delay_wgrad=False, replays=None
+):
+    """Blocks `[s, s + R * u)` of a `ScanRun` as a scan over its R units of u blocks:
+    `(x, LMAux of its MoE layers in order or None, the slots for the block after it)`.
+    `replays`: per micro-batch `[R * m, B / k, S, K]` recorded experts of its `m` MoE layers
+    per unit, in order, or None.
+
+    With `delay_wgrad` (a run from block 0 whose unit ends in an MoE block), unit `r`'s last
+    MoE layer computes the weight gradients of the attention of the block after it (unit
+    `r + 1`'s first, or the first block after the run), whose weights the scan takes with unit
+    `r`'s, and whose slots it carries. The last unit's, where no block follows, go to block
+    0's weights with zero inputs: they add exactly nothing. Block 0's own come from slots made
+    before the scan, computed after its backward."""
+    s0, u, repeats = run
+    layers = p["layers"]
+    units = [layers[s0 + k * u : s0 + (k + 1) * u] for k in range(repeats)]
     stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
-    unit_compute = compute and compute["layers"][:u]
-    table_xs = None if tables[0] is None else stack(tables)
+    unit_compute = compute and compute["layers"][s0 : s0 + u]
+    moe_in_unit = [j for j in range(u) if cfg.is_moe(s0 + j)]
+    m = len(moe_in_unit)
+    # tables of unit r, MoE block q: tables[r * m + q]; stacked over r per in-unit MoE block.
+    table_xs = None
+    if m and tables[0] is not None:
+        table_xs = tuple(stack(tables[q::m]) for q in range(m))
+    # replays of unit r, MoE block q: row r * m + q, so [R * m, ...] -> [R, m, ...] per
+    # micro-batch (None for a unit without MoE blocks: nothing to replay).
+    replay_xs = None
+    if m and replays is not None:
+        replay_xs = tuple(r.reshape(repeats, m, *r.shape[1:]) for r in replays)
     next_attn, slots, attn_compute = None, None, None
     if delay_wgrad:
-        following = [(r + 1) * u if (r + 1) * u < cfg.num_layers else 0 for r in range(repeats)]
+        end = s0 + u * repeats
+        following = [s0 + (r + 1) * u if s0 + (r + 1) * u < end else end for r in range(repeats)]
+        following = [i if i < cfg.num_layers else 0 for i in following]
         next_attn = stack([layers[i]["attn"] for i in following])
         attn_compute = compute and compute["layers"][0]["attn"]
         first = _gathered(layers[0]["attn"], attn_compute, mesh)
@@ -415,32 +579,39 @@ def _scanned_layers(p, x, cfg, compute, tables, block, policy, mesh=None, delay_
 
     def unit(carry, xs):
         x, slots = carry
-        layers, table, nxt = xs
+        layers, table, nxt, replay = xs
+        unit_stats = []
         for j in range(u):
             delay = delay_wgrad and j == u - 1
+            is_moe = cfg.is_moe(s0 + j)
             fn = functools.partial(
                 block,
-                is_moe=cfg.is_moe(j),
+                is_moe=is_moe,
                 compute=unit_compute and unit_compute[j],
                 next_compute=attn_compute if delay else None,
+                window=cfg.window(s0 + j),
             )
+            q = moe_in_unit.index(j) if is_moe else None
             x, s, _, out = fn(
                 layers[j],
                 x,
-                table if cfg.is_moe(j) else None,
+                None if table is None or q is None else table[q],
                 slots if j == 0 else None,
                 nxt if delay else None,
+                None if replay is None or q is None else tuple(r[q] for r in replay),
             )
-        return (x, out), s
+            if s is not None:
+                unit_stats.append(s)
+        stats = jax.tree.map(lambda *a: jnp.stack(a), *unit_stats) if unit_stats else None
+        return (x, out if delay_wgrad else None), stats
 
     if policy is not None:
         unit = jax.checkpoint(unit, policy=policy)
-    (x, slots), stats = jax.lax.scan(unit, (x, slots), (stack(units), table_xs, next_attn))
-    x, _ = _unscanned_layers(
-        p, x, cfg, compute, [], block, policy, start=repeats * u,
-        delay_wgrad=delay_wgrad, slots=slots if repeats * u < cfg.num_layers else None,
-    )  # fmt: skip
-    return x, stats
+    scanned = (stack(units), table_xs, next_attn, replay_xs)
+    (x, slots), stats = jax.lax.scan(unit, (x, slots), scanned)
+    if stats is not None:  # [R, m, ...] -> [R * m, ...]: the MoE layers in order
+        stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
+    return x, stats, slots
 
 
 def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax.Array]:
@@ -456,17 +627,17 @@ def moe_layer_inputs(params: dict, tokens: jax.Array, cfg: LMConfig) -> list[jax
       `Lm` arrays `[B, S, D]` in `cfg.dtype`, in the order of `cfg.moe_layers`.
     """
     p = cast_floating(params, cfg.dtype)
-    cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
     x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
 
-    def moe(layer_params, h, placement, wgrad):
+    def moe(layer_params, h, slot_table, wgrad, replay=None):
         return (*moejax.moe_apply(layer_params, h, cfg.moe), None)
 
     inputs = []
     for i, layer in enumerate(p["layers"]):
         (x,), _, (h,), _ = split_block(
             layer, (x,), None, is_moe=cfg.is_moe(i), compute=None, cfg=cfg, cos=cos, sin=sin,
-            mesh=None, constrain=lambda v: v, moe=moe, attn_impl="xla",
+            mesh=None, constrain=lambda v: v, moe=moe, attn_impl="xla", window=cfg.window(i),
         )  # fmt: skip
         if cfg.is_moe(i):
             inputs.append(h)

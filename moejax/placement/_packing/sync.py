@@ -13,7 +13,7 @@ gradients at ``N = 2048``) while the mean share is ``2 (P - E) / N`` (2 at ``E =
 ``limit_sync`` moves replicas between devices, replica counts unchanged, so that neither maximum
 rises and the largest share falls where it can. It alternates two vectorised pair passes
 (``N / 2`` disjoint device pairs at once, each pair's ``2S`` replicas re-split over every split
-of ``packing._splits``):
+of ``common.splits``):
 
 1. **share pass**: the devices with the largest shares paired with those of the smallest; each
    pair takes the split with the smallest larger share among those whose loads stay within the
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.placement.packing import _has_duplicates, _splits
+from moejax.placement._packing.common import duplicate_splits, larger_side, splits
 
 _MAX_PASSES = 16  # alternating share + load passes at most
 _STALL_PASSES = 2  # stop after this many passes that lower neither maximum
@@ -107,12 +107,9 @@ def _resplit(tab, w, sh, first, second, *, by_share: bool, cap: float):
     items = np.concatenate([tab[first], tab[second]], axis=1)  # [half, 2S]
     item_w = np.concatenate([w[first], w[second]], axis=1)
     item_sh = np.concatenate([sh[first], sh[second]], axis=1)
-    mask = _splits(s)  # [C, 2S]
-    side = mask.T.astype(np.float64)
-    load_a = item_w @ side  # [half, C]
-    load = np.maximum(load_a, item_w.sum(axis=1, keepdims=True) - load_a)
-    share_a = item_sh @ side
-    share = np.maximum(share_a, item_sh.sum(axis=1, keepdims=True) - share_a)
+    mask = splits(s)  # [C, 2S]
+    load = larger_side(item_w, mask)  # [half, C]
+    share = larger_side(item_sh, mask)
     slack = 1e-12 * max(cap, 1.0)
     if by_share:  # lexicographic: share first, then load (loads are below cap, a finite scale)
         allowed = load <= cap + slack
@@ -120,10 +117,7 @@ def _resplit(tab, w, sh, first, second, *, by_share: bool, cap: float):
     else:
         allowed = share <= cap + 1e-9
         score = load
-    grouped = np.sort(items, axis=1)
-    repeated = np.flatnonzero(np.any(grouped[:, 1:] == grouped[:, :-1], axis=1))
-    if repeated.size:
-        allowed[repeated] &= ~_has_duplicates(items[repeated], mask)
+    allowed &= ~duplicate_splits(items, mask)
     allowed[:, 0] = True  # the current split (within both caps) is always allowed
     chosen = mask[np.argmin(np.where(allowed, score, np.inf), axis=1)]  # [half, 2S]
     tab, w, sh = tab.copy(), w.copy(), sh.copy()

@@ -20,7 +20,11 @@ communication stream, so one kind's exposure can exceed its own link time when a
 holds the stream. The step is the compute stream's busy time plus all exposed time.
 
 `estimate(hlo_text, hardware)` returns a `ScheduleEstimate`: the step, compute and communication
-time, exposed time in total and by collective kind, and one `Window` per collective.
+time, exposed time in total and by collective kind, and one `Window` per collective. The device
+models are views of `moejax.hardware`'s table (`H100_SXM`, `H200_SXM`, `TPU_V5E`, `TPU_V5P`,
+`TPU_V6E`; `HARDWARE` by key "h100", "h200", "v5e", "v5p", "v6e"). `parse` gives one `Op` per
+instruction; its kind is `COMPUTE`, `START`, `DONE`, `SYNC`, `FREE`, `LOOP` or `BRANCH`, and
+`COLLECTIVES` lists the collective opcodes modelled.
 
 Per instruction (`parse`):
 
@@ -84,27 +88,29 @@ compile it.
 step 14.66 us, exposed 10.16 us
 """
 
-from moejax.schedule_model._hardware import H100_SXM as H100_SXM
-from moejax.schedule_model._hardware import HARDWARE as HARDWARE
-from moejax.schedule_model._hardware import TPU_V5E as TPU_V5E
-from moejax.schedule_model._hardware import TPU_V5P as TPU_V5P
-from moejax.schedule_model._hardware import Hardware as Hardware
-from moejax.schedule_model._ops import BRANCH as BRANCH
-from moejax.schedule_model._ops import COLLECTIVES as COLLECTIVES
-from moejax.schedule_model._ops import COMPUTE as COMPUTE
-from moejax.schedule_model._ops import DONE as DONE
-from moejax.schedule_model._ops import FREE as FREE
-from moejax.schedule_model._ops import LOOP as LOOP
-from moejax.schedule_model._ops import START as START
-from moejax.schedule_model._ops import SYNC as SYNC
-from moejax.schedule_model._ops import Op as Op
-from moejax.schedule_model._ops import parse as parse
-from moejax.schedule_model._replay import ScheduleEstimate as ScheduleEstimate
-from moejax.schedule_model._replay import Window as Window
-from moejax.schedule_model._replay import collective_seconds as collective_seconds
-from moejax.schedule_model._replay import estimate as estimate
-from moejax.schedule_model._replay import op_seconds as op_seconds
-from moejax.schedule_model._replay import simulate as simulate
+from moejax.aot.schedule._hardware import H100_SXM as H100_SXM
+from moejax.aot.schedule._hardware import H200_SXM as H200_SXM
+from moejax.aot.schedule._hardware import HARDWARE as HARDWARE
+from moejax.aot.schedule._hardware import TPU_V5E as TPU_V5E
+from moejax.aot.schedule._hardware import TPU_V5P as TPU_V5P
+from moejax.aot.schedule._hardware import TPU_V6E as TPU_V6E
+from moejax.aot.schedule._hardware import Hardware as Hardware
+from moejax.aot.schedule._ops import BRANCH as BRANCH
+from moejax.aot.schedule._ops import COLLECTIVES as COLLECTIVES
+from moejax.aot.schedule._ops import COMPUTE as COMPUTE
+from moejax.aot.schedule._ops import DONE as DONE
+from moejax.aot.schedule._ops import FREE as FREE
+from moejax.aot.schedule._ops import LOOP as LOOP
+from moejax.aot.schedule._ops import START as START
+from moejax.aot.schedule._ops import SYNC as SYNC
+from moejax.aot.schedule._ops import Op as Op
+from moejax.aot.schedule._ops import parse as parse
+from moejax.aot.schedule._replay import ScheduleEstimate as ScheduleEstimate
+from moejax.aot.schedule._replay import Window as Window
+from moejax.aot.schedule._replay import collective_seconds as collective_seconds
+from moejax.aot.schedule._replay import estimate as estimate
+from moejax.aot.schedule._replay import op_seconds as op_seconds
+from moejax.aot.schedule._replay import simulate as simulate
 
 __all__ = [
     "BRANCH",
@@ -113,12 +119,14 @@ __all__ = [
     "DONE",
     "FREE",
     "H100_SXM",
+    "H200_SXM",
     "HARDWARE",
     "LOOP",
     "START",
     "SYNC",
     "TPU_V5E",
     "TPU_V5P",
+    "TPU_V6E",
     "Hardware",
     "Op",
     "ScheduleEstimate",

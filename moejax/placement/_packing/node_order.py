@@ -28,7 +28,7 @@ At ``N = 2048`` (``H100_IB``, the simulator's Zipf trace) the largest cross-node
 from 3.5 gradients (devices in packing order) to about 2, for ~30 ms of host time per re-pack.
 
 ``align_nodes`` keeps that grouping when the packing is relabelled onto the current placement
-(``packing.align`` does it device by device): nodes are matched to old nodes first, then devices
+(``flat.align`` does it device by device): nodes are matched to old nodes first, then devices
 within each node, both by shared experts.
 
 >>> import numpy as np
@@ -45,7 +45,7 @@ import collections
 
 import numpy as np
 
-from moejax.placement.packing import match_devices, order_slots, unique_ints
+from moejax.placement._packing.common import match_devices, order_slots, unique_ints
 
 _EPS = 1e-9  # shares are sums of a few 2 (d - 1) / d
 _MAX_ROUNDS = 8  # rounds of device swaps between nodes at most (``_Swapper``)
@@ -236,13 +236,13 @@ class _Swapper:
 def align_nodes(
     old_table: np.ndarray, new: np.ndarray, num_experts: int, devices_per_node: int
 ) -> np.ndarray:
-    """``packing.align`` that keeps ``new``'s nodes (consecutive blocks of ``G`` devices) whole.
+    """``flat.align`` that keeps ``new``'s nodes (consecutive blocks of ``G`` devices) whole.
 
     Args:
       old_table: ``[N, S]`` current experts per device.
       new: ``[N, S]`` packed experts per device, grouped into nodes (``group_nodes``).
       num_experts: ``E``.
-      devices_per_node: ``G``; ``N`` a multiple of it (else ``packing.align`` is the one to use).
+      devices_per_node: ``G``; ``N`` a multiple of it (else ``flat.align`` is the one to use).
 
     Returns:
       ``[P]`` int64 slot-to-expert table: ``new``'s nodes permuted onto old nodes, its devices

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from moejax import hardware
+
 # ---------------------------------------------------------------------------------------------
 # Hardware
 # ---------------------------------------------------------------------------------------------
@@ -11,8 +13,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """Peak rates of one device and its links (what `moejax.training.plan.Target`, a slice to
-    compile for, does not say).
+    """Peak rates of one device and its links, and the latencies the replay charges (the
+    schedule model's view of a `moejax.hardware.Device`, `Hardware.of`).
 
     Attributes:
       name: label used in tables.
@@ -56,52 +58,37 @@ class Hardware:
         rates = dict(self.flops_per_s)
         return rates.get(dtype, min(rates.values()))
 
+    @classmethod
+    def of(cls, device: hardware.Device, *, launch_s: float, collective_latency_s: float):
+        """The schedule model's view of a `moejax.hardware.Device`: its rates and links, plus
+        the launch and collective latencies, which no datasheet gives."""
+        return cls(
+            device.name,
+            flops_per_s=device.flops_per_s,
+            hbm_bytes_per_s=device.hbm_bytes_per_s,
+            link_bytes_per_s=device.link_bytes_per_s,
+            node_size=device.node_size,
+            network_bytes_per_s=device.network_bytes_per_s,
+            launch_s=launch_s,
+            collective_latency_s=collective_latency_s,
+        )
 
-# NVIDIA H100 SXM5 (H100 datasheet, dense): BF16/FP16 989 TFLOP/s, TF32 494.7, FP32 66.9,
-# FP8/INT8 1979; HBM3 3.35 TB/s. NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction in an
-# 8-GPU node; between nodes one 400 Gb/s NDR InfiniBand port per GPU = 50 GB/s (the figures of
-# `moejax.placement.H100_IB`). Launch: XLA:GPU replays kernels from CUDA graphs, a few us each;
-# collective latency: NCCL's small-message time on one NVLink node is ~10 us.
-H100_SXM = Hardware(
-    "h100-sxm",
-    flops_per_s=(
-        ("bf16", 989e12),
-        ("f16", 989e12),
-        ("f32", 494.7e12),
-        ("f32_highest", 66.9e12),
-        ("f8", 1979e12),
-        ("int8", 1979e12),
-    ),
-    hbm_bytes_per_s=3.35e12,
-    link_bytes_per_s=450e9,
-    node_size=8,
-    network_bytes_per_s=50e9,
-    launch_s=2e-6,
-    collective_latency_s=10e-6,
-)
 
-# Cloud TPU v5e (cloud.google.com/tpu/docs/v5e): 197 TFLOP/s BF16, 394 INT8 per chip; HBM2
-# 819 GB/s; inter-chip interconnect 1,600 Gbps per chip, read as 200 GB/s per direction the way
-# `moejax.placement.TPU_V5P_ICI` reads v5p's 4,800 Gbps as 600 GB/s. f32 at DEFAULT precision is
-# one bf16 pass; HIGHEST six. One flat network (the torus is not modelled).
-TPU_V5E = Hardware(
-    "tpu-v5e",
-    flops_per_s=(("bf16", 197e12), ("f32", 197e12), ("f32_highest", 197e12 / 6), ("int8", 394e12)),
-    hbm_bytes_per_s=819e9,
-    link_bytes_per_s=200e9,
-    launch_s=1e-6,
-    collective_latency_s=5e-6,
-)
+# Datasheet figures and their sources: `moejax.hardware`. Latencies are assumptions, not
+# measurements. GPU launch: XLA:GPU replays kernels from CUDA graphs, a few us each; collective
+# latency: NCCL's small-message time on one NVLink node is ~10 us. TPU: half of each.
+_GPU = dict(launch_s=2e-6, collective_latency_s=10e-6)
+_TPU = dict(launch_s=1e-6, collective_latency_s=5e-6)
+H100_SXM = Hardware.of(hardware.H100_SXM, **_GPU)
+H200_SXM = Hardware.of(hardware.H200_SXM, **_GPU)
+TPU_V5E = Hardware.of(hardware.TPU_V5E, **_TPU)
+TPU_V5P = Hardware.of(hardware.TPU_V5P, **_TPU)
+TPU_V6E = Hardware.of(hardware.TPU_V6E, **_TPU)
 
-# Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s BF16, 918 INT8 per chip; HBM2e
-# 2,765 GB/s; interconnect 600 GB/s per direction (as `moejax.placement.TPU_V5P_ICI`).
-TPU_V5P = Hardware(
-    "tpu-v5p",
-    flops_per_s=(("bf16", 459e12), ("f32", 459e12), ("f32_highest", 459e12 / 6), ("int8", 918e12)),
-    hbm_bytes_per_s=2765e9,
-    link_bytes_per_s=600e9,
-    launch_s=1e-6,
-    collective_latency_s=5e-6,
-)
-
-HARDWARE = {"h100": H100_SXM, "v5e": TPU_V5E, "v5p": TPU_V5P}
+HARDWARE = {
+    "h100": H100_SXM,
+    "h200": H200_SXM,
+    "v5e": TPU_V5E,
+    "v5p": TPU_V5P,
+    "v6e": TPU_V6E,
+}

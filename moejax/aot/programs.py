@@ -1,17 +1,10 @@
-"""Compile moejax for GPU and TPU meshes without the hardware (deviceless ahead-of-time).
+"""The programs users run on accelerators, compiled for GPU and TPU meshes without the hardware.
 
-The programs users run on accelerators — the sharded MoE layer's forward and backward, the LM
-train step — lowered with `jax.ShapeDtypeStruct`s on a deviceless H100 or TPU mesh
-(`pallas_kernels.targets`) and compiled by the real XLA:GPU / XLA:TPU pipelines on a CPU host.
+The sharded MoE layer's forward and backward (`layer_program`) and the LM train step
+(`train_step_program`), lowered with `jax.ShapeDtypeStruct`s on a deviceless H100 or TPU mesh
+(`mesh`) and compiled by the real XLA:GPU / XLA:TPU pipelines on a CPU host (`compile_program`).
 The compiled program says which kernels run (`kernel_counts`), what the scheduler did
-(`compiled.text`) and what fits (`compiled.memory`, XLA's `memory_analysis()` per device).
-
->>> from moejax import aot  # doctest: +SKIP
->>> mesh = aot.mesh("cuda", (2, 4), ("data", "expert"))  # doctest: +SKIP
->>> fn, args = aot.layer_program(cfg, mesh, strategy, tokens=8192)  # doctest: +SKIP
->>> out = aot.compile_program(fn, args)  # doctest: +SKIP
->>> out.kernels  # doctest: +SKIP
-{'gmm/triton': 3, 'gmm_t/triton': 3, 'tgmm/triton': 3}
+(`Compiled.text`) and what fits (`Compiled.memory`, XLA's `memory_analysis()` per device).
 """
 
 from __future__ import annotations
@@ -26,21 +19,6 @@ from jax.sharding import NamedSharding
 from pallas_kernels import introspect, targets
 
 KERNEL_NAMES = ("gmm", "gmm_t", "tgmm", "gather_gmm")
-
-
-def strategies():
-    """One `Strategy` per way the sharded layer can run (each mode and dispatcher, and a
-    pipelined one): what the deviceless compile suite and report cover."""
-    from moejax.parallel import Strategy
-
-    return (
-        Strategy(mode="expert", dispatcher="dropless"),
-        Strategy(mode="expert", dispatcher="dropless", chunks=2),
-        Strategy(mode="expert", dispatcher="capacity"),
-        Strategy(mode="expert", dispatcher="allgather"),
-        Strategy(mode="data"),
-        Strategy(mode="tensor"),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +49,27 @@ class Compiled:
         return m["argument"] + m["output"] + m["temp"] - m["alias"]
 
 
-def mesh(platform: str, shape, axis_names, **kw):
-    """A deviceless mesh of H100s ("cuda") or TPU chips ("tpu", `generation=` "v5e" default)."""
-    return targets.mesh_for(platform, shape, axis_names, **kw)
+def mesh(platform: str, shape, axis_names, *, topology: str | None = None, generation=None):
+    """A deviceless mesh (compile only) of `shape` with `axis_names`.
+
+    Args:
+      platform: "cuda" (H100s) or "tpu".
+      shape, axis_names: the mesh's axis sizes and names.
+      topology: the deviceless slice (`pallas_kernels.targets`): GPU "slices x hosts x devices
+        per host" (default: one host of `prod(shape)` GPUs), TPU "generation:shape" such as
+        "v5p:4x4x4" (default: the 8-chip slice of `generation`).
+      generation: TPU only, without `topology`: "v5e" (default), "v5p", "v6e" or "v4".
+
+    Returns:
+      A `jax.sharding.Mesh` of the slice's first `prod(shape)` devices.
+    """
+    if platform == "cuda":
+        if generation is not None:
+            raise ValueError(f"generation is for TPU meshes, got {generation!r} for 'cuda'")
+        return targets.gpu_mesh(shape, axis_names, topology=topology)
+    if platform == "tpu":
+        return targets.tpu_mesh(shape, axis_names, generation or "v5e", topology=topology)
+    raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
 
 
 def platform_of(mesh_) -> str:
@@ -116,8 +112,6 @@ def compile_program(
     }
     text = compiled.as_text()
     analysis = compiled.cost_analysis() or {}
-    if isinstance(analysis, list):  # older jax: one dict per program
-        analysis = analysis[0] if analysis else {}
     cost = {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
     return Compiled(platform, seconds, text, memory, kernel_counts(text), cost)
 
@@ -179,17 +173,3 @@ def train_step_program(model_cfg, train_cfg, mesh_, *, strategy="auto", batch_sp
         sharding=state_lib.batch_sharding(mesh_),
     )
     return step, (state, batch)
-
-
-__all__ = [
-    "KERNEL_NAMES",
-    "Compiled",
-    "compile_program",
-    "grouped_matmuls",
-    "kernel_counts",
-    "layer_program",
-    "mesh",
-    "platform_of",
-    "strategies",
-    "train_step_program",
-]

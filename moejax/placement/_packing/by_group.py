@@ -5,11 +5,11 @@ Shape letters: ``E`` experts, ``N`` devices, ``S`` slots per device, ``G`` devic
 
 With group-limited routing a token reaches the nodes of its ``topk_groups`` groups only if
 each group lives on few nodes (``groups.py``: the all-to-all crosses nodes once per destination
-node). ``packing_hier.pack_by_node`` deals single experts to nodes and so spreads every group
+node). ``by_node.pack_by_node`` deals single experts to nodes and so spreads every group
 over all of them. Here, as in DeepSeek's EPLB hierarchy, whole groups go to nodes first:
 
 1. **Homes** (``group_homes``): every node holds ``Q`` experts once. When ``M`` divides the
-   number of groups, ``packing.pack`` deals whole groups, ``num_groups / M`` per node, balancing
+   number of groups, ``flat.pack`` deals whole groups, ``num_groups / M`` per node, balancing
    the nodes' rows (1 node per group). Otherwise the groups are laid out in id order, ``Q``
    experts per node (``groups.min_nodes_per_group`` nodes each: ``M / num_groups`` when that
    divides), and each group's experts are dealt, hottest first, to the least loaded of its
@@ -17,17 +17,17 @@ over all of them. Here, as in DeepSeek's EPLB hierarchy, whole groups go to node
 2. **Spill** (``spill`` in ``[0, 1]``): a node's ``C`` slots hold replicas of its own experts
    only, so a node whose groups are hot stays hot. With ``spill > 0`` the nodes are given
    ``spill`` x the slots they are short of (or have in excess) against a global apportionment
-   (``packing.apportion``, at most ``N`` replicas); a hot node's extra slots are one replica
+   (``flat.apportion``, at most ``N`` replicas); a hot node's extra slots are one replica
    each of its hottest replicated experts (by rows per replica), placed on the least loaded
    nodes with room. Spilled replicas take their group's rows off its nodes, which costs
    cross-node traffic (``groups.cross_node_copies``): ``planner.plan`` tries a few ``spill``
    levels and keeps the one the cost model prices lowest, 0 when nothing pays.
-3. **Replica counts and devices per node**: as ``packing_hier`` steps 2 and 3 (the ``j``
+3. **Replica counts and devices per node**: as ``by_node`` steps 2 and 3 (the ``j``
    coldest experts split two or three ways, the rest by highest averages, ``j`` on a coarser
    grid (0-3, then quarters of the most) to bound the time; packed into the
    node's ``G`` devices by rounds, and pairwise re-splits for the ``_FINALISTS`` best before
-   them); the candidate whose busiest device is lightest over all nodes is kept (spilled
-   replicas couple the nodes).
+   them; ``common.candidate_replicas`` and ``common.pack_nodes``); the candidate whose busiest
+   device is lightest over all nodes is kept (spilled replicas couple the nodes).
 
 Plain numpy; no jax.
 """
@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from moejax.placement._packing.common import candidate_replicas, pack_nodes
+from moejax.placement._packing.flat import apportion, pack
 from moejax.placement.groups import experts_per_group, min_nodes_per_group
-from moejax.placement.packing import apportion, pack
-from moejax.placement.packing_hier import _pack_nodes
 
 SPILL_LEVELS = (0.0, 0.5, 1.0)  # spill fractions the planner tries (0: groups kept whole)
 _FINALISTS = 3  # replica-count candidates re-split in full (by their balance before re-splits)
@@ -85,13 +85,13 @@ def pack_by_group(
     budget = g * s + out - into  # [M] replicas of each node's own experts
     filled = [
         _fill_nodes(homes, node_counts, r, out, into)
-        for r in _candidate_replicas(node_counts, budget, g + out)
+        for r in candidate_replicas(node_counts, budget, g + out)
     ]
     # Every candidate dealt to devices (no re-splits), the best few re-split in full.
-    rough = [_pack_nodes(w, ids, g, s, passes=0)[1].sum(axis=2).max() for ids, w in filled]
+    rough = [pack_nodes(w, ids, g, s, passes=0)[1].sum(axis=2).max() for ids, w in filled]
     best_table, best_max = None, np.inf
     for k in np.argsort(rough, kind="stable")[:_FINALISTS].tolist():
-        table, slot_w = _pack_nodes(filled[k][1], filled[k][0], g, s)
+        table, slot_w = pack_nodes(filled[k][1], filled[k][0], g, s)
         worst = float(slot_w.sum(axis=2).max())
         if worst < best_max:
             best_table, best_max = table, worst
@@ -147,42 +147,6 @@ def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
     rest = total - int(share.sum())
     share[np.argsort(-(quota - share), kind="stable")[:rest]] += 1
     return share
-
-
-def _candidate_replicas(node_counts: np.ndarray, budget: np.ndarray, cap: np.ndarray):
-    """``[M, Q]`` replica counts per candidate, summing to ``budget [M]`` per node, each at
-    most ``cap [M]`` (``packing_hier`` step 2, with a budget per node)."""
-    m, q = node_counts.shape
-    spare = budget - q  # [M]
-    rows = np.arange(m)
-    coldest = np.argsort(node_counts, axis=1, kind="stable")
-    out = []
-    for ways in (2, 3):
-        limit = np.minimum(2 * spare // (3 * (ways - 1)), q)  # [M] cold splits at most
-        first = 0 if ways == 2 else 1  # (j = 0 is the same candidate for both)
-        top = int(limit.max())
-        # j on a coarse grid (all of 0..3, then quarters): each candidate is a full packing.
-        grid = set(range(min(top, 3) + 1)) | {round(top * f / 4) for f in range(1, 5)}
-        for j in sorted(grid - set(range(first))):
-            split = np.minimum(j, limit)  # [M]
-            r = np.ones((m, q), np.int64)
-            cold = np.arange(q)[None, :] < split[:, None]
-            r[rows[:, None], coldest] = np.where(cold, ways, 1)
-            out.append(r + _highest_averages(node_counts, r, spare - split * (ways - 1), cap))
-    return out
-
-
-def _highest_averages(node_counts, r, left, cap) -> np.ndarray:
-    """``[M, Q]`` replicas added to ``r``: each node's ``left [M]`` largest ``n_e / (r_e + k)``,
-    ``k >= 0`` (so one expert's next replicas come in order), with ``r_e + k < cap [M]``."""
-    m, q = r.shape
-    k = np.arange(int(cap.max()))
-    priority = node_counts[:, :, None] / (r[:, :, None] + k)  # [M, Q, cap]
-    priority = np.where(r[:, :, None] + k < cap[:, None, None], priority, -np.inf)
-    order = np.argsort(-priority.reshape(m, -1), axis=1, kind="stable")[:, : int(left.max())]
-    take = np.arange(order.shape[1]) < left[:, None]  # [M, max left]
-    expert = np.arange(m)[:, None] * q + order // k.size
-    return np.bincount(expert[take], minlength=m * q).reshape(m, q)
 
 
 def _fill_nodes(homes, node_counts, r, out, into):

@@ -9,6 +9,9 @@ import re
 
 import numpy as np
 
+from moejax.aot import hlo
+from moejax.aot.hlo import Instr
+
 COLLECTIVES = (
     "all-to-all",
     "ragged-all-to-all",
@@ -96,18 +99,6 @@ class Op:
     branches: tuple[tuple[Op, ...], ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Instr:
-    name: str
-    shape: str
-    opcode: str
-    operands: tuple[str, ...]
-    attrs: str
-    line: str
-
-
-_INSTR = re.compile(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
-_HEADER = re.compile(r"(?:ENTRY\s+)?%([\w.\-]+)")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,<=\s]*)\]")
 _BITS = {
     "pred": 8,
@@ -131,38 +122,6 @@ _BITS = {
     "c128": 128,
     "token": 0,
 }
-
-
-def _close(text: str, i: int) -> int:
-    """Index of the `)` matching the `(` at `text[i]`."""
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "(":
-            depth += 1
-        elif text[j] == ")":
-            depth -= 1
-            if depth == 0:
-                return j
-    raise ValueError(f"unbalanced parentheses in {text[:120]!r}")
-
-
-def _instruction(line: str) -> _Instr | None:
-    """An instruction line of HLO text as its parts, or None for other lines."""
-    m = _INSTR.match(line)
-    if not m:
-        return None
-    rest = line[m.end() :]
-    if rest.startswith("("):
-        end = _close(rest, 0)
-        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
-    else:
-        shape, _, rest = rest.partition(" ")
-    op = re.match(r"([\w\-$]+)\(", rest)
-    if not op:
-        return None
-    end = _close(rest, op.end() - 1)
-    operands = tuple(re.findall(r"%([\w.\-]+)", rest[op.end() : end]))
-    return _Instr(m.group(1), shape, op.group(1), operands, rest[end + 1 :], line)
 
 
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -194,34 +153,6 @@ def _rate_key(dtype: str, highest: bool) -> str:
     if dtype == "f32":
         return "f32_highest" if highest else "f32"
     return dtype
-
-
-def _split_module(text: str) -> tuple[dict[str, list[str]], str, int]:
-    """`({computation: instruction lines}, entry name, devices)` of compiled HLO text."""
-    comps: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        if not line[0].isspace() and line.rstrip().endswith("{"):
-            m = _HEADER.match(line)
-            if m:
-                current = m.group(1)
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-            continue
-        if line.startswith("}"):
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-    if not entry:
-        raise ValueError("no ENTRY computation in the HLO text")
-    devices = 1
-    for key in ("num_partitions", "replica_count"):
-        m = re.search(rf"\b{key}=(\d+)", text)
-        devices *= int(m.group(1)) if m else 1
-    return comps, entry, devices
 
 
 def _groups(attrs: str, devices: int) -> tuple[tuple[int, ...], ...]:
@@ -281,16 +212,15 @@ class _Module:
     """Compiled HLO text, parsed computation by computation on demand (memoised)."""
 
     def __init__(self, text: str):
-        self.lines, self.entry, self.devices = _split_module(text)
-        self._instrs: dict[str, list[_Instr]] = {}
+        self.lines, self.entry, self.devices = hlo.computations(text)
+        self._instrs: dict[str, list[Instr]] = {}
         self._shapes: dict[str, dict[str, str]] = {}
         self._flops: dict[str, tuple[float, str, bool]] = {}
         self._ops: dict[str, tuple[Op, ...]] = {}
 
-    def instrs(self, comp: str) -> list[_Instr]:
+    def instrs(self, comp: str) -> list[Instr]:
         if comp not in self._instrs:
-            parsed = (_instruction(line) for line in self.lines.get(comp, ()))
-            self._instrs[comp] = [i for i in parsed if i is not None]
+            self._instrs[comp] = hlo.parsed(self.lines.get(comp, ()))
         return self._instrs[comp]
 
     def shapes(self, comp: str) -> dict[str, str]:
@@ -352,7 +282,7 @@ class _Module:
         self._ops[comp] = tuple(out)
         return self._ops[comp]
 
-    def op(self, ins: _Instr, shapes: dict[str, str]) -> Op:
+    def op(self, ins: Instr, shapes: dict[str, str]) -> Op:
         opcode = ins.opcode
         if opcode in _FREE_OPCODES:
             return Op(ins.name, opcode, FREE)
@@ -408,7 +338,7 @@ class _Module:
             groups=_groups(coll.attrs, self.devices),
         )
 
-    def _kernel(self, ins: _Instr, shapes: dict[str, str]) -> Op:
+    def _kernel(self, ins: Instr, shapes: dict[str, str]) -> Op:
         """A kernel: its products' FLOPs and the bytes of its operands and result."""
         operand_bytes = sum(_nbytes(shapes.get(o, "")) for o in dict.fromkeys(ins.operands))
         nbytes = operand_bytes + _nbytes(ins.shape)
@@ -441,7 +371,7 @@ def _highest(text: str) -> bool:
     )
 
 
-def _product_flops(ins: _Instr, shapes: dict[str, str]) -> tuple[float, str]:
+def _product_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
     """`(FLOPs, rate key)` of a `dot`, `convolution` or cuBLAS custom call; (0, "bf16") else."""
     result = _arrays(ins.shape)
     if not result or not ins.operands:
@@ -472,21 +402,21 @@ def _product_flops(ins: _Instr, shapes: dict[str, str]) -> tuple[float, str]:
     return 2.0 * out * k, _rate_key(lhs_dtype, _highest(ins.attrs))
 
 
-def _operand_arrays(ins: _Instr, shapes: dict[str, str]) -> list[tuple[str, tuple[int, ...]]]:
+def _operand_arrays(ins: Instr, shapes: dict[str, str]) -> list[tuple[str, tuple[int, ...]]]:
     m = re.search(r"operand_layout_constraints=\{(.*?)\}\s*,\s*\w+=", ins.attrs)
     if m:
         return _arrays(m[1])
     return [a for o in ins.operands for a in _arrays(shapes.get(o, ""))]
 
 
-def _main_dtype(ins: _Instr, shapes: dict[str, str]) -> str:
+def _main_dtype(ins: Instr, shapes: dict[str, str]) -> str:
     floats = [
         (math.prod(d), t) for t, d in _operand_arrays(ins, shapes) if t.startswith(("f", "bf"))
     ]
     return max(floats)[1] if floats else "bf16"
 
 
-def _pallas_flops(ins: _Instr, shapes: dict[str, str]) -> tuple[float, str]:
+def _pallas_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
     """FLOPs of this package's Triton kernels and jax's flash attention, from their shapes.
 
     `gmm` / `gmm_t` / `gather_gmm`: lhs `[M, K]` times one group's weight per row -> `[M, N]`;
