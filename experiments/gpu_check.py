@@ -76,11 +76,12 @@ from gpu_check_lib import (
 )
 
 import pallas_kernels as pk
+from moejax import hardware
 from pallas_kernels import shapes as pk_shapes
 from pallas_kernels import targets
 
 BF16_TOL = 2 * float(jnp.finfo(jnp.bfloat16).eps)  # one bf16 rounding of the output, with margin
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12}  # dense tensor-core datasheet
+PEAK_BF16 = {"H100": hardware.H100_SXM.peak("bf16"), "H200": hardware.H200_SXM.peak("bf16")}
 BUDGET_S = {"numerics": 40, "kernels": 230, "layer": 60, "train": 100}
 TIME_LIMIT_S = 450
 DRY_TILES = pk.Config(tm=64, tk=64, tn=128, num_stages=2, raster=2)  # interpreters: few tiles
