@@ -27,13 +27,14 @@ def test_plots_keep_the_callers_backend_and_figures(tmp_path):
     before = matplotlib.get_backend()
     try:
         matplotlib.use("svg")  # stands for a notebook's inline backend: anything but Agg
+        earlier = plt.get_fignums()  # figures another test in this worker left open
         mine = plt.figure()  # the caller's open figure
         records = _records()
         report.plot_loss(records, str(tmp_path / "loss.png"), baseline=3.1, eval_loss=2.5)
         report.plot_expert_load(records, str(tmp_path / "load.png"))
         report.plot_placement_forecast([], str(tmp_path / "forecast.png"))
         assert matplotlib.get_backend() == "svg"
-        assert plt.get_fignums() == [mine.number]
+        assert plt.get_fignums() == [*earlier, mine.number]  # none added, none closed
         plt.close(mine)
     finally:
         matplotlib.use(before)
