@@ -211,8 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--upcycle-from",
-        help="start from a dense moejax model (a training run directory or its checkpoints/<n>; "
-        "dense MLP or one-expert layers, moejax.models.dense_lm_config): its MLPs are copied "
+        help="start from a dense model: a moejax training run directory or its checkpoints/<n> "
+        "(dense MLP or one-expert layers, moejax.models.dense_lm_config), or a Hugging Face "
+        "Llama, Qwen2 or Qwen3 checkpoint directory (config.json and safetensors; every layer "
+        "becomes MoE): its MLPs are copied "
         "into the experts (moejax.models.upcycle); the preset's MoE layer gives the routing "
         "and experts (d_ff: the dense width / --upcycle-granularity; no shared experts), its "
         "training settings the rest",
@@ -638,6 +640,25 @@ def _model_of_checkpoint(step_dir: str):
     return LMConfig(**nested)
 
 
+def _hf_dense(args):
+    """`(LMConfig, params)` of a Hugging Face dense checkpoint directory (`--upcycle-from`)."""
+    from moejax.interop.hf import FAMILIES, load_hf_model
+
+    try:
+        cfg, params, hf_config = load_hf_model(
+            args.upcycle_from, allow_nonfinite=args.allow_nonfinite
+        )
+    except ValueError as err:
+        raise InputError(f"--upcycle-from={args.upcycle_from}: {err}") from None
+    if cfg.moe_layers:
+        dense = sorted(name for name, fam in FAMILIES.items() if fam.dense)
+        raise InputError(
+            f"--upcycle-from={args.upcycle_from}: model_type={hf_config.get('model_type')!r} "
+            f"has MoE layers; upcycling starts from a dense model ({dense})"
+        )
+    return cfg, params
+
+
 def _upcycled(args, preset_cfg):
     """`(params on the host, model config)` of `--upcycle-from`."""
     import jax
@@ -646,25 +667,28 @@ def _upcycled(args, preset_cfg):
     from moejax.training import TrainConfig
     from moejax.training.checkpoint import Checkpointer
 
-    step_dir = _checkpoint_step(args.upcycle_from)
-    dense_cfg = _model_of_checkpoint(step_dir)
-    abstract = jax.eval_shape(lambda: init_lm_params(dense_cfg, jax.random.key(0)))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
-    )
-    ckpt = Checkpointer(
-        os.path.dirname(step_dir),
-        dense_cfg,
-        TrainConfig(),
-        keep=sys.maxsize,
-        async_save=False,
-        allow_nonfinite=args.allow_nonfinite,
-    )  # fmt: skip (keep: closing it never rotates anything away)
-    try:
-        params = ckpt.restore_params(int(os.path.basename(step_dir)), target)[0]
-    finally:
-        ckpt.close()
+    if os.path.isfile(os.path.join(args.upcycle_from, "config.json")):
+        dense_cfg, params = _hf_dense(args)
+    else:
+        step_dir = _checkpoint_step(args.upcycle_from)
+        dense_cfg = _model_of_checkpoint(step_dir)
+        abstract = jax.eval_shape(lambda: init_lm_params(dense_cfg, jax.random.key(0)))
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
+        )
+        ckpt = Checkpointer(
+            os.path.dirname(step_dir),
+            dense_cfg,
+            TrainConfig(),
+            keep=sys.maxsize,
+            async_save=False,
+            allow_nonfinite=args.allow_nonfinite,
+        )  # fmt: skip (keep: closing it never rotates anything away)
+        try:
+            params = ckpt.restore_params(int(os.path.basename(step_dir)), target)[0]
+        finally:
+            ckpt.close()
     g = args.upcycle_granularity
     width = dense_cfg.moe.d_ff if dense_cfg.moe.num_experts == 1 else dense_cfg.mlp_d_ff
     if width % max(g, 1):

@@ -19,6 +19,13 @@ norms, rope and which layers are sparse; the model's forward pass sees only the 
 | `qwen3_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` | `qk_norm="head"`, optional biases |
 | `olmoe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` | `qk_norm="full"`, optional biases |
 | `qwen2_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared expert | q/k/v biases |
+| `llama` | - (dense) | - | optional biases (`attention_bias`) |
+| `qwen2` | - (dense) | - | q/k/v biases |
+| `qwen3` | - (dense) | - | `qk_norm="head"`, optional biases |
+
+The dense families (`HFFamily.dense`: Llama, Qwen2, Qwen3) read as an `LMConfig` whose
+`mlp_layer_types` are all `"dense"` (SwiGLU MLPs of width `intermediate_size`); its `moe` is a
+placeholder no layer uses (one expert of that width), and `moejax.models.upcycle` replaces it.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 
 from moejax import MoEConfig
 from moejax.interop.hf._errors import CheckpointError
-from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, get_family
+from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, block_family
 from moejax.interop.hf._safetensors import read_json
 from moejax.models import LMConfig, RopeScaling
 
@@ -344,6 +351,11 @@ def moe_config_from_hf(
     """
     check_fields(config)
     family = family_of(config)
+    if FAMILIES[family].dense:
+        raise CheckpointError(
+            f"{CONFIG_FILE} model_type={config.get('model_type', family)!r}: a dense model, "
+            "without MoE blocks (load_hf_model / lm_config_from_hf read it whole)"
+        )
     fields = _Fields(config, family, ignore)
     kw = {**_common(fields), **_READERS[family](fields)}
     try:
@@ -371,7 +383,7 @@ def moe_config_to_hf(cfg: MoEConfig, family: str) -> dict[str, Any]:
       ValueError: naming the `MoEConfig` field that `family` cannot express (e.g. Mixtral with
         `norm_topk_prob=False`, or a shared-expert width that is not one expert).
     """
-    fam = get_family(family)
+    fam = block_family(family)
     out: dict[str, Any] = {"model_type": fam.model_type}
     for field, key in fam.config_keys.items():
         out[key] = getattr(cfg, field)
@@ -441,14 +453,15 @@ def _rope(config: dict) -> tuple[float, RopeScaling | None]:
 
 
 def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LMConfig, str]:
-    """`(LMConfig, family)` of a Hugging Face MoE decoder config.
+    """`(LMConfig, family)` of a Hugging Face MoE decoder config, or of a dense one (Llama, Qwen2,
+    Qwen3: every layer `"dense"`, module docstring).
 
     Raises:
       CheckpointError: not a JSON object, a count or size that is not an int >= 1 or is over
         `COUNT_CAPS`, an unknown `model_type`, an activation other than SiLU, a layer pattern
         moejax cannot express (`mlp_only_layers`), `clip_qkv`, a rope type not in
-        `ROPE_TYPES`, a missing field, or fields that do not fit together; each names the
-        field.
+        `ROPE_TYPES`, a missing field, a dense model's `mlp_bias`, or fields that do not fit
+        together; each names the field.
 
     >>> cfg, family = lm_config_from_hf({"model_type": "olmoe", "vocab_size": 64,
     ...     "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -496,7 +509,12 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
     theta, scaling = _rope(config)
     layers = _get(config, "num_hidden_layers", required=True)
     step = _get(config, "decoder_sparse_step", 1)
-    moe, _ = moe_config_from_hf(config)
+    if FAMILIES[family].dense:
+        moe, pattern = _dense_mlp(config, family, d, layers)
+    else:
+        moe, _ = moe_config_from_hf(config)
+        pattern = {"moe_every": step}
+        pattern["dense_d_ff"] = config.get("intermediate_size") if step > 1 else None
     cfg = LMConfig(
         vocab_size=_get(config, "vocab_size", required=True),
         d_model=d,
@@ -506,8 +524,7 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
         head_dim=head_dim,
         max_seq_len=max_len,
         moe=moe.replace(param_dtype=param_dtype),
-        moe_every=step,
-        dense_d_ff=config.get("intermediate_size") if step > 1 else None,
+        **pattern,
         rope_theta=theta,
         norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -518,3 +535,15 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
         param_dtype=param_dtype,
     )
     return cfg, family
+
+
+def _dense_mlp(config: dict, family: str, d: int, layers: int) -> tuple[MoEConfig, dict]:
+    """A dense model's placeholder `MoEConfig` (one expert of the MLP's width, softmax top-1:
+    no layer uses it) and its `LMConfig` layer fields (every layer dense)."""
+    fields = _Fields(config, family, ())
+    _common(fields)  # quantization and dtype checks
+    if config.get("mlp_bias"):
+        fields.bad("mlp_bias", config["mlp_bias"], "MLP biases are not supported")
+    d_ff = _get(config, "intermediate_size", required=True)
+    moe = MoEConfig(d_model=d, d_ff=d_ff, num_experts=1, top_k=1, router="softmax")
+    return moe, {"mlp_layer_types": ("dense",) * layers, "dense_d_ff": d_ff}
