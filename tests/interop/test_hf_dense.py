@@ -1,9 +1,10 @@
 """Dense Hugging Face decoders (Llama, Qwen2, Qwen3) as upcycling sources, against transformers on
-torch CPU in fp32 (`hf_dense_fixtures.npz`, written by `make_hf_model_fixtures.py --part dense`):
-a tiny random model of each, loaded from a bf16 checkpoint directory, gives transformers' logits
-within 1e-5 and gradients of `sum(logits * R)` within 1e-4 (relative to each array's largest
-magnitude); upcycled (identical experts, softmax over normalised top-k, no noise) it still gives
-transformers' dense logits within 1e-5; it saves back bit for bit; bad input names its field."""
+torch CPU in fp32 (`hf_dense_fixtures.npz`, written by `make_hf_model_fixtures.py --part dense`
+with transformers 5.18.0, torch 2.14.1): a tiny random model of each, loaded from a bf16
+checkpoint directory, gives transformers' logits within 1e-5 and gradients of `sum(logits * R)`
+within 1e-4 (relative to each array's largest magnitude); upcycled (identical experts, softmax
+over normalised top-k, no noise) it still gives transformers' dense logits within 1e-5; it saves
+back bit for bit; bad input names its field."""
 
 from __future__ import annotations
 
@@ -138,8 +139,12 @@ def test_family_table_and_architectures():
         hf.family_of({"architectures": ["Llama4ForConditionalGeneration"]})
 
 
-def test_dense_configs_that_moejax_cannot_honour_name_their_field():
+def test_dense_config_defaults_and_fields_moejax_cannot_honour():
     llama = fixtures.DENSE_CONFIGS["llama"]
+    # head_dim when absent: Qwen3Config's default 128, hidden // heads for Llama and Qwen2
+    no_head_dim = {k: v for k, v in fixtures.DENSE_CONFIGS["qwen3"].items() if k != "head_dim"}
+    assert hf.lm_config_from_hf(no_head_dim)[0].head_dim == 128
+    assert hf.lm_config_from_hf(fixtures.DENSE_CONFIGS["qwen2"])[0].head_dim == 32 // 4
     with pytest.raises(hf.CheckpointError, match=r"mlp_bias=True: MLP biases are not supported"):
         hf.lm_config_from_hf(llama | {"mlp_bias": True})
     with pytest.raises(hf.CheckpointError, match="use_sliding_window"):

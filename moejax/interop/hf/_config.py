@@ -411,6 +411,11 @@ def moe_config_to_hf(cfg: MoEConfig, family: str) -> dict[str, Any]:
     return out
 
 
+# `head_dim` when config.json omits it: transformers' `Qwen3Config` default; `hidden // heads`
+# in the other families (their modeling files' fallback).
+_HEAD_DIM = {"qwen3": 128}
+
+
 def _get(config: dict, key: str, default=None, *, required: bool = False):
     if key not in config or config[key] is None:
         if required and default is None:
@@ -502,7 +507,7 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
         raise CheckpointError(f"{CONFIG_FILE}: use_sliding_window=true: not supported")
     heads = _get(config, "num_attention_heads", required=True)
     d = _get(config, "hidden_size", required=True)
-    head_dim = _get(config, "head_dim", d // heads)
+    head_dim = _get(config, "head_dim", _HEAD_DIM.get(family, d // heads))
     max_len = _get(config, "max_position_embeddings", 4096)
     if dec.window_caps_length and config.get("sliding_window"):
         max_len = min(max_len, config["sliding_window"])  # exact up to the window
