@@ -7,7 +7,8 @@ the four whose whole decoders moejax reads (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE
 they load as all-dense `LMConfig`s, the sources of `moejax.models.upcycle`). Block tensors come in
 two layouts: `"per_expert"` (one Linear per expert, as published checkpoints store them) and
 `"fused"` (transformers 5's stacked `experts.gate_up_proj` / `experts.down_proj`); `LAYOUTS`
-names both and `FAMILIES[name].layouts` says which a family has. `FLOAT_DTYPES` are the tensor dtypes a parameter can have.
+names both and `FAMILIES[name].layouts` says which a family has. `FLOAT_DTYPES` are the tensor
+dtypes a parameter can have.
 
 - Config (one reader): `read_config(path)` -> dict; `family_of(config)` -> family name;
   `moe_config_from_hf(config)` -> `(MoEConfig, family)`; `lm_config_from_hf(config)` ->
