@@ -121,6 +121,27 @@ def test_saves_back_bit_for_bit(checkpoints, family, tmp_path):
     assert ("lm_head.weight" in sd) == (not cfg.tie_embeddings)
 
 
+def test_loads_onto_a_mesh_with_an_expert_axis(checkpoints):
+    """No expert to split: the placeholder MoE config does not have to divide over `expert`;
+    dense weights are split over `fsdp` and `expert` (ZeRO-3)."""
+    from moejax import parallel
+
+    path, _ = checkpoints["qwen3"]
+    mesh = parallel.make_mesh((2, 4), ("fsdp", "expert"))
+    cfg, params, _ = hf.load_hf_model(path, mesh=mesh)
+    _, local, _ = hf.load_hf_model(path)
+    specs = models.lm_partition_specs(cfg, mesh)
+    assert cfg.moe.num_experts == 1 and specs["layers"][0]["mlp"]["w_gate"][0] == (
+        "fsdp",
+        "expert",
+    )
+    for leaf, spec, want in zip(
+        jax.tree.leaves(params), jax.tree.leaves(specs), jax.tree.leaves(local), strict=True
+    ):
+        assert leaf.sharding.spec == spec
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want))
+
+
 def test_family_table_and_architectures():
     dense = sorted(name for name, fam in hf.FAMILIES.items() if fam.dense)
     assert dense == ["llama", "qwen2", "qwen3"]
