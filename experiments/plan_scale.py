@@ -7,7 +7,7 @@ Run: python -m pallas_kernels.targets --install   (once; the compilers)
                                                    v5p-64: ~20-40 min on 2 cores)
      python experiments/plan_scale.py --preset mixtral_8x7b --target h100x64
      python experiments/plan_scale.py --target h100x8 --batch 128   (one node)
-     python experiments/plan_scale.py --preset deepseek_v3_4l --fsdp-expert --microbatches 2
+     python experiments/plan_scale.py --preset deepseek_v3_4l --fsdp-expert --microbatches 4
                                                   (DeepSeek-V3's widths, 4 layers: one dense
                                                    layer then MoE; does one layer-unit fit?)
 Per preset and target it prints each layout's row, then the training state one device stores
