@@ -136,7 +136,8 @@ def _torch_half(root: str, out: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Dense decoders (Llama, Qwen2, Qwen3): the sources `moejax.models.upcycle` starts from. Written
 # to their own file, `DENSE_OUT`: logits `[B, S, V]` and the gradients of `sum(logits * R)` for
-# every parameter, per family (`--part dense` remakes only it).
+# every parameter, per family (`--part dense` remakes only it; written with transformers 5.18.0,
+# torch 2.14.1).
 
 DENSE_OUT = os.path.join(HERE, "hf_dense_fixtures.npz")
 _DENSE_BASE = {
