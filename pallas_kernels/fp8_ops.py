@@ -83,7 +83,7 @@ def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignme
             interpret=interpret,
         )  # fmt: skip
 
-    return _on_target(backend, emulated, kernel, lhs[0].dtype, rhs_kmajor[0].dtype)
+    return _on_target(backend, emulated, kernel, lhs[0].dtype, rhs_kmajor[0].dtype, alignment)
 
 
 # lhs_t: (q [K, M], scale [K, M/128]), rhs_t: (q [N, M], scale [N, M/128]): both along the rows.
@@ -101,28 +101,36 @@ def _tgmm_q(lhs_t, rhs_t, group_sizes, *, backend, matmuls, out_dtype, alignment
             interpret=interpret,
         )  # fmt: skip
 
-    return _on_target(backend, emulated, kernel, lhs_t[0].dtype, rhs_t[0].dtype)
+    return _on_target(backend, emulated, kernel, lhs_t[0].dtype, rhs_t[0].dtype, alignment)
 
 
-def kernel_supports(lhs_dtype, rhs_dtype) -> bool:
-    """Whether the fp8 Mosaic GPU kernels take this pair of operand formats on the installed
-    jax."""
-    try:
-        from pallas_kernels import fp8_mosaic_gpu
-    except ImportError:  # not written yet: every target emulates
-        return False
-    return fp8_mosaic_gpu.supports(lhs_dtype, rhs_dtype)
+def kernel_supports(lhs_dtype, rhs_dtype, group_alignment: int) -> bool:
+    """Whether the fp8 Mosaic GPU kernels run this product on the installed jax: groups
+    aligned to their 128-row tile, and an operand pair Mosaic GPU's wgmma takes (a mixed
+    e4m3/e5m2 pair from jax 0.11 on)."""
+    from pallas_kernels import fp8_mosaic_gpu
+
+    return group_alignment % fp8_mosaic_gpu.TILE == 0 and fp8_mosaic_gpu.supports(
+        lhs_dtype, rhs_dtype
+    )
 
 
-def _on_target(backend, emulated, kernel, lhs_dtype, rhs_dtype):
+def _on_target(backend, emulated, kernel, lhs_dtype, rhs_dtype, alignment):
     if backend == "emulated":
         return emulated()
+    supported = kernel_supports(lhs_dtype, rhs_dtype, alignment)
     if backend == "pallas_mosaic_gpu":
+        if not supported:
+            raise ValueError(
+                f"the fp8 Mosaic GPU kernels do not run {lhs_dtype} x {rhs_dtype} operands with "
+                f"group_alignment={alignment} on jax {jax.__version__} (they need groups "
+                "aligned to 128, and jax >= 0.11 to mix e4m3 with e5m2): use backend='auto'"
+            )
         return kernel()
-    # "auto": the kernels when lowering for a Hopper GPU that takes these formats.
-    if not kernel_supports(lhs_dtype, rhs_dtype) or not targets.is_hopper(
-        targets.gpu_kind() or "H100"
-    ):
+    # "auto": the kernels when lowering for a Hopper GPU (a GPU target that names no device
+    # counts as one, as in `ops.gpu_backend`), emulated on every other platform.
+    kind = targets.gpu_kind()
+    if not supported or (kind is not None and not targets.is_hopper(kind)):
         return emulated()
     return jax.lax.platform_dependent(cuda=kernel, default=emulated)
 
