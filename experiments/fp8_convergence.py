@@ -35,6 +35,8 @@ def _run(preset, precision, args) -> str:
     steps = args.steps if args.steps is not None else DEFAULT_STEPS.get(preset)
     if steps is not None:
         cmd += ["--steps", str(steps)]
+    if args.batch_size is not None:
+        cmd += ["--batch-size", str(args.batch_size)]
     if args.bf16:
         cmd.append("--bf16")
     print("+", " ".join(cmd), flush=True)
@@ -106,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--presets", default="tiny,small", help="comma-separated model presets")
     p.add_argument("--out", default="runs/fp8_convergence", help="output directory")
     p.add_argument("--steps", type=int, help="steps per run (default: tiny 300, small 200)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="seed of both runs")
     p.add_argument("--strategy", default="dropless", help="train_lm --strategy, pinned")
     p.add_argument("--bf16", action="store_true", help="bf16 activations in both runs")
