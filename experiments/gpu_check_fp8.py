@@ -25,9 +25,8 @@ import numpy as np
 from gpu_check_lib import Run, free_torch_cache, rel_err, to_torch, torch_unavailable
 
 import pallas_kernels as pk
-from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops
+from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops, targets
 from pallas_kernels import shapes as pk_shapes
-from pallas_kernels import targets
 
 BUDGET_S = {"numerics": 20, "kernels": 110, "layer": 30, "train": 90}
 SHAPES = ("mixtral_8x7b", "deepseek_v3", "fine_grained")
