@@ -95,6 +95,7 @@ class MoEConfig:
         blocks, fp32 scales and accumulation; `pallas_kernels.fp8_ops`): fp8 Mosaic GPU kernels
         with `implementation="pallas"` on Hopper, emulated (quantize, dequantize, fp32 matmul)
         everywhere else. Router, shared experts, parameters and optimizer state are untouched.
+        `implementation="reference"` (the per-expert oracle) does not quantize.
       fp8_grad_format: fp8 format of the output gradients in the backward with
         `expert_precision="fp8"`: `"e4m3"` (DeepSeek-V3) or `"e5m2"` (more range, less precision).
     """
