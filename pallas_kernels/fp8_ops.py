@@ -16,7 +16,8 @@ Two ways to run the three products, same numerics up to fp32 summation order:
   * "pallas_mosaic_gpu": the fp8 Mosaic GPU kernels (`fp8_mosaic_gpu`, Hopper): the tensor
     cores accumulate each 128-deep K block of fp8 products, promoted into an fp32 accumulator
     times the two tiles' scales.
-"auto" picks the kernels when compiled for a Hopper GPU and emulates elsewhere (decided at
+"auto" picks the kernels when compiled for a Hopper GPU with 128-aligned groups and operand
+formats the installed jax's wgmma takes (`kernel_supports`), and emulates elsewhere (decided at
 lowering, like `ops`).
 
 Rows past `sum(group_sizes)` are zeroed before the rows are quantized in 128-row tiles, so
