@@ -87,14 +87,17 @@ def test_every_implementation_computes_the_same_fp8_function():
 @pytest.mark.slow
 def test_pallas_implementation_matches_ragged_dot_on_cpu():
     """`implementation="pallas"` on CPU emulates over the Triton kernels (interpreted), with
-    the same row alignment as ragged_dot: every output agrees to fp32 rounding (and its fp8
-    flips)."""
+    the same row alignment as ragged_dot. Their fp32 products run at `KERNEL_PRECISION`
+    (TF32 on GPUs, and in jax 0.12's Triton interpreter): the dequantized operands keep 11 of
+    their up to 28 significant bits, a relative rounding of 2^-11 each (2^-7 of e4m3's), so
+    the outputs agree within 2^-10 relative (exactly fp32 rounding where the interpreter
+    multiplies in fp32, as jax 0.10's does)."""
     y1, _, g1, dx1 = _by_impl("ragged_dot", "fp8")
     y2, _, g2, dx2 = _by_impl("pallas", "fp8")
-    _same_up_to_flips(y2, y1)
-    _same_up_to_flips(dx2, dx1)
-    for name in ("w_gate", "w_up", "w_down"):
-        _same_up_to_flips(g2["experts"][name], g1["experts"][name])
+    pairs = [(y2, y1), (dx2, dx1)]
+    pairs += [(g2["experts"][k], g1["experts"][k]) for k in ("w_gate", "w_up", "w_down")]
+    for a, b in pairs:
+        assert _rel(a, b) < 2**-10
 
 
 def test_hopper_program_runs_the_fp8_kernels():
