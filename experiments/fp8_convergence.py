@@ -3,6 +3,7 @@ curves compared and plotted (`MoEConfig.expert_precision`; on CPU the fp8 path i
 the same numerics as the fp8 kernels up to fp32 summation order).
 
   python experiments/fp8_convergence.py                     # tiny (300 steps) and small
+  python experiments/fp8_convergence.py --presets small --steps 40 --batch-size 8  # CPU-sized
   python experiments/fp8_convergence.py --presets tiny --out runs/fp8
 
 Runs `experiments/train_lm.py` with `--expert-precision bf16` and `fp8` (the baseline's expert
