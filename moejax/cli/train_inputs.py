@@ -251,9 +251,9 @@ def setup(args):
     if args.placement and not train_cfg.expert_slots_per_device:
         g = model_cfg.moe.num_experts // max(1, dict(mesh.shape).get("expert", 1))
         train_cfg = train_cfg.replace(expert_slots_per_device=g + max(1, g // 2))
-    from moejax.training import loop
+    from moejax.training import check_setup
 
-    loop.check_setup(model_cfg, train_cfg, mesh)  # before the banner: one line per mistake
+    check_setup(model_cfg, train_cfg, mesh)  # before the banner: one line per mistake
     if jax.default_backend() == "cpu" and jax.process_index() == 0:
         warning = cpu_warning(model_cfg, train_cfg, args)
         if warning:

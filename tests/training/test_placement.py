@@ -30,8 +30,7 @@ from moejax.placement import (
 from moejax.placement.controller import SPEC_FILE
 from moejax.placement.decision import OUTCOMES
 from moejax.placement.replay import replay
-from moejax.training import placed, report, train
-from moejax.training.loop import SetupError
+from moejax.training import SetupError, placed, report, train
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
 
 STEPS, EVERY, SLOTS = 54, 4, 3
