@@ -37,16 +37,11 @@ import argparse
 import math
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose own errors (a missing argument, an unknown flag) are one line."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
+from moejax.cli._parser import OneLineParser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     to_orbax = sub.add_parser("to-orbax", help="Hugging Face directory -> converted directory")
     to_orbax.add_argument(

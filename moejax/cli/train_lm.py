@@ -44,14 +44,8 @@ import argparse
 import os
 import sys
 
+from moejax.cli._parser import OneLineParser
 from moejax.cli.train_inputs import FLAG_OF, setup
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose own errors (a non-int `--steps`, an unknown `--remat`) are one line."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -68,7 +62,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags; `--help` shows every default."""
-    p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=_HelpFormatter)
     preset = "the preset's"
     p.add_argument(
         "--preset",
