@@ -97,3 +97,95 @@ def test_rope_scaling_matches_transformers(expected, case):
 
 def test_fixtures_are_small():
     assert os.path.getsize(fixtures.OUT) < 1_000_000
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3 (MLA, a dense first layer, grouped sigmoid routing, shared experts, MTP) and
+# GPT-OSS (sinks, sliding windows of 3 over 10 positions, biases, yarn), and greedy generation.
+
+
+@pytest.fixture(scope="module")
+def expected_2026():
+    with np.load(fixtures.OUT_2026) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _checkpoint_2026(expected, family, path, mtp=True):
+    """The fixtures' checkpoint of `family` at `path`; DeepSeek-V3 without its MTP layer (and
+    `num_nextn_predict_layers: 0`) unless `mtp`."""
+    config = ref.CONFIGS_2026[family]
+    sd = ref.random_state_dict(config, seed=fixtures.SEED[family])
+    hashes = json.loads(str(expected["weights_sha256"]))
+    assert fixtures.weights_sha256(sd) == hashes[family], "weights differ from the fixtures'"
+    if not mtp and config.get("num_nextn_predict_layers"):
+        mtp_layer = f"model.layers.{config['num_hidden_layers']}."
+        sd = {n: t for n, t in sd.items() if not n.startswith(mtp_layer)}
+        config = config | {"num_nextn_predict_layers": 0}
+    ref.write_checkpoint(str(path), config, sd, shards=2)
+    return config
+
+
+CASES_2026 = [("deepseek_v3", False), ("deepseek_v3", True), ("gpt_oss", False)]
+
+
+@pytest.mark.parametrize(("family", "mtp"), CASES_2026, ids=["dsv3", "dsv3_mtp", "gpt_oss"])
+def test_2026_logits_grads_and_topk_match_transformers(expected_2026, family, mtp, tmp_path):
+    config = _checkpoint_2026(expected_2026, family, tmp_path, mtp)
+    cfg, params, _ = load_hf_model(str(tmp_path))
+    assert cfg.mtp_layers == int(mtp) and family_of(config) == family
+    tokens, r, r_mtp = fixtures.inputs_2026(config, fixtures.SEED[family])
+    tokens = jnp.asarray(tokens)
+    s = fixtures.SEQ
+
+    def run(p):
+        def loss(p):
+            if not mtp:
+                logits, _ = models.lm_forward(p, tokens[:, :s], cfg)
+                return jnp.sum(logits * r), (logits, logits)
+            logits, _, mtp_logits = models.lm_forward(p, tokens[:, :s], cfg, mtp_tokens=tokens)
+            return jnp.sum(logits * r) + jnp.sum(mtp_logits[0] * r_mtp), (logits, mtp_logits[0])
+
+        (_, (logits, mtp_logits)), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        h = models.moe_layer_inputs(p, tokens[:, :s], cfg)
+        index = [
+            moejax.route(p["layers"][i]["moe"]["router"], x.reshape(-1, cfg.d_model), cfg.moe)
+            for i, x in zip(cfg.moe_layers, h, strict=True)
+        ]
+        return logits, mtp_logits, grads, [jnp.sort(x.expert_index, axis=-1) for x in index]
+
+    logits, mtp_logits, grads, indices = jax.jit(run)(params)
+    assert _rel(logits, expected_2026[f"{family}/logits"]) <= 1e-5
+    if mtp:
+        assert _rel(mtp_logits, expected_2026[f"{family}/mtp_logits"]) <= 1e-5
+    hf_grads = _hf_grads(grads, cfg, family)
+    for name in [n for n in hf_grads if n.endswith("e_score_correction_bias")]:
+        # a buffer in transformers; it only picks experts, so its gradient is zero here too
+        assert not np.any(hf_grads.pop(name)), name
+    key = "grad_mtp" if mtp else "grad"
+    names = {k.split("/", 2)[2] for k in expected_2026 if k.startswith(f"{family}/{key}/")}
+    assert names == set(hf_grads), "parameter names differ from transformers'"
+    for name in sorted(names):
+        assert _rel(hf_grads[name], expected_2026[f"{family}/{key}/{name}"]) <= 1e-4, name
+    for j, index in enumerate(indices):
+        np.testing.assert_array_equal(np.asarray(index), expected_2026[f"{family}/topk/{j}"])
+
+
+@pytest.mark.parametrize("family", fixtures.GENERATE)
+def test_greedy_tokens_equal_transformers_generate(expected_2026, family, tmp_path):
+    """`moejax.models.generate` (KV cache: MLA's latent, sliding layers' windows) at
+    temperature 0 on the fixtures' checkpoints gives transformers' greedy `generate` tokens."""
+    if family in ref.CONFIGS_2026:
+        config = _checkpoint_2026(expected_2026, family, tmp_path)
+    else:
+        config = ref.CONFIGS[family]
+        ref.write_checkpoint(
+            str(tmp_path), config, ref.random_state_dict(config, fixtures.SEED[family])
+        )
+    cfg, params, _ = load_hf_model(str(tmp_path))
+    prompt = fixtures.prompt(config, fixtures.SEED[family])
+    ids = models.generate(params, cfg, prompt, fixtures.NEW_TOKENS)
+    np.testing.assert_array_equal(np.asarray(ids), expected_2026[f"generate/{family}"])
+
+
+def test_fixtures_2026_are_small():
+    assert os.path.getsize(fixtures.OUT_2026) < 700_000
