@@ -2,7 +2,9 @@
 `make_hf_model_fixtures.py` with transformers 5.24.0 / torch 2.14.1): for a tiny random Mixtral,
 Qwen3-MoE, OLMoE and Qwen2-MoE loaded from a bf16 checkpoint directory, logits within 1e-5 and
 gradients of `sum(logits * R)` within 1e-4 (relative to each array's largest magnitude), every
-MoE layer's top-k expert choices identical."""
+MoE layer's top-k expert choices identical. The same for DeepSeek-V3 (MTP off and on) and
+GPT-OSS (`hf_model_fixtures_2026.npz`, transformers 5.18.0), their sharded forward on the 2x4
+mesh, and greedy generation against transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 import moejax
 from moejax import models
 from moejax.interop.hf import family_of, load_hf_model, model_recipes
+from moejax.testing import assert_close
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +128,14 @@ def _checkpoint_2026(expected, family, path, mtp=True):
     return config
 
 
-CASES_2026 = [("deepseek_v3", False), ("deepseek_v3", True), ("gpt_oss", False)]
+CASES_2026 = [
+    pytest.param("deepseek_v3", False, id="dsv3", marks=pytest.mark.slow),  # dsv3_mtp covers it
+    pytest.param("deepseek_v3", True, id="dsv3_mtp"),
+    pytest.param("gpt_oss", False, id="gpt_oss"),
+]
 
 
-@pytest.mark.parametrize(("family", "mtp"), CASES_2026, ids=["dsv3", "dsv3_mtp", "gpt_oss"])
+@pytest.mark.parametrize(("family", "mtp"), CASES_2026)
 def test_2026_logits_grads_and_topk_match_transformers(expected_2026, family, mtp, tmp_path):
     config = _checkpoint_2026(expected_2026, family, tmp_path, mtp)
     cfg, params, _ = load_hf_model(str(tmp_path))
@@ -170,7 +177,13 @@ def test_2026_logits_grads_and_topk_match_transformers(expected_2026, family, mt
         np.testing.assert_array_equal(np.asarray(index), expected_2026[f"{family}/topk/{j}"])
 
 
-@pytest.mark.parametrize("family", fixtures.GENERATE)
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=() if f in ref.CONFIGS_2026 else pytest.mark.slow)
+        for f in fixtures.GENERATE
+    ],
+)  # Mixtral's and Qwen3-MoE's cache path (GQA) is GPT-OSS's without sinks and windows
 def test_greedy_tokens_equal_transformers_generate(expected_2026, family, tmp_path):
     """`moejax.models.generate` (KV cache: MLA's latent, sliding layers' windows) at
     temperature 0 on the fixtures' checkpoints gives transformers' greedy `generate` tokens."""
@@ -189,3 +202,29 @@ def test_greedy_tokens_equal_transformers_generate(expected_2026, family, tmp_pa
 
 def test_fixtures_2026_are_small():
     assert os.path.getsize(fixtures.OUT_2026) < 700_000
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param("deepseek_v3", marks=pytest.mark.slow), "gpt_oss"]
+)  # the MLA layer's own sharded test: tests/models/test_mla.py
+def test_2026_sharded_forward_on_the_2x4_mesh_equals_one_device(expected_2026, family, tmp_path):
+    """Loaded straight onto an (fsdp 2, expert 4) mesh, the forward (and DeepSeek-V3's MTP
+    logits) equals the single-device one."""
+    from moejax import parallel
+
+    config = _checkpoint_2026(expected_2026, family, tmp_path)
+    mesh = parallel.make_mesh((2, 4), ("fsdp", "expert"))
+    cfg, sharded, _ = load_hf_model(str(tmp_path), mesh=mesh)
+    _, local, _ = load_hf_model(str(tmp_path))
+    tokens, _, _ = fixtures.inputs_2026(config, fixtures.SEED[family])
+    tokens = jnp.asarray(np.tile(tokens, (4, 1)))  # 8 rows: one per device of the token axes
+    mtp = {"mtp_tokens": tokens} if cfg.mtp_layers else {}
+
+    def forward(p, mesh):
+        out = models.lm_forward(p, tokens[:, : fixtures.SEQ], cfg, mesh=mesh, **mtp)
+        return out[0], out[2] if mtp else out[0]
+
+    want = jax.jit(lambda p: forward(p, None))(local)
+    got = jax.jit(lambda p: forward(p, mesh))(sharded)
+    assert got[0].sharding.mesh.shape == mesh.shape
+    assert_close(got, want)
