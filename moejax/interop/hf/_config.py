@@ -32,6 +32,7 @@ from typing import Any
 from moejax import MoEConfig
 from moejax.interop.hf._errors import CheckpointError
 from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, HFDecoder, get_family
+from moejax.interop.hf._fp8 import fp8_block_size, without_quantization
 from moejax.interop.hf._safetensors import read_json
 from moejax.models import LMConfig, MLAConfig, RopeScaling, mlp_layer_types_of
 from moejax.models._config import ATTENTION_KINDS
@@ -473,6 +474,8 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
     """
     check_fields(config)
     check_implemented(config)
+    if fp8_block_size(config) is not None:  # FP8 block-scaled: load_hf_model dequantizes it
+        config = without_quantization(config)
     try:
         return _from_fields(config, param_dtype)
     except CheckpointError:
