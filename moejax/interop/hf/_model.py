@@ -23,6 +23,13 @@ layers[i]/attn/wq [D, H, Dh]          self_attn.q_proj.weight [H*Dh, D]   (wk, w
 layers[i]/attn/wo [H, Dh, D]          self_attn.o_proj.weight [D, H*Dh]
 layers[i]/attn/bq [H, Dh]             self_attn.q_proj.bias [H*Dh]        (bk, bv; bo: o_proj.bias)
 layers[i]/attn/q_norm/scale           self_attn.q_norm.weight             (k_norm)
+layers[i]/attn/sinks [H]              self_attn.sinks [H]                 (GPT-OSS)
+layers[i]/attn/wq_a [D, Rq]           self_attn.q_a_proj.weight [Rq, D]   (MLA, DeepSeek-V3)
+layers[i]/attn/q_a_norm/scale         self_attn.q_a_layernorm.weight
+layers[i]/attn/wq_b [Rq, H, Dqk]      self_attn.q_b_proj.weight [H*Dqk, Rq]   (or wq: q_proj)
+layers[i]/attn/wkv_a [D, Rkv+Dr]      self_attn.kv_a_proj_with_mqa.weight [Rkv+Dr, D]
+layers[i]/attn/kv_a_norm/scale        self_attn.kv_a_layernorm.weight
+layers[i]/attn/wkv_b [Rkv, H, Dn+Dv]  self_attn.kv_b_proj.weight [H*(Dn+Dv), Rkv]
 layers[i]/ffn_norm/scale              post_attention_layernorm.weight
 layers[i]/mlp/w_gate [D, F]           mlp.gate_proj.weight [F, D]         (w_up, w_down)
 layers[i]/moe/router/kernel [D, E]    {moe}.gate.weight [E, D]
@@ -32,8 +39,15 @@ layers[i]/moe/experts/w_down [E,F,D]  {moe}.experts.{e}.{down}.weight [D, F]
                                       fused: mlp.experts.down_proj [E, D, F]
 layers[i]/moe/shared/w_gate [D, Fs]   mlp.shared_expert.gate_proj.weight  (Qwen2-MoE; up, down)
 layers[i]/moe/shared/gate [D, 1]      mlp.shared_expert_gate.weight [1, D]
+layers[i]/moe/router/bias [E]         mlp.router.bias (GPT-OSS; experts fused interleaved + biases)
+layers[i]/moe/router/score_correction_bias   mlp.gate.e_score_correction_bias [E] (float32)
 final_norm/scale                      model.norm.weight
 unembed/kernel [D, V]                 lm_head.weight [V, D]               (absent when tied)
+mtp[k]/enorm, hnorm/scale             model.layers.{L+k}.enorm.weight, hnorm.weight
+mtp[k]/eh_proj/kernel [2D, D]         model.layers.{L+k}.eh_proj.weight [D, 2D]
+mtp[k]/block/...                      model.layers.{L+k}.* as a layer's
+mtp[k]/norm/scale                     model.layers.{L+k}.shared_head.norm.weight
+(embed, unembed again)                model.layers.{L+k}.embed_tokens.weight, shared_head.head.weight
 ```
 
 `{moe}` and the expert projection names are the family's (`FAMILIES`: `block_prefix`,
