@@ -20,7 +20,7 @@ norms, rope and which layers are sparse; the model's forward pass sees only the 
 | `olmoe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` | `qk_norm="full"`, optional biases |
 | `qwen2_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared expert | q/k/v biases |
 | `deepseek_v3` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA, MTP layers |
-| `gpt_oss` | `mlp` | fused only: `experts.gate_up_proj` (interleaved), biases | sinks, windows, biases |
+| `gpt_oss` | `mlp` | fused only: interleaved `experts.gate_up_proj`, biases | sinks, windows |
 
 An FP8 block-scaled checkpoint's `quantization_config` is accepted by `lm_config_from_hf` (the
 model it describes is the dequantized one, `moejax.interop.hf._fp8`); fields in `UNIMPLEMENTED`

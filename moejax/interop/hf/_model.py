@@ -47,7 +47,7 @@ mtp[k]/enorm, hnorm/scale             model.layers.{L+k}.enorm.weight, hnorm.wei
 mtp[k]/eh_proj/kernel [2D, D]         model.layers.{L+k}.eh_proj.weight [D, 2D]
 mtp[k]/block/...                      model.layers.{L+k}.* as a layer's
 mtp[k]/norm/scale                     model.layers.{L+k}.shared_head.norm.weight
-(embed, unembed again)                model.layers.{L+k}.embed_tokens.weight, shared_head.head.weight
+(embed, unembed again)                model.layers.{L+k}.embed_tokens, shared_head.head .weight
 ```
 
 `{moe}` and the expert projection names are the family's (`FAMILIES`: `block_prefix`,
