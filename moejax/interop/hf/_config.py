@@ -49,12 +49,23 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # published model) so that no config.json can make moejax build a huge name list or tree
 # before the tensors are checked against it; sizes are checked against the tensors' shapes.
 _SIZE_FIELDS = (
-    "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "head_dim",
-    "max_position_embeddings", "decoder_sparse_step", "num_experts_per_tok",
-    "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "sliding_window",
-)  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "max_position_embeddings",
+    "decoder_sparse_step",
+    "num_experts_per_tok",
+    "shared_expert_intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)  # fmt: skip (not sliding_window: transformers writes 0 where no layer slides)
 COUNT_CAPS = {
     "num_hidden_layers": 4096,
     "num_experts": 65536,
@@ -574,9 +585,10 @@ def _attention_kinds(config: dict, layers: int) -> tuple[tuple | None, int | Non
     if "sliding_attention" not in kinds:
         return None, None
     window = config.get("sliding_window")
-    if window is None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise CheckpointError(
-            f"{CONFIG_FILE} sliding_window=None: layer_types has sliding_attention layers"
+            f"{CONFIG_FILE} sliding_window={window!r}: layer_types has sliding_attention "
+            "layers: need an int >= 1"
         )
     return tuple(kinds), window
 
