@@ -162,6 +162,25 @@ def test_published_configs_give_the_published_sizes(config, total, active):
         assert cfg.attention_sinks and cfg.attention_bias and cfg.attention_out_bias
         assert cfg.window(0) == 128 and cfg.window(1) is None
         assert cfg.rope_scaling.kind == "yarn" and cfg.rope_scaling.truncate is False
+        # transformers' defaults where a config leaves them out
+        minimal = {k: v for k, v in config.items() if k not in ("layer_types", "rope_scaling")}
+        assert lm_config_from_hf(minimal)[0] == cfg
+
+
+def test_dense_first_layers_from_any_spelling():
+    """`first_k_dense_replace` (its default 3 when absent) or transformers 5's
+    `mlp_layer_types`; `moe_layer_freq` combines with them."""
+    base = {k: v for k, v in DSV3.items() if k != "first_k_dense_replace"}
+    spellings = {
+        "first_k_dense_replace": ({"first_k_dense_replace": 2}, 2),
+        "default": ({}, 3),
+        "mlp_layer_types": ({"mlp_layer_types": ["dense"] + ["sparse"] * 60}, 1),
+    }
+    for name, (fields, dense) in spellings.items():
+        cfg, _ = lm_config_from_hf(base | fields)
+        assert cfg.mlp_kinds == ("dense",) * dense + ("moe",) * (61 - dense), name
+    cfg, _ = lm_config_from_hf(base | {"first_k_dense_replace": 1, "moe_layer_freq": 2})
+    assert cfg.mlp_kinds[:5] == ("dense", "dense", "moe", "dense", "moe")
 
 
 # A Kimi-K2-style tiny model: one expert group (n_group 1), 384 experts, one dense first layer.

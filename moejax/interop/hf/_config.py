@@ -554,7 +554,8 @@ def check_implemented(config: Mapping[str, Any]) -> None:
 
 def _with_defaults(config: dict, dec: HFDecoder) -> dict:
     """`config` with the family's decoder defaults for absent fields (rope: only when the
-    config has neither `rope_scaling` nor `rope_parameters`, resp. no `rope_theta` in either)."""
+    config has neither `rope_scaling` nor `rope_parameters`, resp. no `rope_theta` in either;
+    `first_k_dense_replace`: only without `mlp_layer_types`)."""
     out = dict(config)
     params = config.get("rope_parameters") or {}
     for key, value in dec.defaults.items():
@@ -562,8 +563,11 @@ def _with_defaults(config: dict, dec: HFDecoder) -> dict:
             continue
         if key == "rope_theta" and (config.get("rope_theta") or params.get("rope_theta")):
             continue
+        if key == "first_k_dense_replace" and config.get("mlp_layer_types") is not None:
+            continue  # the per-layer list says it all (the fields combine: a layer is MoE
+            # only where every one present says so)
         if out.get(key) is None:
-            out[key] = value
+            out[key] = value(config) if callable(value) else value
     return out
 
 

@@ -40,7 +40,8 @@ class HFDecoder:
         and multi-token-prediction layers `model.layers.{num_hidden_layers + k}`.
       sinks: attention sinks (`LMConfig.attention_sinks`, GPT-OSS `self_attn.sinks`).
       defaults: transformers' defaults of decoder fields where they differ from the common
-        ones (`rope_theta` 10000, no rope scaling, no biases), applied to absent fields.
+        ones (`rope_theta` 10000, no rope scaling, no biases), applied to absent fields (a
+        callable: of the config).
     """
 
     qk_norm: Literal["head", "full"] | None
@@ -143,6 +144,13 @@ def _family(
 
 _NORM = {"norm_topk_prob": "norm_topk_prob"}
 
+
+def _alternating_windows(config: dict) -> list[str]:
+    """GPT-OSS's `layer_types` when absent: sliding at even layers, full at odd ones."""
+    n = config.get("num_hidden_layers") or 0
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+
 FAMILIES: dict[str, HFFamily] = {
     f.name: f
     for f in (
@@ -229,6 +237,7 @@ FAMILIES: dict[str, HFFamily] = {
                         "original_max_position_embeddings": 4096,
                     },  # fmt: skip
                     "sliding_window": 128,
+                    "layer_types": _alternating_windows,
                     "head_dim": 64,
                     "rms_norm_eps": 1e-5,
                 },
