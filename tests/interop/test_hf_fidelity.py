@@ -179,11 +179,8 @@ def test_2026_logits_grads_and_topk_match_transformers(expected_2026, family, mt
 
 @pytest.mark.parametrize(
     "family",
-    [
-        pytest.param(f, marks=() if f in ref.CONFIGS_2026 else pytest.mark.slow)
-        for f in fixtures.GENERATE
-    ],
-)  # Mixtral's and Qwen3-MoE's cache path (GQA) is GPT-OSS's without sinks and windows
+    [pytest.param(f, marks=() if f == "gpt_oss" else pytest.mark.slow) for f in fixtures.GENERATE],
+)  # default run: GPT-OSS (GQA cache, sinks, ring windows); MLA's cache: tests/models/test_mla.py
 def test_greedy_tokens_equal_transformers_generate(expected_2026, family, tmp_path):
     """`moejax.models.generate` (KV cache: MLA's latent, sliding layers' windows) at
     temperature 0 on the fixtures' checkpoints gives transformers' greedy `generate` tokens."""
@@ -206,7 +203,7 @@ def test_fixtures_2026_are_small():
 
 @pytest.mark.parametrize(
     "family", [pytest.param("deepseek_v3", marks=pytest.mark.slow), "gpt_oss"]
-)  # the MLA layer's own sharded test: tests/models/test_mla.py
+)  # MLA on a mesh in the default run: tests/models/test_mla.py
 def test_2026_sharded_forward_on_the_2x4_mesh_equals_one_device(expected_2026, family, tmp_path):
     """Loaded straight onto an (fsdp 2, expert 4) mesh, the forward (and DeepSeek-V3's MTP
     logits) equals the single-device one."""
