@@ -61,10 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     to_hf.add_argument("--checkpoint", help="a training checkpoint step dir to take params from")
     to_hf.add_argument(
         "--layout",
-        default="per_expert",
+        default=None,
         choices=("per_expert", "fused"),
         help="expert tensors one per expert (as published) or fused (transformers 5); "
-        "default per_expert",
+        "default: the family's published layout (per_expert; GPT-OSS: fused)",
     )
     to_hf.add_argument(
         "--dtype",

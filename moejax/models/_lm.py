@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 import moejax
 from moejax import _routing, _wgrad
 from moejax.models import _mtp
+from moejax.models._attention import note_xla_fallback
 from moejax.models._config import LMConfig
 from moejax.models._layer_runs import scanned_layers, unscanned_layers
 from moejax.models._layers import attention, rms_norm, rope_tables, swiglu_mlp
@@ -307,6 +308,7 @@ def _attention_stage(layer, x, slots, *, cfg, cos, sin, mesh, constrain, attn_im
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"]["scale"], cfg.norm_eps)
         if cfg.mla is not None:
+            note_xla_fallback("mla", attn_impl)
             return constrain(x + mla_attention(layer["attn"], h, cos, sin, cfg))
         a = attention(
             layer["attn"], h, cos, sin, mesh=mesh, implementation=attn_impl,
