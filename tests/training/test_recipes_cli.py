@@ -1,18 +1,14 @@
 """`train_lm.py --upcycle-from` a dense moejax run: the MoE run starts from its MLPs and trains;
 the summary names the recipes in use."""
 
-import importlib.util
 import json
 
 import pytest
-from _helpers import MODEL, SCRIPT, TRAIN, corpus
+from _helpers import MODEL, TRAIN, corpus
 
+from moejax.cli import train_lm
 from moejax.models import dense_lm_config
 from moejax.training import train
-
-_spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
-train_lm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_lm)
 
 
 @pytest.mark.slow  # two training runs (~1-2 min of CPU)
