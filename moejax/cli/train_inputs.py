@@ -134,6 +134,10 @@ def configs(args):
         args.upcycled, model_cfg = upcycled(args, model_cfg)
     if args.bf16:
         model_cfg = model_cfg.replace(dtype="bfloat16")
+    fp8 = {"expert_precision": args.expert_precision, "fp8_grad_format": args.fp8_grad_format}
+    fp8 = {k: v for k, v in fp8.items() if v is not None}
+    if fp8:
+        model_cfg = model_cfg.replace(moe=model_cfg.moe.replace(**fp8))
     overrides = {
         "steps": args.steps,
         "batch_size": args.batch_size,

@@ -83,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help=f"init and shuffling seed (default: {preset})")
     p.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 parameters)")
     p.add_argument(
+        "--expert-precision",
+        choices=("bf16", "fp8"),
+        help="routed experts' matmuls: fp8 = DeepSeek-V3 block-scaled e4m3, emulated where no "
+        "fp8 kernel runs (MoEConfig.expert_precision; default: the model's)",
+    )
+    p.add_argument(
+        "--fp8-grad-format",
+        choices=("e4m3", "e5m2"),
+        help="fp8 format of the expert output gradients (default: the model's, e4m3)",
+    )
+    p.add_argument(
         "--mesh",
         default="2,4",
         help="mesh: sizes (2,4 = data,expert by rank; see --mesh-axes) or named axes, e.g. "

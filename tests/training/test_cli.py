@@ -155,3 +155,15 @@ def test_named_mesh_with_fsdp_remat_and_scan_trains(capsys, tmp_path):
     assert code == 0, printed.err
     assert "mesh {'fsdp': 2, 'expert': 4}" in printed.out
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_expert_precision_flags_set_the_moe_config():
+    from moejax.cli import train_inputs
+
+    args = train_lm.build_parser().parse_args(
+        ["--preset", "micro", "--expert-precision", "fp8", "--fp8-grad-format", "e5m2"]
+    )
+    model_cfg, _ = train_inputs.configs(args)
+    assert model_cfg.moe.expert_precision == "fp8" and model_cfg.moe.fp8_grad_format == "e5m2"
+    default, _ = train_inputs.configs(train_lm.build_parser().parse_args(["--preset", "micro"]))
+    assert default.moe.expert_precision == "bf16"
