@@ -37,7 +37,6 @@ Run: python experiments/bench_layer.py [--rounds 7] [--no-torch] [--skip-ragged]
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import time
@@ -49,9 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moejax
-from moejax import _gmm, _routing
-from moejax._experts import grouped_ffn
-from moejax._permute import combine, make_layout, permute
+from moejax import parallel
 
 HZ = os.sysconf("SC_CLK_TCK")
 DENSE, AUTO = "dense FFN (T*K rows)", "moejax auto"
@@ -96,17 +93,15 @@ def layer_loss(cfg, impl):
 
 
 def phases_loss(cfg):
-    """The unfused dropless layer: permute, three block-loop grouped matmuls, combine."""
+    """The unfused dropless layer: permute, three block-loop grouped matmuls, combine, as one
+    device of `moejax.parallel` runs them (`parallel.local_moe` holding every expert)."""
 
     def loss(params, x):
-        routing = _routing.route(params["router"], x, cfg, num_sequences=1)
-        layout = make_layout(routing, cfg.num_experts, cfg.block_size)
-        gmm = functools.partial(_gmm.blocked_gmm, block=cfg.block_size)
-        rows = permute(x, layout)
-        out = grouped_ffn(
-            rows, layout.group_sizes, layout.group_of_row, params["experts"], cfg, gmm
+        r = moejax.route(params["router"], x, cfg, num_sequences=1)
+        y = parallel.local_moe(
+            x, r.expert_index, r.weight, r.kept, params["experts"], cfg, "blocked"
         )
-        return jnp.sum(combine(out, routing.weight, layout) ** 2)
+        return jnp.sum(y**2)
 
     return loss
 
@@ -119,8 +114,8 @@ def padded_capacity_loss(cfg):
     """
 
     def forward(params, x):
-        routing = _routing.apply_capacity(
-            _routing.route(params["router"], x, cfg, num_sequences=1), cfg, 1
+        routing = moejax.apply_capacity(
+            moejax.route(params["router"], x, cfg, num_sequences=1), cfg, 1
         )
         t, k = routing.expert_index.shape
         e, c, d = cfg.num_experts, cfg.capacity(t), x.shape[-1]
@@ -150,7 +145,7 @@ def zipf_router(params, x, cfg, s: float):
     e = cfg.num_experts
     p = np.arange(1, e + 1, dtype=np.float64) ** -s
     p /= p.sum()
-    route = jax.jit(lambda prm: _routing.route(prm["router"], x, cfg, num_sequences=1))
+    route = jax.jit(lambda prm: moejax.route(prm["router"], x, cfg, num_sequences=1))
 
     def with_scale(scale):
         kernel = params["router"]["kernel"].at[0].set(scale * jnp.log(jnp.asarray(p, jnp.float32)))

@@ -39,7 +39,6 @@ import optax
 
 import moejax
 from moejax import parallel
-from moejax._routing import apply_capacity, route
 from moejax.parallel import traffic
 
 T, D, F, E, K, N = 8192, 256, 512, 16, 2, 8
@@ -84,14 +83,14 @@ def train_router(params, clusters, steps=150):
 
 def routing_stats(params, x, cfg=CFG):
     """Max (source, destination) count and capacity-1.0 drops, per device shard of x."""
-    r = route(params["router"], x, cfg)
+    r = moejax.route(params["router"], x, cfg)
     kept = jnp.ones(r.expert_index.shape, bool)
     pair = parallel.max_pair_count(r.expert_index, kept, N, N, cfg.num_experts)
     cap = cfg.replace(drop_policy="capacity", capacity_factor=1.0)
     dropped = 0
     for shard in jnp.split(r.expert_index, N):  # capacity counted per device (GShard groups)
         sub = moejax.Routing(None, None, shard, jnp.ones(shard.shape), jnp.ones(shard.shape, bool))
-        dropped += int((~apply_capacity(sub, cap).kept).sum())
+        dropped += int((~moejax.apply_capacity(sub, cap).kept).sum())
     return pair, dropped / (x.shape[0] * cfg.top_k)
 
 

@@ -15,7 +15,6 @@ programs per shape); `--mesh 2,4` runs it on a `data x expert` mesh of simulated
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -39,32 +38,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _unflatten(flat: dict) -> dict:
-    """The checkpoint's flat model config (`moe.d_ff` keys) as `LMConfig`'s JSON form."""
-    out: dict = {}
-    for key, value in flat.items():
-        head, _, rest = key.partition(".")
-        if rest:
-            out.setdefault(head, {})[rest] = value
-        else:
-            out[key] = value
-    return out
-
-
 def _train_checkpoint(step_dir: str):
     """`(LMConfig, params)` of a training checkpoint step directory (the model config is the
     one its metadata records)."""
-    from moejax import MoEConfig
     from moejax.interop.hf import params_of_train_checkpoint
-    from moejax.models import LMConfig, MLAConfig, RopeScaling
+    from moejax.training.checkpoint import read_model_config
 
-    with open(os.path.join(step_dir, "meta", "metadata")) as f:
-        fields = _unflatten(json.load(f)["model"])
-    fields["moe"] = MoEConfig(**fields["moe"])
-    for name, kind in (("rope_scaling", RopeScaling), ("mla", MLAConfig)):
-        if isinstance(fields.get(name), dict):
-            fields[name] = kind(**fields[name])
-    cfg = LMConfig(**fields)
+    cfg = read_model_config(step_dir)
     return cfg, params_of_train_checkpoint(step_dir, cfg)
 
 

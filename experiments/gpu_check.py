@@ -1,10 +1,11 @@
 """The first thing to run on a lent GPU: are the grouped-matmul kernels right, how fast are they,
 and how fast are the MoE layer and a ~1B-parameter MoE LM train step, beside what others ship.
 
-Parts (`--parts`, all by default), in this order, each within its own time budget (what would
-run past it is skipped and named in the results). Planned for one H100 with jax 0.11.2: ~7 min
-in all, and never more than `--time-limit` (450 s by default: past it the script writes what it
-has, marked aborted, and exits with status 3), so a lent machine's 8-minute slot holds it:
+Parts (`--parts`; all but fp8 by default), in this order, each within its own time budget
+(what would run past it is skipped and named in the results). Planned for one H100 with jax
+0.11.2: ~7 min in all, and never more than `--time-limit` (450 s by default: past it the
+script writes what it has, marked aborted, and exits with status 3), so a lent machine's
+8-minute slot holds it:
   numerics (budget 40 s): every kernel compiled on the device (Mosaic GPU gmm, gmm_t, tgmm, on
     aligned and on realigned groups; the Triton ones; `grouped_matmul(backend="pallas")`
     forward and VJP) against `jax.lax.ragged_dot` / `ragged_dot_general`, bf16: balanced, Zipf,
@@ -22,6 +23,9 @@ has, marked aborted, and exits with status 3), so a lent machine's 8-minute slot
     tgmm) and `torch._grouped_mm` (its output checked against ours on a sample).
   layer (60 s): moejax's MoE layer (`implementation="pallas"`), forward and backward, against
     a dense SwiGLU FFN of the same FLOPs (top_k x d_ff wide), Mixtral and fine-grained sizes.
+  fp8 (240 s, only when named: `--parts fp8` alone fits a 4-minute slot): the fp8 expert
+    matmuls (`gpu_check_fp8.py`): fp8 kernels' numerics, TFLOP/s beside our bf16 kernels and
+    `torch._scaled_grouped_mm`, the layer and the train step with fp8 vs bf16 experts.
 Everything goes to one directory (`--out`): results.json (every figure, the device, versions,
 commit and date), results.md (the tables), log.txt (all that was printed), and with `--profile`
 a jax trace of one timed batch of each of our kernels, the layer and the step (profile/,
@@ -66,6 +70,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gpu_check_fp8 import part_fp8
 from gpu_check_lib import (
     Run,
     free_torch_cache,
@@ -84,7 +89,7 @@ from pallas_kernels import targets
 
 BF16_TOL = 2 * float(jnp.finfo(jnp.bfloat16).eps)  # one bf16 rounding of the output, with margin
 PEAK_BF16 = {"H100": hardware.H100_SXM.peak("bf16"), "H200": hardware.H200_SXM.peak("bf16")}
-BUDGET_S = {"numerics": 40, "train": 100, "kernels": 230, "layer": 60}
+BUDGET_S = {"numerics": 40, "train": 100, "kernels": 230, "layer": 60, "fp8": 240}
 TIME_LIMIT_S = 450
 DRY_TILES = pk.Config(tm=64, tk=64, tn=128, num_stages=2, raster=2)  # interpreters: few tiles
 SAMPLE_ROWS = 2048  # rows (gmm, gmm_t) of torch's output checked against ours; tgmm: 1 group
@@ -516,7 +521,8 @@ def hf_train_step(run: Run, hf: dict, batch: int, seq: int, flops: float, peak) 
 
 # ------------------------------------------------------------------------------------ main
 PARTS = {"numerics": part_numerics, "train": part_train, "kernels": part_kernels,
-         "layer": part_layer}  # fmt: skip
+         "layer": part_layer, "fp8": part_fp8}  # fmt: skip
+DEFAULT_PARTS = ["numerics", "train", "kernels", "layer"]  # fp8 only when asked for
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -526,7 +532,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     parser.add_argument("--out", type=pathlib.Path, required=True, help="output directory")
-    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=DEFAULT_PARTS)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any machine")
     parser.add_argument("--profile", action="store_true", help="jax traces into OUT/profile")
     budgets = ", ".join(f"{k} {v} s" for k, v in BUDGET_S.items())

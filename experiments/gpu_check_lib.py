@@ -271,6 +271,10 @@ def markdown(results: dict) -> str:
         lines += _layer_md(results["layer"])
     if results.get("train", {}).get("params_total"):
         lines += _train_md(results["train"])
+    if results.get("fp8"):
+        from gpu_check_fp8 import markdown as fp8_markdown
+
+        lines += fp8_markdown(results["fp8"])
     if results.get("part_seconds"):
         spent = ", ".join(f"{k} {v:.0f} s" for k, v in results["part_seconds"].items())
         lines += ["", f"Seconds per part: {spent}."]

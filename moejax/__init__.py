@@ -26,6 +26,7 @@ from moejax._layer import moe_apply as moe_apply
 from moejax._layer import resolve_implementation as resolve_implementation
 from moejax._params import init_moe_params as init_moe_params
 from moejax._params import param_specs as param_specs
+from moejax._routing import apply_capacity as apply_capacity
 from moejax._routing import load_balance_loss as load_balance_loss
 from moejax._routing import route as route
 from moejax._routing import update_correction_bias as update_correction_bias
@@ -40,6 +41,7 @@ __all__ = [
     "MoEAux",
     "MoEConfig",
     "Routing",
+    "apply_capacity",
     "init_moe_params",
     "linen",
     "load_balance_loss",

@@ -18,10 +18,14 @@ import numpy as np
 RouterKind = Literal["softmax", "sigmoid", "topk_softmax", "expert_choice"]
 Activation = Literal["swiglu", "geglu", "gelu", "relu", "clamped_swiglu"]
 DropPolicy = Literal["dropless", "capacity"]
+ExpertPrecision = Literal["bf16", "fp8"]
+Fp8Format = Literal["e4m3", "e5m2"]
 
 ROUTER_KINDS: tuple[str, ...] = RouterKind.__args__
 ACTIVATIONS: tuple[str, ...] = Activation.__args__
 DROP_POLICIES: tuple[str, ...] = DropPolicy.__args__
+EXPERT_PRECISIONS: tuple[str, ...] = ExpertPrecision.__args__
+FP8_FORMATS: tuple[str, ...] = Fp8Format.__args__
 GATED_ACTIVATIONS = frozenset({"swiglu", "geglu", "clamped_swiglu"})
 _BOOL_FIELDS = (
     "norm_topk_prob",
@@ -85,6 +89,15 @@ class MoEConfig:
       param_dtype: dtype of the initialised parameters.
       init_scale: standard deviation of the normal initialiser of projection weights, divided by
         sqrt(fan_in).
+      expert_precision: the routed experts' matmuls. `"bf16"`: in the activation dtype (fp32
+        accumulation). `"fp8"`: the DeepSeek-V3 recipe (forward, lhs and weight gradients on
+        block-scaled fp8 operands: activations e4m3 in 1 x 128 tiles, weights e4m3 in 128 x 128
+        blocks, fp32 scales and accumulation; `pallas_kernels.fp8_ops`): fp8 Mosaic GPU kernels
+        with `implementation="pallas"` on Hopper, emulated (quantize, dequantize, fp32 matmul)
+        everywhere else. Router, shared experts, parameters and optimizer state are untouched.
+        `implementation="reference"` (the per-expert oracle) does not quantize.
+      fp8_grad_format: fp8 format of the output gradients in the backward with
+        `expert_precision="fp8"`: `"e4m3"` (DeepSeek-V3) or `"e5m2"` (more range, less precision).
     """
 
     d_model: int
@@ -112,6 +125,8 @@ class MoEConfig:
     router_dtype: str = "float32"
     param_dtype: str = "float32"
     init_scale: float = 1.0
+    expert_precision: ExpertPrecision = "bf16"
+    fp8_grad_format: Fp8Format = "e4m3"
 
     def __post_init__(self):
         for name in _BOOL_FIELDS:
@@ -163,6 +178,10 @@ class MoEConfig:
             _bad("router_dtype", self.router_dtype, "must be 'float32' (or 'float64')")
         if self.param_dtype not in ("float32", "bfloat16", "float16", "float64"):
             _bad("param_dtype", self.param_dtype, "must be a float dtype name")
+        if self.expert_precision not in EXPERT_PRECISIONS:
+            _bad("expert_precision", self.expert_precision, f"must be one of {EXPERT_PRECISIONS}")
+        if self.fp8_grad_format not in FP8_FORMATS:
+            _bad("fp8_grad_format", self.fp8_grad_format, f"must be one of {FP8_FORMATS}")
         if self.shared_gate and self.num_shared_experts == 0:
             _bad("shared_gate", True, "needs num_shared_experts >= 1")
 

@@ -135,3 +135,41 @@ def pallas_gmm(lhs, rhs, group_sizes, group_alignment: int = 1):
     return pallas_kernels.grouped_matmul(
         lhs, rhs, group_sizes, backend="pallas", group_alignment=group_alignment
     )
+
+
+@functools.cache
+def _fp8_matmuls(implementation: str, block: int):
+    """The float grouped matmuls the emulated fp8 path runs (`pallas_kernels.fp8_ops.Matmuls`),
+    per implementation: the block loops, `ragged_dot`, or the Pallas kernels."""
+    from pallas_kernels import fp8_ops
+
+    if implementation == "blocked":
+        return fp8_ops.Matmuls(
+            gmm=functools.partial(_blocked_matmul, block=block, transpose_rhs=False),
+            gmm_t=functools.partial(_blocked_matmul, block=block, transpose_rhs=True),
+            tgmm=functools.partial(_blocked_tgmm, block=block),
+        )
+    if implementation == "pallas":
+        import pallas_kernels as pk
+
+        kw = dict(backend="pallas", group_alignment=block)
+        return fp8_ops.Matmuls(
+            gmm=functools.partial(pk.gmm, **kw),
+            gmm_t=functools.partial(pk.gmm, transpose_rhs=True, **kw),
+            tgmm=functools.partial(pk.tgmm, **kw),
+        )
+    return fp8_ops.REFERENCE_MATMULS
+
+
+def fp8_gmm(lhs, rhs, group_sizes, *, implementation: str, alignment: int, grad_format: str):
+    """The expert matmul with `expert_precision="fp8"` (`pallas_kernels.fp8_ops`): the fp8
+    Mosaic GPU kernels for `implementation="pallas"` compiled for Hopper, the emulated recipe
+    on this implementation's float matmuls otherwise. `alignment`: what the permute padded
+    every group to."""
+    from pallas_kernels import fp8_ops
+
+    return fp8_ops.fp8_grouped_matmul(
+        lhs, rhs, group_sizes, grad_format=grad_format,
+        backend="auto" if implementation == "pallas" else "emulated",
+        matmuls=_fp8_matmuls(implementation, alignment), group_alignment=alignment,
+    )  # fmt: skip

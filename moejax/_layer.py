@@ -64,17 +64,26 @@ def by_target(fn, implementation: str, *args):
 
 def _gmm_for(implementation: str, config: MoEConfig):
     """The grouped matmul and the row alignment it wants, for the unfused phases (`moe_apply`
-    runs `"blocked"` fused, see `moejax._fused`; `moejax.parallel` runs the phases per device)."""
+    runs `"blocked"` fused, see `moejax._fused`, except in fp8; `moejax.parallel` runs the
+    phases per device). With `expert_precision="fp8"`, the fp8 recipe over the same alignment."""
     if implementation == "ragged_dot":
-        return _gmm.ragged_dot_gmm, 1
-    if implementation == "blocked":
-        return functools.partial(_gmm.blocked_gmm, block=config.block_size), config.block_size
-    if implementation == "pallas":
+        gmm, alignment = _gmm.ragged_dot_gmm, 1
+    elif implementation == "blocked":
+        alignment = config.block_size
+        gmm = functools.partial(_gmm.blocked_gmm, block=alignment)
+    elif implementation == "pallas":
         import pallas_kernels
 
         alignment = pallas_kernels.group_alignment()  # 128 for Hopper's Mosaic GPU kernels
-        return functools.partial(_gmm.pallas_gmm, group_alignment=alignment), alignment
-    raise ValueError(f"no grouped matmul for implementation={implementation!r}")
+        gmm = functools.partial(_gmm.pallas_gmm, group_alignment=alignment)
+    else:
+        raise ValueError(f"no grouped matmul for implementation={implementation!r}")
+    if config.expert_precision == "fp8":
+        gmm = functools.partial(
+            _gmm.fp8_gmm, implementation=implementation, alignment=alignment,
+            grad_format=config.fp8_grad_format,
+        )  # fmt: skip
+    return gmm, alignment
 
 
 def moe_apply(
@@ -171,7 +180,7 @@ def _routed_phases(xt, routing, experts, implementation, *, config, max_kept):
     if implementation == "reference":
         with jax.named_scope("experts"):
             return reference_experts(experts, xt, routing, config)
-    if implementation == "blocked":
+    if implementation == "blocked" and config.expert_precision != "fp8":  # fp8: unfused
         with jax.named_scope("permute"):
             layout = make_layout(routing, config.num_experts, 1, max_kept)
         with jax.named_scope("experts"):

@@ -55,26 +55,39 @@ class Device:
     def __post_init__(self):
         if self.platform not in ("cuda", "tpu"):
             raise ValueError(f"platform must be 'cuda' or 'tpu', got {self.platform!r}")
-        if not self.flops_per_s or any(not rate > 0 for _, rate in self.flops_per_s):
-            raise ValueError(f"flops_per_s must be non-empty and > 0, got {self.flops_per_s!r}")
+        check_figures(self)
         unknown = [key for key, _ in self.flops_per_s if key not in DTYPES]
         if unknown:
             raise ValueError(f"flops_per_s keys must be in {DTYPES}, got {unknown!r}")
-        for field in ("hbm_bytes", "hbm_bytes_per_s", "link_bytes_per_s"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{field} must be > 0, got {getattr(self, field)!r}")
-        if self.node_size < 0:
-            raise ValueError(f"node_size must be >= 0, got {self.node_size!r}")
-        if self.node_size and not self.network_bytes_per_s > 0:
-            raise ValueError(
-                f"network_bytes_per_s must be > 0 when node_size > 0, "
-                f"got {self.network_bytes_per_s!r}"
-            )
+        if not self.hbm_bytes > 0:
+            raise ValueError(f"hbm_bytes must be > 0, got {self.hbm_bytes!r}")
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense FLOP/s for products of `dtype` (a key of `flops_per_s`; else the slowest)."""
         rates = dict(self.flops_per_s)
         return rates.get(dtype, min(rates.values()))
+
+
+def check_figures(figures) -> None:
+    """The checks a `Device` and every model's view of one (`moejax.aot.schedule.Hardware`)
+    share: `figures.flops_per_s` non-empty and > 0, `hbm_bytes_per_s` and `link_bytes_per_s`
+    > 0, `node_size` >= 0, and `network_bytes_per_s` > 0 where `node_size` > 0.
+
+    Raises:
+      ValueError: naming the first field that fails, and its value.
+    """
+    if not figures.flops_per_s or any(not rate > 0 for _, rate in figures.flops_per_s):
+        raise ValueError(f"flops_per_s must be non-empty and > 0, got {figures.flops_per_s!r}")
+    for field in ("hbm_bytes_per_s", "link_bytes_per_s"):
+        if not getattr(figures, field) > 0:
+            raise ValueError(f"{field} must be > 0, got {getattr(figures, field)!r}")
+    if figures.node_size < 0:
+        raise ValueError(f"node_size must be >= 0, got {figures.node_size!r}")
+    if figures.node_size and not figures.network_bytes_per_s > 0:
+        raise ValueError(
+            f"network_bytes_per_s must be > 0 when node_size > 0, "
+            f"got {figures.network_bytes_per_s!r}"
+        )
 
 
 # NVIDIA H100 SXM5 (H100 Tensor Core GPU datasheet; sparse figures halved): BF16/FP16 989.4

@@ -13,6 +13,10 @@ The Mosaic GPU kernels need every group on their row tile: `GROUP_ALIGNMENT` (12
 size multiple at which they run without moving rows (pass `group_alignment=` to promise it), and
 `group_alignment()` what the current compile target wants (128 on Hopper, else 1), which is
 what `moejax` pads each expert to.
+
+FP8 (DeepSeek-V3's recipe): `pallas_kernels.fp8` quantizes to e4m3/e5m2 with fp32 block scales,
+`pallas_kernels.fp8_ops.fp8_grouped_matmul` is the differentiable fp8 grouped matmul (the fp8
+Mosaic GPU kernels of `pallas_kernels.fp8_mosaic_gpu` on Hopper, emulated elsewhere).
 """
 
 from pallas_kernels.autotune import autotune_gmm as autotune_gmm

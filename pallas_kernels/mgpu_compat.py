@@ -4,6 +4,10 @@
   from jax 0.11, a private module in 0.10.
 * `kernel`: `plgpu.kernel`, passing a `pl.CostEstimate` where jax takes one (0.11+).
 * `races_found`: the interpreter's race detector, read the same way in every version.
+* `load`, `layout_cast`: `plgpu.load(ref, layout=)` (an index argument before jax 0.11) and
+  `plgpu.layout_cast`, read as plain values under jax 0.10's interpreter, which has no rule
+  for either.
+* `WGMMA_MIXES_FP8`: whether wgmma takes an e4m3 operand with an e5m2 one (jax 0.11+).
 * jax 0.10's interpreter cannot read a transposed wgmma operand (`ref.T`: the dlhs kernel's
   weights, both tgmm operands); `_install_transposed_wgmma_fix` teaches it, as 0.11 does.
 """
@@ -34,6 +38,37 @@ def kernel(body, *, cost_estimate: pl.CostEstimate, **kwargs):
     if _TAKES_COST:
         kwargs["cost_estimate"] = cost_estimate
     return plgpu.kernel(body, **kwargs)
+
+
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+
+
+def load(ref, *, layout, interpret: bool = False):
+    """`plgpu.load` of the whole of `ref` into registers in `layout`. jax 0.10's interpreter
+    cannot evaluate `plgpu.load` (its abstract eval wants a ref where the interpreter passes
+    values); a plain read gives the same values there (layouts are a compiled-kernel notion)."""
+    if _LOAD_TAKES_INDEX:
+        if interpret:
+            return ref[...]
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def layout_cast(x, layout, *, interpret: bool = False):
+    """`plgpu.layout_cast(x, layout)`; `x` itself under jax 0.10's interpreter, which has no
+    rule for it (the same values: see `load`)."""
+    if interpret and _LOAD_TAKES_INDEX:
+        return x
+    return plgpu.layout_cast(x, layout)
+
+
+def _wgmma_mixes_fp8() -> bool:
+    from jax._src.pallas.mosaic_gpu import primitives
+
+    return "fp8_dtypes" in inspect.getsource(primitives.wgmma)
+
+
+WGMMA_MIXES_FP8 = _wgmma_mixes_fp8()
 
 
 def _install_transposed_wgmma_fix() -> bool:

@@ -38,6 +38,7 @@ from pallas_kernels import introspect, shapes, targets
 
 MODEL_SHAPES = ("mixtral_8x7b", "fine_grained")
 MOSAIC_GPU_SHAPES = (*MODEL_SHAPES, "deepseek_v3")
+FP8_BACKEND = "fp8_mosaic_gpu"  # a Case of `fp8_ops.fp8_grouped_matmul` on its Hopper kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,9 @@ class Case:
       dtype: "float32" or "bfloat16".
       projection: "in" (lhs [M, D] times [E, D, F]) or "out" (lhs [M, F] times [E, F, D]).
       kernel: "vjp" (gmm forward with its VJP: gmm, gmm_t, tgmm) or "gather_gmm".
-      backend: "pallas" (the target decides) or a concrete backend of `config.BACKENDS`.
+      backend: "pallas" (the target decides), a concrete backend of `config.BACKENDS`, or
+        `FP8_BACKEND`: the fp8 recipe (`fp8_ops`, operands of `dtype` quantized to e4m3) on the
+        fp8 Mosaic GPU kernels (fp8_gmm for the forward and the lhs gradient, fp8_tgmm).
     """
 
     shape: str
@@ -65,6 +68,8 @@ class Case:
         return spec.m, k, n, spec.g
 
     def kernels(self) -> tuple[str, ...]:
+        if self.backend == FP8_BACKEND:
+            return ("fp8_gmm", "fp8_tgmm")
         return ("gather_gmm",) if self.kernel == "gather_gmm" else ("gmm", "gmm_t", "tgmm")
 
     def name(self) -> str:
@@ -103,8 +108,26 @@ def default_cases(platform: str) -> list[Case]:
     return cases
 
 
+def fp8_cases(shapes_: tuple[str, ...] = MOSAIC_GPU_SHAPES) -> list[Case]:
+    """The fp8 kernels (H100 only) at `shapes_`, both projections, from bf16 operands."""
+    return [Case(s, "bfloat16", p, backend=FP8_BACKEND) for s in shapes_ for p in ("in", "out")]
+
+
 def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
     """Per kernel of `case`: the Config and tiles the ops pick and the modelled memory."""
+    if case.backend == FP8_BACKEND:
+        from pallas_kernels import fp8_mosaic_gpu as f
+
+        t = f.TILE
+        return {
+            kernel: dict(
+                config=dict(num_stages=f.STAGES, raster=f.RASTER),
+                tiles=[t, t, t],
+                backend=FP8_BACKEND,
+                smem_model=f.smem_bytes(kernel, case.dtype),
+            )  # fmt: skip
+            for kernel in case.kernels()
+        }
     backend = case.concrete_backend(platform)
     m, k, n, g = case.dims()
     # (M, K, N) of each kernel as the VJP calls it: gmm_t multiplies dout [M, N] by rhs^T,
@@ -152,6 +175,12 @@ def _program(case: Case):
     def fn(x, w, sizes):
         # The named shapes' balanced groups are multiples of the alignment moejax pads to.
         def op(a, b):
+            if case.backend == FP8_BACKEND:
+                from pallas_kernels import fp8_ops
+
+                return fp8_ops.fp8_grouped_matmul(
+                    a, b, sizes, backend="pallas_mosaic_gpu", group_alignment=pk.GROUP_ALIGNMENT
+                )
             return pk.grouped_matmul(
                 a, b, sizes, backend=case.backend, group_alignment=pk.GROUP_ALIGNMENT
             )
@@ -317,10 +346,11 @@ def markdown(rows: list[dict]) -> str:
         c, cfg = r["case"], r["config"]
         tiles = ", ".join(map(str, r["tiles"]))
         prefix = f"| {c['shape']} | {c['projection']} | {c['dtype']} | {r['kernel']} |"
-        if gpu and r["backend"] == "pallas_mosaic_gpu":
+        if gpu and r["backend"] in ("pallas_mosaic_gpu", FP8_BACKEND):
             # 3 warpgroups (TMA producer + 2 wgmma consumers), one CTA per SM (132 on H100).
             lines.append(
-                f"{prefix} mosaic_gpu | {tiles} / 3 WG, {cfg['num_stages']} | 132 (persistent) "
+                f"{prefix} {r['backend'].removeprefix('pallas_')} | {tiles} / 3 WG, "
+                f"{cfg['num_stages']} | 132 (persistent) "
                 f"| {r.get('registers', '?')} | {r.get('spill_stores', '?')} | "
                 f"({r['smem_model']}) | {r['compile_s']:.1f} |"
             )

@@ -230,3 +230,119 @@ def test_the_device_table_imports_only_the_standard_library():
         for alias in node.names
     }
     assert imported and imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+
+
+# Test files that run a documented command line as a user types it (a subprocess, never an
+# import): the README's commands and main job, the notebook it documents, and the script a lent
+# GPU runs first. Every other test calls the library (`moejax.cli` holds the command lines).
+COMMAND_LINE_TESTS = {
+    "test_readme.py",
+    "training/test_readme_job.py",
+    "training/test_notebook.py",
+    "accelerator/test_gpu_check.py",
+}
+
+
+def _code_strings(tree: ast.AST) -> list[str]:
+    """The string constants of a module that are not docstrings."""
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+    ]
+
+
+def experiment_uses(path: pathlib.Path, scripts: set[str]) -> list[str]:
+    """How a test file reaches into `experiments/`: an import of one of its modules (`scripts`:
+    their names) and every non-docstring string naming the folder (a path to load or run)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            for name in filter(None, names):
+                if name.split(".")[0] in scripts | {"experiments"}:
+                    found.append(f"line {node.lineno}: imports {name}")
+    found += [f"names {s!r}" for s in _code_strings(tree) if "experiments" in s]
+    return found
+
+
+def private_imports(path: pathlib.Path) -> list[str]:
+    """The imports of `moejax` or `pallas_kernels` in a file that name a private module or name
+    (a dotted component or an imported name starting with `_`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            pairs = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            pairs = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for module, name in pairs:
+            if module.split(".")[0] not in PACKAGES:
+                continue
+            parts = module.split(".") + ([name] if name else [])
+            if any(p.startswith("_") for p in parts):
+                found.append(f"line {node.lineno}: {'.'.join(parts)}")
+    return found
+
+
+def test_no_test_imports_or_loads_an_experiment_script():
+    scripts = {p.stem for p in (ROOT / "experiments").glob("*.py")}
+    found = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        name = path.relative_to(ROOT / "tests").as_posix()
+        if name in COMMAND_LINE_TESTS or name == "test_imports.py":
+            continue
+        if uses := experiment_uses(path, scripts):
+            found[name] = uses
+    assert not found, found
+
+
+def test_the_command_line_tests_run_scripts_and_import_none():
+    """The exempt files reach `experiments/` through paths only: no import of a script."""
+    scripts = {p.stem for p in (ROOT / "experiments").glob("*.py")}
+    for name in COMMAND_LINE_TESTS:
+        uses = experiment_uses(ROOT / "tests" / name, scripts)
+        assert [u for u in uses if " imports " in u] == [], (name, uses)
+        assert uses, f"{name} runs no experiments/ path: drop it from COMMAND_LINE_TESTS"
+
+
+def test_experiments_import_public_names_only():
+    found = {
+        path.name: bad
+        for path in sorted((ROOT / "experiments").glob("*.py"))
+        if (bad := private_imports(path))
+    }
+    assert not found, found
+
+
+def test_the_experiment_checks_catch_an_import_a_load_and_a_private_name(tmp_path):
+    test = tmp_path / "test_x.py"
+    test.write_text(
+        '"""Runs experiments/x.py."""\nimport train_lm\nfrom experiments import y\n'
+        'p = os.path.join(ROOT, "experiments", "z.py")\n'
+    )
+    assert experiment_uses(test, {"train_lm"}) == [
+        "line 2: imports train_lm",
+        "line 3: imports experiments",
+        "names 'experiments'",
+    ]
+    script = tmp_path / "x.py"
+    script.write_text(
+        "import moejax\nfrom moejax import _gmm, route\nfrom moejax._permute import permute\n"
+        "from pallas_kernels.config import _table\nimport numpy._core\n"
+    )
+    assert private_imports(script) == [
+        "line 2: moejax._gmm",
+        "line 3: moejax._permute.permute",
+        "line 4: pallas_kernels.config._table",
+    ]

@@ -23,6 +23,7 @@ import sys
 
 import pytest
 
+from moejax.cli import train_inputs, train_lm
 from moejax.placement import H100_NVLINK as H100
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,8 +117,8 @@ def test_readme_python_block_runs(block, tmp_path):
 #   (`experiments/` and `tests/` linked in), with the interpreter (and `jupyter`) of this venv.
 #   `extra` flags make long ones short; `slow` ones are off by default (`-m slow`).
 # - "flags": a `train_lm.py` command whose run takes minutes: the default suite checks that its
-#   flags, mesh and corpus are accepted (`train_lm._setup`, nothing trained); the slow suite
-#   also runs it with `extra` flags (a few steps).
+#   flags, mesh and corpus are accepted (`moejax.cli.train_inputs.setup`, nothing trained);
+#   the slow suite also runs it with `extra` flags (a few steps).
 # - "skip": reported as skipped with the reason.
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _QUICK = ("--steps", "3", "--max-bytes", "200000", "--no-progress", "--eval-batches", "1")
@@ -334,8 +335,8 @@ def test_readme_train_command_is_accepted(command, tmp_path, monkeypatch):
     _prepare(tmp_path, plan.setup)
     monkeypatch.chdir(tmp_path)
     argv = shlex.split(command.text)[2:]  # after "python experiments/train_lm.py"
-    args = _train_lm().parse_args(argv)
-    model_cfg, train_cfg, mesh, _, corpus = _train_lm()._setup(args)
+    args = train_lm.parse_args(argv)
+    model_cfg, train_cfg, mesh, _, corpus = train_inputs.setup(args)
     assert math.prod(mesh.devices.shape) == 8 and len(corpus.tokens) > 0
     if "text" in plan.setup:  # your text, not the built-in corpus
         assert sorted(os.path.basename(s) for s in corpus.sources) == [
@@ -391,14 +392,3 @@ def _check_outputs(command, tmp_path, stdout: str) -> None:
         assert sum("image/png" in o.get("data", {}) for o in outputs) == 2
     if "train_lm.py" in command.text:
         assert "outputs: " in stdout
-
-
-def _train_lm():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "train_lm", os.path.join(ROOT, "experiments", "train_lm.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

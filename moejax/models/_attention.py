@@ -40,6 +40,11 @@ static shapes when tracing; `kernel_fits`, `triton_blocks`, `mosaic_blocks`):
 Block sizes are jax's defaults (except the Triton forward's shrinking), not tuned on hardware.
 At `S = 4096, Dh = 128` in bf16 both compile for their targets (H100: ptxas reports no spills).
 
+Variants the kernels lack (attention sinks, sliding windows, MLA's value head width differing
+from the query/key one) compute `masked_attention` under a named scope (`XLA_SCOPES`), which
+compiled programs keep in their op metadata, on every platform; `note_xla_fallback` says so once
+per process, in one line on stderr, when a kernel could otherwise have run.
+
 A kernel's custom VJP saves its inputs (kv heads repeated, and on TPU transposed) and per-row
 softmax statistics, never scores.
 
@@ -74,6 +79,13 @@ MOSAIC_KERNELS = (
     "_flash_attention_dq_kernel",
 )
 
+# Named scopes of the XLA attention that replaces the kernels (see the module docstring).
+XLA_SCOPES = {"sinks_window": "xla_attention_sinks_window", "mla": "xla_attention_mla"}
+_NOTED: set[str] = set()  # the fallbacks `note_xla_fallback` has reported in this process
+_WHY = {
+    "sinks_window": "attention sinks / sliding windows",
+    "mla": "multi-head latent attention (value heads narrower than query/key heads)",
+}
 _TRITON_BLOCK = 128  # forward q and kv blocks
 _TRITON_BWD_BLOCK = 32  # backward blocks (jax's default)
 _TRITON_TILE_BYTES = 32 * 1024  # the most bytes of one forward tile (triton_blocks)
@@ -139,6 +151,22 @@ def masked_attention(q, k, v, pos, *, scale: float, window=None, sinks=None, key
         probs = probs[..., :-1].astype(q.dtype)
     out = jnp.einsum("bgrst,btgk->bsgrk", probs, v.astype(q.dtype))
     return out.reshape(b, t, h, dv).astype(q.dtype)
+
+
+def note_xla_fallback(kind: str, implementation: str) -> None:
+    """One line on stderr, once per process and `kind` (a key of `XLA_SCOPES`), that layers of
+    that kind use the XLA attention core where `implementation` ("auto" or "pallas") would have
+    run jax's flash-attention kernels; nothing for `implementation="xla"`."""
+    if implementation == "xla" or kind in _NOTED:
+        return
+    _NOTED.add(kind)
+    print(
+        f"moejax: {_WHY[kind]}: jax's flash-attention kernels (Triton on GPU, Mosaic on TPU) "
+        f"lack them; those layers use the XLA attention core (named scope {XLA_SCOPES[kind]!r} "
+        "in the compiled program)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _pow2(n: int) -> bool:

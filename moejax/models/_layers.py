@@ -12,7 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import _wgrad
-from moejax.models._attention import causal_attention, masked_attention
+from moejax.models._attention import (
+    XLA_SCOPES,
+    causal_attention,
+    masked_attention,
+    note_xla_fallback,
+)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -176,7 +181,7 @@ def attention(
         sinks (`"sinks" [H]` in `p`) the core is the XLA one
         (`moejax.models._attention.masked_attention`, under the named scope
         `xla_attention_sinks_window`, which compiled programs show) on every platform: jax's
-        flash-attention kernels have neither.
+        flash-attention kernels have neither (`note_xla_fallback` says so once, on stderr).
 
     Returns:
       `[B, S, D]`.
@@ -191,7 +196,8 @@ def attention(
     if window is None and "sinks" not in p:
         out = causal_attention(q, k, v, mesh=mesh, implementation=implementation)
     else:
-        with jax.named_scope("xla_attention_sinks_window"):
+        note_xla_fallback("sinks_window", implementation)
+        with jax.named_scope(XLA_SCOPES["sinks_window"]):
             out = masked_attention(
                 q, k, v, 0, scale=q.shape[-1] ** -0.5, window=window, sinks=p.get("sinks")
             )

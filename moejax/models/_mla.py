@@ -25,8 +25,9 @@ Parameters (`init_lm_params`; logical axes in `moejax.models._sharding`): `wq [D
 `wq_a [D, Rq]`, `q_a_norm/scale [Rq]`, `wq_b [Rq, H, Dn+Dr]`; `wkv_a [D, Rkv+Dr]`,
 `kv_a_norm/scale [Rkv]`, `wkv_b [Rkv, H, Dn+Dv]`, `wo [H, Dv, D]`.
 
-The core is the XLA one (`masked_attention`, fp32 scores and softmax), on every platform: jax's
-flash-attention kernels want one head dim for q, k and v.
+The core is the XLA one (`masked_attention`, fp32 scores and softmax, under the named scope
+`xla_attention_mla`), on every platform: jax's flash-attention kernels want one head dim for q,
+k and v.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moejax.models._attention import masked_attention
+from moejax.models._attention import XLA_SCOPES, masked_attention
 from moejax.models._layers import _yarn_mscale, apply_rope, rms_norm
 
 
@@ -159,7 +160,8 @@ def _attend(p, q, c, k_rope, pos, cfg):
     k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
     k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], h, k_rope.shape[-1]))
     k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)
-    out = masked_attention(q, k, v, pos, scale=softmax_scale(cfg))
+    with jax.named_scope(XLA_SCOPES["mla"]):
+        out = masked_attention(q, k, v, pos, scale=softmax_scale(cfg))
     return jnp.einsum("bshk,hkd->bsd", out, p["wo"])
 
 

@@ -29,6 +29,7 @@ by timing its own steps (`moejax.training.tuning`).
 
 from moejax.parallel import slots as slots
 from moejax.parallel import traffic as traffic
+from moejax.parallel._local import local_moe as local_moe
 from moejax.parallel.dispatch_dropless import choose_bucket as choose_bucket
 from moejax.parallel.dispatch_dropless import default_bucket as default_bucket
 from moejax.parallel.dispatch_dropless import max_pair_count as max_pair_count
@@ -57,6 +58,7 @@ __all__ = [
     "activation_spec",
     "choose_bucket",
     "default_bucket",
+    "local_moe",
     "make_mesh",
     "max_pair_count",
     "moe_apply_sharded",

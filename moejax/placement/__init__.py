@@ -41,6 +41,7 @@ from moejax.placement.traces import balanced as balanced
 from moejax.placement.traces import drifting_zipf as drifting_zipf
 from moejax.placement.traces import load_trace as load_trace
 from moejax.placement.traces import save_trace as save_trace
+from moejax.placement.traces import synthetic_traces as synthetic_traces
 from moejax.placement.traces import zipf as zipf
 
 __all__ = [
@@ -70,5 +71,6 @@ __all__ = [
     "replica_counts",
     "save_trace",
     "step_cost",
+    "synthetic_traces",
     "zipf",
 ]

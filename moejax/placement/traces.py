@@ -159,6 +159,30 @@ def drifting_zipf(
     return out
 
 
+def synthetic_traces(
+    steps: int, num_devices: int, rows_per_device: int, hot_ratio: float = 4.0, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """The simulator's three synthetic one-layer traces at ``N = num_devices``, by name:
+    ``balanced``, ``zipf(s=..)`` and ``drifting(s=..)`` (the hot set rotating every
+    ``steps // 4`` steps), with ``E = 2N`` experts, ``N * rows_per_device`` rows a step, and the
+    Zipf exponent calibrated so that the hottest expert gets ``hot_ratio`` x the mean load
+    (``zipf_exponent_for``: a fixed exponent would make the skew grow with ``E``).
+
+    Returns:
+      name -> ``[steps, 1, 2N]`` int64 counts.
+    """
+    e, tokens = 2 * num_devices, num_devices * rows_per_device
+    s = zipf_exponent_for(e, hot_ratio)
+    common = dict(num_layers=1, seed=seed)
+    return {
+        "balanced": balanced(steps, e, tokens, **common),
+        f"zipf(s={s:.2f})": zipf(steps, e, tokens, s=s, **common),
+        f"drifting(s={s:.2f})": drifting_zipf(
+            steps, e, tokens, s=s, shift_every=max(1, steps // 4), **common
+        ),
+    }
+
+
 def _as_trace(counts: np.ndarray, source: str) -> np.ndarray:
     counts = np.asarray(counts)
     if counts.ndim == 2:

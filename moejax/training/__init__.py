@@ -17,12 +17,12 @@ from moejax.data import DataError as DataError
 from moejax.training import placed as placed
 from moejax.training import presets as presets
 from moejax.training import tuning as tuning
+from moejax.training._config import SetupError as SetupError
 from moejax.training._config import TrainConfig as TrainConfig
+from moejax.training._config import check_setup as check_setup
 from moejax.training.checkpoint import Checkpointer as Checkpointer
 from moejax.training.checkpoint import CheckpointError as CheckpointError
 from moejax.training.loop import RunResult as RunResult
-from moejax.training.loop import SetupError as SetupError
-from moejax.training.loop import check_setup as check_setup
 from moejax.training.loop import train as train
 from moejax.training.metrics import flops_per_token as flops_per_token
 from moejax.training.optimizer import learning_rate_schedule as learning_rate_schedule

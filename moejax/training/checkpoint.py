@@ -134,6 +134,38 @@ def _flat_config(cfg) -> dict:
     return out
 
 
+def read_model_config(step_dir: str) -> LMConfig:
+    """The `LMConfig` a checkpoint step directory's metadata records (`<step>/meta/metadata`,
+    the flat `moe.d_ff` keys `Checkpointer.save` writes), unverified: restoring the parameters
+    (`Checkpointer.restore_params`) checks the metadata's checksum and this config.
+
+    Raises:
+      CheckpointError: no readable model metadata in `step_dir`.
+    """
+    import json
+
+    from moejax import MoEConfig
+    from moejax.models import MLAConfig, RopeScaling
+
+    try:
+        with open(os.path.join(step_dir, "meta", "metadata")) as f:
+            flat = json.load(f)["model"]
+        fields: dict = {}
+        for key, value in flat.items():
+            outer, _, inner = key.partition(".")
+            if inner:
+                fields.setdefault(outer, {})[inner] = value
+            else:
+                fields[key] = value
+        fields["moe"] = MoEConfig(**fields["moe"])
+        for name, kind in (("rope_scaling", RopeScaling), ("mla", MLAConfig)):
+            if isinstance(fields.get(name), dict):
+                fields[name] = kind(**fields[name])
+        return LMConfig(**fields)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{step_dir}: no readable model metadata ({err})") from None
+
+
 def _state_dict(state: TrainState) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 

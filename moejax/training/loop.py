@@ -35,10 +35,10 @@ import jax
 import numpy as np
 
 from moejax.data import BatchIterator, Corpus, DataError
-from moejax.models import LMConfig, lm_mesh_problems
+from moejax.models import LMConfig
 from moejax.placement import Placement, save_trace
 from moejax.training import placed, report, resume, rundir, tuning
-from moejax.training._config import TrainConfig
+from moejax.training._config import SetupError, TrainConfig, check_setup
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import (
     MetricsWriter,
@@ -96,66 +96,6 @@ def recipe_lines(train_cfg: TrainConfig) -> tuple[str, ...]:
             f"balance loss: {train_cfg.load_balance} (weight {train_cfg.load_balance_weight:g})"
         )
     return tuple(lines)
-
-
-class SetupError(ValueError):
-    """Shapes of the run that do not fit each other or the mesh (one line, names the field)."""
-
-
-def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
-    """Validate the run's shapes against each other and the mesh; returns the sequence length.
-
-    Raises:
-      SetupError: one line per mismatch, each naming the field (batch vs token shards,
-        micro-batches, experts vs the expert axis, heads and widths vs the model axis, sequence
-        length vs the model), or a model without MoE layers.
-    """
-    if not model_cfg.moe_layers:  # e.g. a Hugging Face Llama, Qwen2 or Qwen3 as loaded
-        raise SetupError(
-            f"LMConfig.mlp_layer_types={model_cfg.mlp_layer_types}: no MoE layer; moejax trains "
-            "MoE models: upcycle this dense one (moejax.models.upcycle, train_lm.py "
-            "--upcycle-from) or write its MLPs as one-expert MoE layers (dense_lm_config)"
-        )
-    seq_len = train_cfg.seq_len or model_cfg.max_seq_len
-    if seq_len > model_cfg.max_seq_len:
-        raise SetupError(
-            f"TrainConfig.seq_len={seq_len}: exceeds the model's max_seq_len="
-            f"{model_cfg.max_seq_len}"
-        )
-    if mesh is None:
-        if train_cfg.expert_slots_per_device:
-            raise SetupError(
-                f"TrainConfig.expert_slots_per_device={train_cfg.expert_slots_per_device}: "
-                "expert placement needs a mesh"
-            )
-        return seq_len
-    from moejax.parallel import mesh as mesh_lib
-
-    shape = " x ".join(f"{k}={v}" for k, v in dict(mesh.shape).items())
-    shards = mesh_lib.token_shards(mesh)
-    problems = []
-    if train_cfg.batch_size % shards:
-        problems.append(
-            f"TrainConfig.batch_size={train_cfg.batch_size}: does not divide over the {shards} "
-            f"token shards of the mesh"
-        )
-    elif (train_cfg.batch_size // shards) % train_cfg.microbatches:
-        problems.append(
-            f"TrainConfig.microbatches={train_cfg.microbatches}: does not divide the "
-            f"{train_cfg.batch_size // shards} sequences each of the {shards} token shards holds"
-        )
-    problems += lm_mesh_problems(model_cfg, mesh)
-    experts = mesh_lib.axis_size(mesh, "expert")
-    slots = train_cfg.expert_slots_per_device
-    if slots and slots < model_cfg.moe.num_experts // experts:
-        problems.append(
-            f"TrainConfig.expert_slots_per_device={slots}: fewer than the "
-            f"{model_cfg.moe.num_experts // experts} experts each of the {experts} devices of "
-            f"the expert axis must hold"
-        )
-    if problems:  # one line per mistake, each naming the field and the mesh
-        raise SetupError("\n".join(f"{line} ({shape})" for line in problems))
-    return seq_len
 
 
 def _saved_placements(meta: dict, current: list[Placement]) -> list[Placement] | None:

@@ -22,6 +22,18 @@ from __future__ import annotations
 
 from moejax.training._config import TrainConfig
 
+# The real-size recipe the accelerator presets share; each sets its own learning rate.
+_REAL_SIZE = dict(
+    steps=100_000,
+    batch_size=1024,
+    warmup_steps=2000,
+    weight_decay=0.1,
+    checkpoint_every=1000,
+    remat="dots_saveable",
+    scan_layers=True,
+    microbatches=2,
+)
+
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     "micro": TrainConfig(
         steps=8, batch_size=8, learning_rate=1e-2, warmup_steps=2, checkpoint_every=4
@@ -32,40 +44,10 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "small": TrainConfig(
         steps=2000, batch_size=32, learning_rate=2e-3, warmup_steps=100, checkpoint_every=250
     ),
-    "mixtral_8x7b": TrainConfig(
-        steps=100_000,
-        batch_size=1024,
-        learning_rate=3e-4,
-        warmup_steps=2000,
-        weight_decay=0.1,
-        checkpoint_every=1000,
-        remat="dots_saveable",
-        scan_layers=True,
-        microbatches=2,
-    ),
-    "fine_grained_64x1408": TrainConfig(
-        steps=100_000,
-        batch_size=1024,
-        learning_rate=4.2e-4,
-        warmup_steps=2000,
-        weight_decay=0.1,
-        checkpoint_every=1000,
-        remat="dots_saveable",
-        scan_layers=True,
-        microbatches=2,
-    ),
+    "mixtral_8x7b": TrainConfig(**_REAL_SIZE, learning_rate=3e-4),
+    "fine_grained_64x1408": TrainConfig(**_REAL_SIZE, learning_rate=4.2e-4),
     # DeepSeek-V3's batch (15360 x 4096 in its report) is for 2048 GPUs; planned at 1024.
-    "deepseek_v3_4l": TrainConfig(
-        steps=100_000,
-        batch_size=1024,
-        learning_rate=2.2e-4,
-        warmup_steps=2000,
-        weight_decay=0.1,
-        checkpoint_every=1000,
-        remat="dots_saveable",
-        scan_layers=True,
-        microbatches=2,
-    ),
+    "deepseek_v3_4l": TrainConfig(**_REAL_SIZE, learning_rate=2.2e-4),
 }
 
 

@@ -76,3 +76,25 @@ def test_dry_run_takes_every_path(tmp_path):
     md = (tmp_path / "results.md").read_text()
     for title in ("**Numerics**", "**Kernels", "**MoE layer", "**Train step"):
         assert title in md
+
+
+@pytest.mark.slow  # ~2 min of CPU (the fp8 kernels interpreted, two tiny train steps compiled)
+def test_dry_run_fp8_part(tmp_path):
+    """`--parts fp8` (what the lead runs alone on an H100): the fp8 kernels against the
+    dequantize-then-matmul reference, timed beside our bf16 kernels, torch's scaled grouped
+    matmul named when missing, the layer and the train step with both precisions."""
+    out = _run("--dry-run", "--parts", "fp8", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    fp8 = json.loads((tmp_path / "results.json").read_text())["fp8"]
+    assert "errors" not in fp8
+    assert fp8["numerics_ok"] and {r["kernel"] for r in fp8["numerics"]} == {
+        "gmm", "gmm_t", "tgmm"
+    }  # fmt: skip
+    for r in fp8["kernels"]:
+        assert {"fp8 (quantized operands)", "bf16 Mosaic GPU"} <= set(r["tflops"]), r
+        if r["kernel"] == "gmm":
+            assert "fp8 incl. quantization" in r["tflops"], r
+            assert "torch._scaled_grouped_mm" in {*r["tflops"], *r["unavailable"]}, r
+    assert fp8["layer"]["bf16_ms"] > 0 and fp8["layer"]["fp8_ms"] > 0
+    assert fp8["train"]["bf16_step_ms"] > 0 and fp8["train"]["fp8_step_ms"] > 0
+    assert "**FP8 experts**" in (tmp_path / "results.md").read_text()

@@ -62,3 +62,18 @@ def test_every_view_reads_the_table():
 def test_device_is_validated(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(hardware.H100_SXM, **change)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(flops_per_s=()), "flops_per_s must be non-empty"),
+        (dict(hbm_bytes_per_s=0.0), "hbm_bytes_per_s must be > 0, got 0.0"),
+        (dict(node_size=-1), "node_size must be >= 0"),
+        (dict(network_bytes_per_s=0.0), "network_bytes_per_s must be > 0 when node_size > 0"),
+    ],
+)
+def test_the_schedule_models_view_is_validated_as_the_device_is(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(schedule.H100_SXM, **change)
+    dataclasses.replace(schedule.H100_SXM, node_size=0, network_bytes_per_s=0.0)  # one network

@@ -23,6 +23,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from moejax.interop.hf import lm_config_from_hf, model_recipes
+from moejax.interop.hf._model import FP32_TENSORS, mtp_copies
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -206,12 +207,77 @@ CONFIGS = {
 }
 
 
+# Whole decoders the numpy transcription above does not cover (MLA, MTP, sinks, windows):
+# `test_hf_fidelity.py` compares them with transformers' own outputs.
+CONFIGS_2026 = {
+    "deepseek_v3": _BASE
+    | {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,  # [dense, moe, moe], then one MTP layer
+        "num_key_value_heads": 4,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 12,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,  # != qk_nope + qk_rope
+        "intermediate_size": 40,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 1,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },  # fmt: skip
+    },
+    "gpt_oss": _BASE
+    | {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "num_hidden_layers": 4,
+        "head_dim": 8,
+        "intermediate_size": 16,
+        "num_local_experts": 4,
+        "experts_per_token": 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 3,  # shorter than the fixtures' 10 positions
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },  # fmt: skip
+    },
+}
+
+
 def random_state_dict(config: dict, seed: int = 0, dtype=ml_dtypes.bfloat16) -> dict:
-    """Random tensors of every name of `config`'s model (per-expert layout), stored `dtype`."""
+    """Random tensors of every name of `config`'s model (the family's published layout, with
+    DeepSeek-V3's MTP copies of the embedding and head), stored `dtype`."""
     cfg, family = lm_config_from_hf(config)
     rng = np.random.default_rng(seed)
     out = {}
-    for recipe in model_recipes(cfg, family, "per_expert"):
+    for recipe in model_recipes(cfg, family):
         for name, shape in zip(recipe.tensors, recipe.shapes, strict=True):
             if name.endswith("norm.weight") or "layernorm" in name:
                 t = 1.0 + 0.1 * rng.standard_normal(shape)
@@ -219,7 +285,10 @@ def random_state_dict(config: dict, seed: int = 0, dtype=ml_dtypes.bfloat16) -> 
                 t = rng.standard_normal(shape)
             else:
                 t = rng.standard_normal(shape) * (shape[-1] ** -0.5)
-            out[name] = t.astype(dtype)
+            # float32 as published (transformers keeps the router bias buffer in fp32)
+            out[name] = t.astype(np.float32 if name.endswith(FP32_TENSORS) else dtype)
+    for copy, original in mtp_copies(cfg).items():
+        out[copy] = out[original]
     return out
 
 

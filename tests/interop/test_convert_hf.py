@@ -1,31 +1,17 @@
 """Hugging Face -> orbax -> Hugging Face bit-identical (`moejax.interop.hf.convert_to_orbax`,
 `convert_to_hf`), training continues from the converted weights (`train_lm.py --init-from`), bad
-input is one line (`experiments/convert_hf.py`)."""
+input is one line (`moejax.cli.convert_hf`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import _hf_decoder_reference as ref
 import numpy as np
 import pytest
 
+from moejax.cli import convert_hf, train_lm
 from moejax.interop.hf import SafetensorsCheckpoint, convert_to_hf, convert_to_orbax
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _script(name):
-    path = os.path.join(ROOT, "experiments", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-convert_hf = _script("convert_hf")
-train_lm = _script("train_lm")
 
 
 @pytest.fixture(scope="module")

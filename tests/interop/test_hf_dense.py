@@ -1,5 +1,5 @@
 """Dense Hugging Face decoders (Llama, Qwen2, Qwen3) as upcycling sources, against transformers on
-torch CPU in fp32 (`hf_dense_fixtures.npz`, written by `make_hf_model_fixtures.py --part dense`
+torch CPU in fp32 (`hf_dense_fixtures.npz`, written by `make_hf_model_fixtures.py --only-dense`
 with transformers 5.18.0, torch 2.14.1): a tiny random model of each, loaded from a bf16
 checkpoint directory, gives transformers' logits within 1e-5 and gradients of `sum(logits * R)`
 within 1e-4 (relative to each array's largest magnitude); upcycled (identical experts, softmax

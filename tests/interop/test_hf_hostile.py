@@ -1,6 +1,6 @@
 """Hostile and damaged checkpoint files: each is refused with one clear `CheckpointError` by the
 library (`load_hf_model`, `SafetensorsCheckpoint`) and one line plus exit 2 by
-`experiments/convert_hf.py`, before anything is written or sized from the file.
+`moejax.cli.convert_hf`, before anything is written or sized from the file.
 
 The files are built here byte by byte: safetensors headers with overlapping, negative or
 out-of-range `data_offsets`, wrong types, unknown dtypes; indexes naming shards outside the
@@ -18,8 +18,8 @@ import time
 import _hf_decoder_reference as ref
 import numpy as np
 import pytest
-from test_convert_hf import convert_hf
 
+from moejax.cli import convert_hf
 from moejax.interop import hf
 from moejax.interop.hf import _model, load_hf_model
 

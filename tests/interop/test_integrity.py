@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from test_convert_hf import convert_hf, train_lm
 
+from moejax.cli import convert_hf, train_lm
 from moejax.interop.hf import (
     ConvertedDirError,
     NonFiniteError,

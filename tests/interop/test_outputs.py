@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_convert_hf import convert_hf
 
+from moejax.cli import convert_hf
 from moejax.interop.hf import (
     CheckpointError,
     _outputs,

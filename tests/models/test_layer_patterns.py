@@ -20,7 +20,7 @@ from moejax.models import (
     rope_tables,
     swiglu_mlp,
 )
-from moejax.models._lm import layer_runs
+from moejax.models._layer_runs import layer_runs
 from moejax.models._patterns import ScanRun, scan_runs
 from moejax.testing import assert_close
 

@@ -80,7 +80,7 @@ def test_lm_replay_scanned_pattern(kinds):
     # Scanned runs of a per-layer pattern: [D, M, M] is layer 0 unscanned then [M] x 2;
     # twice it is one run of 2 units of [D, M, M] (two MoE layers per unit), so the
     # [Lm, ...] replays are sliced per run and regrouped per unit.
-    from moejax.models._lm import layer_runs
+    from moejax.models._layer_runs import layer_runs
 
     cfg = presets.get("micro").replace(num_layers=len(kinds), mlp_layer_types=kinds)
     assert any(r.unit > 1 for r in layer_runs(cfg)) == (len(kinds) == 6)

@@ -11,7 +11,7 @@ import pytest
 
 from moejax.models import attention, generate, init_lm_params, lm_forward, presets, rope_tables
 from moejax.models._generate import init_cache
-from moejax.models._lm import layer_runs
+from moejax.models._layer_runs import layer_runs
 from moejax.testing import assert_close
 
 S, F = "sliding_attention", "full_attention"

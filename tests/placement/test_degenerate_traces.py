@@ -2,14 +2,12 @@
 every row on one expert, one step. Each gets a defined result, never a ZeroDivisionError (the
 probe's `simulate_placement.py` crash on a trace with an all-zero layer)."""
 
-import importlib.util
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
+from moejax.cli import simulate_placement
 from moejax.placement import (
     H100_IB,
     ControllerConfig,
@@ -24,7 +22,6 @@ from moejax.placement.traces import zipf_exponent_for
 N, E, S = 8, 16, 3
 WL = Workload(tokens_per_device=512, top_k=2, d_model=1024, d_ff=1024)
 TOKENS = N * WL.rows_per_step
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _observe(trace):
@@ -90,32 +87,26 @@ def test_simulator_results_are_defined(kind):
         assert rows["perfect"]["gap"] == 0.0 and rows["static"]["speedup"] == 1.0
 
 
-def _simulate_main(monkeypatch, capsys, *args):
-    path = os.path.join(ROOT, "experiments", "simulate_placement.py")
-    spec = importlib.util.spec_from_file_location("simulate_placement", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", ["simulate_placement.py", *map(str, args)])
+def _simulate_main(capsys, *args):
     try:
-        module.main()
-        code = 0
+        code = simulate_placement.main([*map(str, args)])
     except SystemExit as exit_:
         code = exit_.code
     return code, capsys.readouterr()
 
 
-def test_simulate_placement_script_on_degenerate_traces(tmp_path, monkeypatch, capsys):
+def test_simulate_placement_command_on_degenerate_traces(tmp_path, capsys):
     zero = np.random.default_rng(0).integers(0, 100, (20, 2, E))
     zero[:, 1] = 0
     np.save(tmp_path / "zero_layer.npy", zero)
     code, printed = _simulate_main(
-        monkeypatch, capsys, "--trace", tmp_path / "zero_layer.npy", "--devices", N,
+        capsys, "--trace", tmp_path / "zero_layer.npy", "--devices", N,
         "--out", tmp_path / "out",
     )  # fmt: skip
     assert code == 0 and "zero_layer.npy" in printed.out, printed.err[-2000:]
     np.save(tmp_path / "empty.npy", np.zeros((0, 1, E), np.int64))
     code, printed = _simulate_main(
-        monkeypatch, capsys, "--trace", tmp_path / "empty.npy", "--out", tmp_path / "out"
+        capsys, "--trace", tmp_path / "empty.npy", "--out", tmp_path / "out"
     )
     assert code == 2 and printed.err.count("\n") == 1
     assert "must have shape [steps, L, E], got (0, 1, 16)" in printed.err

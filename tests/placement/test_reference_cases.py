@@ -1,26 +1,21 @@
-"""experiments/simulate_placement.py --case: the EPLB README example, E=256 Zipf loads, DeepSeek-V3.
+"""moejax.placement.reference_cases (`simulate_placement --case`): the EPLB README example,
+E=256 Zipf loads, DeepSeek-V3.
 
 The numbers are recorded in BENCHMARKS.md ("Placement", reference cases); here only their
 sanity: max / mean >= 1, the bound <= moejax's plan <= the static layout.
 """
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "simulate_placement",
-    os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "simulate_placement.py"),
-)
-sim = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sim)
+from moejax.cli import simulate_placement as cli
+from moejax.placement import H100_IB, Placement, Workload
+from moejax.placement import reference_cases as cases
 
 
-@pytest.mark.parametrize("name", sim.CASES)
+@pytest.mark.parametrize("name", cases.CASES)
 def test_reference_case_numbers_are_sane(name, capsys):
-    result = sim.reference_case(name)
+    result = cases.reference_case(name)
     layers = 2 if name == "eplb-readme" else 4
     assert len(result["rows"]) == layers
     for r in result["rows"]:
@@ -29,24 +24,24 @@ def test_reference_case_numbers_are_sane(name, capsys):
         assert r["moejax"] < r["static"], r  # these loads are skewed: the plan must help
         if "eplb" in r:
             assert r["bound"] <= r["eplb"] + 1e-12, r
-    sim.print_reference(result)
+    cli.print_reference(result)
     out = capsys.readouterr().out
     assert f"case {name}:" in out and "| config | layer | static | moejax plan" in out
 
 
 def test_eplb_readme_published_placement_is_valid():
     # The placement EPLB's README prints: every expert present, 2 slots on each of 8 GPUs.
-    for layer, counts in enumerate(sim.EPLB_README_WEIGHT):
-        p = sim.Placement(sim.EPLB_README_PHY2LOG[layer], 12, 8, 2)
+    for layer, counts in enumerate(cases.EPLB_README_WEIGHT):
+        p = Placement(cases.EPLB_README_PHY2LOG[layer], 12, 8, 2)
         assert p.device_load(counts.astype(np.float64)).sum() == pytest.approx(counts.sum())
 
 
 def test_load_bound_counts_distinct_devices():
     # One expert with all rows, 4 devices: at best split over 4 devices -> max / mean = 1.
     counts = np.array([100.0, 0, 0, 0])
-    assert sim.load_bound(counts, 4, 2) == 1.0
+    assert cases.load_bound(counts, 4, 2) == 1.0
     # 2 devices, 1 slot each, 2 experts 90 / 10: no replica possible; bound 90 / 50.
-    assert sim.load_bound(np.array([90.0, 10.0]), 2, 1) == pytest.approx(1.8)
+    assert cases.load_bound(np.array([90.0, 10.0]), 2, 1) == pytest.approx(1.8)
 
 
 def test_deepseek_v3_case_keeps_groups_on_their_nodes(capsys):
@@ -54,7 +49,7 @@ def test_deepseek_v3_case_keeps_groups_on_their_nodes(capsys):
     # 1). With groups kept whole, every group is on 1 node and max / mean lies within 1% of
     # the groups bound (the busiest node's groups, spread evenly over its 8 devices); the
     # planner spreads a group only when the modeled step falls, and beats the group-blind plan.
-    result = sim.deepseek_case()
+    result = cases.deepseek_case()
     rows = {(r["config"], r["layer"], r["layout"]): r for r in result["rows"]}
     configs = {(r["config"], r["layer"]) for r in result["rows"]}
     assert len(configs) == 4
@@ -70,18 +65,17 @@ def test_deepseek_v3_case_keeps_groups_on_their_nodes(capsys):
             assert planned["step_ms"] < whole["step_ms"], key
         assert planned["step_ms"] < min(static["step_ms"], blind["step_ms"]), key
         assert planned["copies_per_token"] < blind["copies_per_token"], key
-    sim.print_deepseek(result)
+    cli.print_deepseek(result)
     out = capsys.readouterr().out
     assert "hardware: HardwareModel(name='h100-ib'" in out and "num_groups=8" in out
     assert "| config | layer | layout | max/mean | nodes/group |" in out
 
 
-def test_help_names_the_workload_and_hardware_modeled(monkeypatch, capsys):
-    monkeypatch.setattr("sys.argv", ["simulate_placement.py", "--help"])
+def test_help_names_the_workload_and_hardware_modeled(capsys):
     with pytest.raises(SystemExit):
-        sim.main()
+        cli.main(["--help"])
     out = capsys.readouterr().out
-    assert repr(sim.Workload()) in out and repr(sim.DEEPSEEK_V3) in out
-    for hw in sim.HARDWARE.values():
+    assert repr(Workload()) in out and repr(cases.DEEPSEEK_V3) in out
+    for hw in cli.HARDWARE.values():
         assert repr(hw) in out
-    assert sim._models_line(sim.H100_IB, sim.Workload()).startswith("modeling hardware: ")
+    assert cli._models_line(H100_IB, Workload()).startswith("modeling hardware: ")

@@ -13,7 +13,6 @@ from moejax.models import presets
 from moejax.training import presets as train_presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "experiments", "train_lm.py")
 MODEL = presets.get("micro")
 TRAIN = train_presets.get("micro")  # 8 steps, batch 8 x 16, checkpoint every 4
 CORPUS_BYTES = 200_000
@@ -28,9 +27,10 @@ def mesh(shape=(2, 4)):
 
 
 def cli(*args):
-    """Argument list of a `train_lm.py` run of the micro preset (quiet, small corpus)."""
+    """Argument list of a train_lm run (`python -m moejax.cli.train_lm`) of the micro preset
+    (quiet, small corpus)."""
     base = ["--preset", "micro", "--max-bytes", str(CORPUS_BYTES), "--no-progress"]
-    return [sys.executable, SCRIPT, *base, *map(str, args)]
+    return [sys.executable, "-m", "moejax.cli.train_lm", *base, *map(str, args)]
 
 
 def env(devices=8, compilation_cache=True):

@@ -1,18 +1,15 @@
-"""experiments/train_lm.py on bad input: one line on stderr, exit code 2, nothing written."""
+"""The train_lm command (`moejax.cli.train_lm`) on bad input: one line on stderr, exit code 2,
+nothing written."""
 
-import importlib.util
 import json
 import os
 import re
 
 import pytest
-from _helpers import MODEL, SCRIPT, TRAIN, mesh
+from _helpers import MODEL, TRAIN, mesh
 
+from moejax.cli import train_lm
 from moejax.training import SetupError, check_setup
-
-_spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
-train_lm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_lm)
 
 
 def _run(capsys, tmp_path, *args, stdout=None):
@@ -118,12 +115,12 @@ def test_the_outputs_line_names_what_the_run_wrote_and_its_compilation_cache(tmp
     (tmp_path / "jax_cache").mkdir()
     args = types.SimpleNamespace(placement=True)
     result = types.SimpleNamespace(placement={"replacements": 0}, tuning=None)
-    line = train_lm._outputs_line(str(tmp_path), args, result, str(tmp_path / "jax_cache"))
+    line = train_lm.outputs_line(str(tmp_path), args, result, str(tmp_path / "jax_cache"))
     assert line == (
         f"outputs: {tmp_path}/{{metrics.jsonl, loss.png, placement_decisions.jsonl}}; "
         f"compilation cache: {tmp_path / 'jax_cache'} (reused by reruns)"
     )
-    assert "compilation cache" not in train_lm._outputs_line(str(tmp_path), args, result, None)
+    assert "compilation cache" not in train_lm.outputs_line(str(tmp_path), args, result, None)
 
 
 def test_strategy_auto_times_the_candidates_and_keeps_the_fastest(capsys, tmp_path):
@@ -164,3 +161,15 @@ def test_named_mesh_with_fsdp_remat_and_scan_trains(capsys, tmp_path):
     assert code == 0, printed.err
     assert "mesh {'fsdp': 2, 'expert': 4}" in printed.out
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_expert_precision_flags_set_the_moe_config():
+    from moejax.cli import train_inputs
+
+    args = train_lm.build_parser().parse_args(
+        ["--preset", "micro", "--expert-precision", "fp8", "--fp8-grad-format", "e5m2"]
+    )
+    model_cfg, _ = train_inputs.configs(args)
+    assert model_cfg.moe.expert_precision == "fp8" and model_cfg.moe.fp8_grad_format == "e5m2"
+    default, _ = train_inputs.configs(train_lm.build_parser().parse_args(["--preset", "micro"]))
+    assert default.moe.expert_precision == "bf16"

@@ -8,7 +8,6 @@ the migration of parameters and Adam moments.
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 from _helpers import MODEL, TRAIN, corpus, host_tree, mesh
 
+from moejax.cli import replay_placement
 from moejax.placement import (
     H100_NVLINK,
     ControllerConfig,
@@ -30,16 +30,8 @@ from moejax.placement import (
 from moejax.placement.controller import SPEC_FILE
 from moejax.placement.decision import OUTCOMES
 from moejax.placement.replay import replay
-from moejax.training import placed, report, train
-from moejax.training.loop import SetupError
+from moejax.training import SetupError, placed, report, train
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
-
-_spec = importlib.util.spec_from_file_location(
-    "replay_placement",
-    os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "replay_placement.py"),
-)
-replay_placement = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(replay_placement)
 
 STEPS, EVERY, SLOTS = 54, 4, 3
 BASE = TRAIN.replace(steps=STEPS, warmup_steps=5, checkpoint_every=0, eval_batches=0)

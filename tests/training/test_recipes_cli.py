@@ -1,18 +1,14 @@
 """`train_lm.py --upcycle-from` a dense moejax run: the MoE run starts from its MLPs and trains;
 the summary names the recipes in use."""
 
-import importlib.util
 import json
 
 import pytest
-from _helpers import MODEL, SCRIPT, TRAIN, corpus
+from _helpers import MODEL, TRAIN, corpus
 
+from moejax.cli import train_inputs, train_lm
 from moejax.models import dense_lm_config
 from moejax.training import train
-
-_spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
-train_lm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_lm)
 
 
 @pytest.mark.slow  # two training runs (~1-2 min of CPU)
@@ -80,7 +76,7 @@ def test_upcycle_from_a_hugging_face_dense_directory(tmp_path):
         upcycle_from=str(tmp_path / "qwen3"), upcycle_granularity=2, upcycle_noise=0.0, seed=0,
         allow_nonfinite=False,
     )  # fmt: skip
-    params, cfg = train_lm._upcycled(args, MODEL)
+    params, cfg = train_inputs.upcycled(args, MODEL)
     assert cfg.mlp_kinds == ("moe", "moe") and cfg.moe.d_ff == 32 and cfg.moe.num_experts == 8
     assert cfg.qk_norm == "head" and cfg.tie_embeddings and "unembed" not in params
     for i in range(2):

@@ -7,7 +7,6 @@ training tests, so the compilation cache serves them."""
 
 import dataclasses
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -19,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _helpers import MODEL, SCRIPT, TRAIN, assert_trees_equal, corpus, host_tree, mesh
+from _helpers import MODEL, TRAIN, assert_trees_equal, corpus, host_tree, mesh
 
+from moejax.cli import train_inputs, train_lm
 from moejax.data import BatchIterator
 from moejax.models import presets
 from moejax.training import (
@@ -34,10 +34,6 @@ from moejax.training import (
 from moejax.training import presets as train_presets
 from moejax.training.checkpoint import CorruptCheckpoint, leaf_name, restore_target
 from moejax.training.metrics import MetricsFileError, MetricsWriter, read_records
-
-_spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
-train_lm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_lm)
 
 # Failing orbax restores leave tensorstore callbacks on a closed event loop (harmless).
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -444,7 +440,7 @@ def test_help_shows_every_default():
 def test_small_preset_warns_of_its_cpu_run_time():
     def warning(name):
         args = train_lm.parse_args(["--preset", name])
-        return train_lm._cpu_warning(presets.get(name), train_presets.get(name), args)
+        return train_inputs.cpu_warning(presets.get(name), train_presets.get(name), args)
 
     small = warning("small")
     assert small.startswith("warning: --preset small on CPU: 2000 steps of 32 x 256 tokens")

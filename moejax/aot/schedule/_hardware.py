@@ -40,18 +40,7 @@ class Hardware:
     collective_latency_s: float = 0.0
 
     def __post_init__(self):
-        if not self.flops_per_s or any(not rate > 0 for _, rate in self.flops_per_s):
-            raise ValueError(f"flops_per_s must be non-empty and > 0, got {self.flops_per_s!r}")
-        for field in ("hbm_bytes_per_s", "link_bytes_per_s"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{field} must be > 0, got {getattr(self, field)!r}")
-        if self.node_size < 0:
-            raise ValueError(f"node_size must be >= 0, got {self.node_size!r}")
-        if self.node_size and not self.network_bytes_per_s > 0:
-            raise ValueError(
-                f"network_bytes_per_s must be > 0 when node_size > 0, "
-                f"got {self.network_bytes_per_s!r}"
-            )
+        hardware.check_figures(self)
 
     def peak(self, dtype: str) -> float:
         """FLOP/s for products of `dtype` (a key of `flops_per_s`; else the slowest rate)."""

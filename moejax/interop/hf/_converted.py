@@ -270,7 +270,7 @@ def convert_to_hf(
     out: str,
     *,
     checkpoint: str | None = None,
-    layout: str = "per_expert",
+    layout: str | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,

@@ -38,12 +38,21 @@ class HFDecoder:
       out_bias: the output projection's bias, likewise.
       window_caps_length: `config.json` `sliding_window`, when set, caps `LMConfig.max_seq_len`
         (Mixtral: full attention equals the windowed one up to the window).
+      mla: multi-head latent attention (`LMConfig.mla`, DeepSeek-V3), with dense first layers
+        and multi-token-prediction layers `model.layers.{num_hidden_layers + k}`.
+      sinks: attention sinks (`LMConfig.attention_sinks`, GPT-OSS `self_attn.sinks`).
+      defaults: transformers' defaults of decoder fields where they differ from the common
+        ones (`rope_theta` 10000, no rope scaling, no biases), applied to absent fields (a
+        callable: of the config).
     """
 
     qk_norm: Literal["head", "full"] | None
     qkv_bias: str | bool
     out_bias: str | bool
     window_caps_length: bool = False
+    mla: bool = False
+    sinks: bool = False
+    defaults: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +161,13 @@ def _dense(name: str, architecture_prefix: str, decoder: HFDecoder) -> HFFamily:
 
 _NORM = {"norm_topk_prob": "norm_topk_prob"}
 
+
+def _alternating_windows(config: dict) -> list[str]:
+    """GPT-OSS's `layer_types` when absent: sliding at even layers, full at odd ones."""
+    n = config.get("num_hidden_layers") or 0
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+
 FAMILIES: dict[str, HFFamily] = {
     f.name: f
     for f in (
@@ -207,6 +223,7 @@ FAMILIES: dict[str, HFFamily] = {
             correction_bias="gate.e_score_correction_bias",
             shared="shared_experts",
             features=_features(score_correction_bias=_YES, shared=_YES),
+            decoder=HFDecoder(None, False, False, mla=True, defaults={"first_k_dense_replace": 3}),
         ),
         _family(
             "gpt_oss",
@@ -220,6 +237,28 @@ FAMILIES: dict[str, HFFamily] = {
             fused="interleaved",
             features=_features(router_bias=_YES, expert_bias=_YES),
             prefix={"fused": _DECODER},
+            decoder=HFDecoder(
+                None,
+                "attention_bias",
+                "attention_bias",
+                sinks=True,
+                defaults={
+                    "attention_bias": True,
+                    "rope_theta": 150000.0,
+                    "rope_scaling": {
+                        "rope_type": "yarn",
+                        "factor": 32.0,
+                        "beta_fast": 32.0,
+                        "beta_slow": 1.0,
+                        "truncate": False,
+                        "original_max_position_embeddings": 4096,
+                    },  # fmt: skip
+                    "sliding_window": 128,
+                    "layer_types": _alternating_windows,
+                    "head_dim": 64,
+                    "rms_norm_eps": 1e-5,
+                },
+            ),
         ),
         _family(
             "switch",
@@ -245,7 +284,12 @@ FAMILIES: dict[str, HFFamily] = {
         # Llama4For* do not read as Qwen2 and Llama.
         _dense("llama", "LlamaFor", HFDecoder(None, "attention_bias", "attention_bias")),
         _dense("qwen2", "Qwen2For", HFDecoder(None, True, False)),
-        _dense("qwen3", "Qwen3For", HFDecoder("head", "attention_bias", "attention_bias")),
+        # Qwen3Config's head_dim default is 128, not hidden // heads as elsewhere
+        _dense(
+            "qwen3",
+            "Qwen3For",
+            HFDecoder("head", "attention_bias", "attention_bias", defaults={"head_dim": 128}),
+        ),
     )
 }
 

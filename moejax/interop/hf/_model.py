@@ -24,6 +24,13 @@ layers[i]/attn/wq [D, H, Dh]          self_attn.q_proj.weight [H*Dh, D]   (wk, w
 layers[i]/attn/wo [H, Dh, D]          self_attn.o_proj.weight [D, H*Dh]
 layers[i]/attn/bq [H, Dh]             self_attn.q_proj.bias [H*Dh]        (bk, bv; bo: o_proj.bias)
 layers[i]/attn/q_norm/scale           self_attn.q_norm.weight             (k_norm)
+layers[i]/attn/sinks [H]              self_attn.sinks [H]                 (GPT-OSS)
+layers[i]/attn/wq_a [D, Rq]           self_attn.q_a_proj.weight [Rq, D]   (MLA, DeepSeek-V3)
+layers[i]/attn/q_a_norm/scale         self_attn.q_a_layernorm.weight
+layers[i]/attn/wq_b [Rq, H, Dqk]      self_attn.q_b_proj.weight [H*Dqk, Rq]   (or wq: q_proj)
+layers[i]/attn/wkv_a [D, Rkv+Dr]      self_attn.kv_a_proj_with_mqa.weight [Rkv+Dr, D]
+layers[i]/attn/kv_a_norm/scale        self_attn.kv_a_layernorm.weight
+layers[i]/attn/wkv_b [Rkv, H, Dn+Dv]  self_attn.kv_b_proj.weight [H*(Dn+Dv), Rkv]
 layers[i]/ffn_norm/scale              post_attention_layernorm.weight
 layers[i]/mlp/w_gate [D, F]           mlp.gate_proj.weight [F, D]         (w_up, w_down)
 layers[i]/moe/router/kernel [D, E]    {moe}.gate.weight [E, D]
@@ -33,8 +40,15 @@ layers[i]/moe/experts/w_down [E,F,D]  {moe}.experts.{e}.{down}.weight [D, F]
                                       fused: mlp.experts.down_proj [E, D, F]
 layers[i]/moe/shared/w_gate [D, Fs]   mlp.shared_expert.gate_proj.weight  (Qwen2-MoE; up, down)
 layers[i]/moe/shared/gate [D, 1]      mlp.shared_expert_gate.weight [1, D]
+layers[i]/moe/router/bias [E]         mlp.router.bias (GPT-OSS; experts fused interleaved + biases)
+layers[i]/moe/router/score_correction_bias   mlp.gate.e_score_correction_bias [E] (float32)
 final_norm/scale                      model.norm.weight
 unembed/kernel [D, V]                 lm_head.weight [V, D]               (absent when tied)
+mtp[k]/enorm, hnorm/scale             model.layers.{L+k}.enorm.weight, hnorm.weight
+mtp[k]/eh_proj/kernel [2D, D]         model.layers.{L+k}.eh_proj.weight [D, 2D]
+mtp[k]/block/...                      model.layers.{L+k}.* as a layer's
+mtp[k]/norm/scale                     model.layers.{L+k}.shared_head.norm.weight
+(embed, unembed again)                model.layers.{L+k}.embed_tokens, shared_head.head .weight
 ```
 
 `{moe}` and the expert projection names are the family's (`FAMILIES`: `block_prefix`,
@@ -47,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Callable
 
 import jax
@@ -54,7 +69,21 @@ import numpy as np
 
 from moejax.interop.hf._config import CONFIG_FILE, lm_config_from_hf, read_config, stored_dtype
 from moejax.interop.hf._errors import CheckpointError
-from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, LAYOUTS, Layout, block_prefix
+from moejax.interop.hf._families import (
+    FAMILIES,
+    FLOAT_DTYPES,
+    LAYOUTS,
+    Layout,
+    block_prefix,
+    check_layout,
+)
+from moejax.interop.hf._fp8 import (
+    FP8_DTYPES,
+    SCALE_SUFFIX,
+    dequantize_fp8,
+    fp8_block_size,
+    without_quantization,
+)
 from moejax.interop.hf._safetensors import DTYPES, SafetensorsCheckpoint
 from moejax.interop.hf._writer import CheckpointWriter
 from moejax.models import LMConfig, abstract_params
@@ -103,9 +132,12 @@ def _reshaped(leaf: Path, name: str, shape, leaf_shape) -> Recipe:
     return _one(leaf, name, shape, lambda t: t.reshape(leaf_shape), lambda x: x.reshape(shape))
 
 
-def _attention_recipes(cfg: LMConfig, i: int) -> list[Recipe]:
+def _attention_recipes(cfg: LMConfig, leaf: Path, pre: str) -> list[Recipe]:
+    """One layer's attention: `leaf` its path in the tree (`("layers", i, "attn")`), `pre` its
+    Hugging Face prefix (`model.layers.{i}.self_attn.`)."""
+    if cfg.mla is not None:
+        return _mla_recipes(cfg, leaf, pre)
     d, h, hkv, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pre, leaf = f"model.layers.{i}.self_attn.", ("layers", i, "attn")
     heads = {"q": h, "k": hkv, "v": hkv}
     out = [
         _linear((*leaf, f"w{n}"), f"{pre}{n}_proj.weight", (heads[n] * dh, d), (d, heads[n], dh))
@@ -119,6 +151,8 @@ def _attention_recipes(cfg: LMConfig, i: int) -> list[Recipe]:
         ]
     if cfg.attention_out_bias:
         out.append(_one((*leaf, "bo"), f"{pre}o_proj.bias", (d,)))
+    if cfg.attention_sinks:
+        out.append(_one((*leaf, "sinks"), f"{pre}sinks", (h,)))
     if cfg.qk_norm is not None:
         for n in "qk":
             shape = (dh,) if cfg.qk_norm == "head" else (heads[n] * dh,)
@@ -126,6 +160,31 @@ def _attention_recipes(cfg: LMConfig, i: int) -> list[Recipe]:
             out.append(_reshaped((*leaf, f"{n}_norm", "scale"), f"{pre}{n}_norm.weight", shape,
                                  leaf_shape))  # fmt: skip
     return out
+
+
+def _mla_recipes(cfg: LMConfig, leaf: Path, pre: str) -> list[Recipe]:
+    """DeepSeek-V3's `DeepseekV3Attention` tensors (`moejax.models._mla` leaves); the rotary
+    features stay interleaved as stored (the layer reorders them at run time)."""
+    m, d, h = cfg.mla, cfg.d_model, cfg.num_heads
+    qk, rkv = m.qk_head_dim, m.kv_lora_rank
+    if m.q_lora_rank is None:
+        out = [_linear((*leaf, "wq"), f"{pre}q_proj.weight", (h * qk, d), (d, h, qk))]
+    else:
+        rq = m.q_lora_rank
+        out = [
+            _linear((*leaf, "wq_a"), f"{pre}q_a_proj.weight", (rq, d), (d, rq)),
+            _one((*leaf, "q_a_norm", "scale"), f"{pre}q_a_layernorm.weight", (rq,)),
+            _linear((*leaf, "wq_b"), f"{pre}q_b_proj.weight", (h * qk, rq), (rq, h, qk)),
+        ]
+    kv_a = (rkv + m.qk_rope_head_dim, d)
+    kv_b = (h * (m.qk_nope_head_dim + m.v_head_dim), rkv)
+    return out + [
+        _linear((*leaf, "wkv_a"), f"{pre}kv_a_proj_with_mqa.weight", kv_a, kv_a[::-1]),
+        _one((*leaf, "kv_a_norm", "scale"), f"{pre}kv_a_layernorm.weight", (rkv,)),
+        _linear((*leaf, "wkv_b"), f"{pre}kv_b_proj.weight", kv_b,
+                (rkv, h, m.qk_nope_head_dim + m.v_head_dim)),
+        _linear((*leaf, "wo"), f"{pre}o_proj.weight", (d, h * m.v_head_dim), (h, m.v_head_dim, d)),
+    ]  # fmt: skip
 
 
 def _mlp_recipes(leaf: Path, pre: str, d: int, f: int, names=("gate_proj", "up_proj", "down_proj")):
@@ -150,12 +209,17 @@ def _stacked(leaf: Path, names: list[str], out_in: tuple[int, int]) -> Recipe:
     )
 
 
-def _moe_recipes(cfg: LMConfig, family: str, i: int, layout: Layout) -> list[Recipe]:
+def _moe_recipes(cfg: LMConfig, family: str, leaf: Path, pre: str, layout: Layout) -> list:
+    """One MoE block: `leaf` its path (`("layers", i, "moe")`), `pre` its prefix
+    (`block_prefix`)."""
     fam = FAMILIES[family]
     d, f, e = cfg.d_model, cfg.moe.d_ff, cfg.moe.num_experts
-    leaf = ("layers", i, "moe")
-    pre = block_prefix(family, i, layout)
     out = [_linear((*leaf, "router", "kernel"), f"{pre}{fam.router}.weight", (e, d), (d, e))]
+    if cfg.moe.router_bias:
+        out.append(_one((*leaf, "router", "bias"), f"{pre}{fam.router}.bias", (e,)))
+    if cfg.moe.score_correction_bias:
+        bias = (*leaf, "router", "score_correction_bias")
+        out.append(_one(bias, pre + fam.correction_bias, (e,)))
     experts = (*leaf, "experts")
     if layout == "per_expert":
         gate, up, down = fam.projections
@@ -165,6 +229,8 @@ def _moe_recipes(cfg: LMConfig, family: str, i: int, layout: Layout) -> list[Rec
             _stacked((*experts, "w_up"), names(up), (f, d)),
             _stacked((*experts, "w_down"), names(down), (d, f)),
         ]
+    elif fam.fused == "interleaved":
+        out += _interleaved_recipes(experts, f"{pre}experts.", d, f, e)
     else:
         gate_up, down = f"{pre}experts.gate_up_proj", f"{pre}experts.down_proj"
         out.append(
@@ -195,47 +261,127 @@ def _moe_recipes(cfg: LMConfig, family: str, i: int, layout: Layout) -> list[Rec
     return out
 
 
-def model_recipes(cfg: LMConfig, family: str, layout: Layout = "per_expert") -> list[Recipe]:
-    """Every recipe of the model, in checkpoint order (embedding, layer by layer, head).
+def _interleaved_recipes(experts: Path, pre: str, d: int, f: int, e: int) -> list[Recipe]:
+    """GPT-OSS's experts: `gate_up_proj [E, D, 2F]` and its bias `[E, 2F]` (gate at even, up at
+    odd columns), `down_proj [E, F, D]` and its bias `[E, D]`, used as `x @ W` (no transpose)."""
+
+    def split(pair: tuple[str, str], name: str, shape) -> Recipe:
+        leaves = ((*experts, pair[0]), (*experts, pair[1]))
+        return Recipe(
+            leaves, (name,), (shape,),
+            lambda ts: [ts[0][..., ::2], ts[0][..., 1::2]],
+            lambda xs: [np.stack(xs, axis=-1).reshape(*xs[0].shape[:-1], 2 * f)],
+            lambda read, j: (lambda t: [t[..., ::2], t[..., 1::2]])(read(name, shape, j)),
+        )  # fmt: skip
+
+    def whole(leaf: str, name: str, shape) -> Recipe:
+        return Recipe(
+            ((*experts, leaf),), (name,), (shape,),
+            lambda ts: [ts[0]], lambda xs: [xs[0]], lambda read, j: [read(name, shape, j)],
+        )  # fmt: skip
+
+    return [
+        split(("w_gate", "w_up"), f"{pre}gate_up_proj", (e, d, 2 * f)),
+        split(("b_gate", "b_up"), f"{pre}gate_up_proj_bias", (e, 2 * f)),
+        whole("w_down", f"{pre}down_proj", (e, f, d)),
+        whole("b_down", f"{pre}down_proj_bias", (e, d)),
+    ]
+
+
+def _block_recipes(cfg, family, layout, leaf: Path, i: int, is_moe: bool) -> list[Recipe]:
+    """One transformer block, leaves under `leaf`, Hugging Face layer `model.layers.{i}.`."""
+    d, pre = cfg.d_model, f"model.layers.{i}."
+    out = [_one((*leaf, "attn_norm", "scale"), f"{pre}input_layernorm.weight", (d,))]
+    out += _attention_recipes(cfg, (*leaf, "attn"), f"{pre}self_attn.")
+    out.append(_one((*leaf, "ffn_norm", "scale"), f"{pre}post_attention_layernorm.weight", (d,)))
+    if is_moe:
+        out += _moe_recipes(cfg, family, (*leaf, "moe"), block_prefix(family, i, layout), layout)
+    else:
+        out += _mlp_recipes((*leaf, "mlp"), f"{pre}mlp.", d, cfg.mlp_d_ff)
+    return out
+
+
+def _mtp_recipes(cfg: LMConfig, family: str, layout: Layout, k: int) -> list[Recipe]:
+    """Multi-token-prediction block `k` (0-based), stored as DeepSeek-V3's layer
+    `model.layers.{num_layers + k}.`: `enorm`, `hnorm`, `eh_proj [D, 2D]`, the block,
+    `shared_head.norm`; and copies of the shared embedding and head (`mtp_copies`)."""
+    d, i = cfg.d_model, cfg.num_layers + k
+    pre, leaf = f"model.layers.{i}.", ("mtp", k)
+    return [
+        _one((*leaf, "enorm", "scale"), f"{pre}enorm.weight", (d,)),
+        _one((*leaf, "hnorm", "scale"), f"{pre}hnorm.weight", (d,)),
+        _linear((*leaf, "eh_proj", "kernel"), f"{pre}eh_proj.weight", (d, 2 * d), (2 * d, d)),
+        *_block_recipes(cfg, family, layout, (*leaf, "block"), i, cfg.mtp_is_moe),
+        _one((*leaf, "norm", "scale"), f"{pre}shared_head.norm.weight", (d,)),
+    ]
+
+
+def mtp_copies(cfg: LMConfig) -> dict[str, str]:
+    """`{copy: original}`: DeepSeek-V3 checkpoints store each MTP layer's embedding and head,
+    which the main model shares, again (`model.layers.{L + k}.embed_tokens.weight`,
+    `shared_head.head.weight`). moejax keeps one of each: loading checks that a copy present
+    equals its original, saving writes the copies."""
+    head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+    out = {}
+    for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers):
+        out[f"model.layers.{i}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"model.layers.{i}.shared_head.head.weight"] = head
+    return out
+
+
+def default_layout(family: str) -> Layout:
+    """The layout published `family` checkpoints use: per-expert where the family has it."""
+    return "per_expert" if "per_expert" in FAMILIES[family].layouts else "fused"
+
+
+def model_recipes(cfg: LMConfig, family: str, layout: Layout | None = None) -> list[Recipe]:
+    """Every recipe of the model, in checkpoint order (embedding, layer by layer, head, then
+    DeepSeek-V3's multi-token-prediction layers).
+
+    Args:
+      cfg: the model config; family: a key of `FAMILIES` with a decoder.
+      layout: `"per_expert"` or `"fused"` (None: `default_layout(family)`).
 
     Raises:
-      ValueError: an unknown layout, or a family whose whole decoders moejax does not read.
+      ValueError: an unknown layout or one the family lacks, or a family whose whole decoders
+        moejax does not read.
     """
+    layout = layout or default_layout(family)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: must be one of {LAYOUTS}")
     if FAMILIES[family].decoder is None:
         raise ValueError(f"family={family!r}: moejax reads its MoE blocks, not whole models")
+    if not FAMILIES[family].dense:  # a dense model has no expert tensors: any layout names it
+        check_layout(FAMILIES[family], layout)
     v, d = cfg.vocab_size, cfg.d_model
     out = [_one(("embed", "embedding"), "model.embed_tokens.weight", (v, d))]
     for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        out.append(_one(("layers", i, "attn_norm", "scale"), f"{pre}input_layernorm.weight", (d,)))
-        out += _attention_recipes(cfg, i)
-        out.append(
-            _one(("layers", i, "ffn_norm", "scale"), f"{pre}post_attention_layernorm.weight", (d,))
-        )
-        if cfg.is_moe(i):
-            out += _moe_recipes(cfg, family, i, layout)
-        else:
-            out += _mlp_recipes(("layers", i, "mlp"), f"{pre}mlp.", d, cfg.mlp_d_ff)
+        out += _block_recipes(cfg, family, layout, ("layers", i), i, cfg.is_moe(i))
     out.append(_one(("final_norm", "scale"), "model.norm.weight", (d,)))
     if not cfg.tie_embeddings:
         out.append(_linear(("unembed", "kernel"), "lm_head.weight", (v, d), (d, v)))
+    for k in range(cfg.mtp_layers):
+        out += _mtp_recipes(cfg, family, layout, k)
     return out
 
 
-def tensor_names(cfg: LMConfig, family: str, layout: Layout = "per_expert") -> list[str]:
-    """The Hugging Face tensor names of the model, in checkpoint order."""
-    return [n for r in model_recipes(cfg, family, layout) for n in r.tensors]
+def tensor_names(cfg: LMConfig, family: str, layout: Layout | None = None) -> list[str]:
+    """The Hugging Face tensor names of the model, in checkpoint order (with the MTP layers'
+    copies of the embedding and head, `mtp_copies`, after each MTP layer's own)."""
+    names = [n for r in model_recipes(cfg, family, layout) for n in r.tensors]
+    return names + list(mtp_copies(cfg))
 
 
 def _detect_layout(source: SafetensorsCheckpoint, cfg: LMConfig, family: str) -> Layout:
-    if not cfg.moe_layers:
-        return "per_expert"
+    if not cfg.moe_layers or len(FAMILIES[family].layouts) == 1:
+        return default_layout(family)
     fused = block_prefix(family, cfg.moe_layers[0], "fused") + "experts.gate_up_proj"
     return "fused" if fused in source else "per_expert"
 
 
+# Tensors Hugging Face keeps in float32 whatever the model's dtype (DeepSeek-V3's router bias
+# buffer, `_keep_in_fp32_modules_strict`): saved as float32 when the parameter is.
+FP32_TENSORS = ("e_score_correction_bias",)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -245,10 +391,14 @@ def _check_counts(source: SafetensorsCheckpoint, cfg: LMConfig, family: str) -> 
     experts); returns the checkpoint's layout."""
     layers = {int(m.group(1)) for n in source.tensors if (m := _LAYER.match(n))}
     held = max(layers) + 1 if layers else 0
-    if cfg.num_layers != held:
+    if cfg.num_layers + cfg.mtp_layers != held:
+        mtp = f" and {cfg.mtp_layers} MTP layers after them" if cfg.mtp_layers else ""
+        hint = ""
+        if cfg.mtp_layers and held == cfg.num_layers:
+            hint = "; set num_nextn_predict_layers to 0 to load the model without MTP"
         raise CheckpointError(
-            f"{CONFIG_FILE} num_hidden_layers={cfg.num_layers}, but the checkpoint's tensors "
-            f"name {held} layers (model.layers.<i>. up to {held - 1})",
+            f"{CONFIG_FILE} num_hidden_layers={cfg.num_layers}{mtp}, but the checkpoint's "
+            f"tensors name {held} layers (model.layers.<i>. up to {held - 1}){hint}",
             file=str(source.path),
         )
     layout = _detect_layout(source, cfg, family)
@@ -271,10 +421,22 @@ def _check_counts(source: SafetensorsCheckpoint, cfg: LMConfig, family: str) -> 
     return layout
 
 
-def _float_reader(source: SafetensorsCheckpoint):
-    """`read(name, shape, row=None)` of model parameters: float tensors only."""
+def _float_reader(source: SafetensorsCheckpoint, block: tuple[int, int] | None = None):
+    """`read(name, shape, row=None)` of model parameters: float tensors only; with `block`
+    (an FP8 checkpoint's `weight_block_size`), FP8 weights with a `weight_scale_inv` are
+    dequantized (`dequantize_fp8`) to float32."""
 
     def read(name: str, shape, row=None):
+        if block is not None and source.dtype_of(name) in FP8_DTYPES:
+            scale = name + "_scale_inv"
+            if scale not in source:
+                raise CheckpointError(
+                    f"is FP8 but {scale!r} is not in the checkpoint", tensor=name,
+                    file=source.file_of(name),
+                )  # fmt: skip
+            if row is not None:
+                raise CheckpointError("FP8 tensors are read whole", tensor=name)
+            return dequantize_fp8(source.read(name, shape), source.read(scale), block, name)
         if source.dtype_of(name) not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"has dtype {source.info(name).dtype}; model parameters are read from "
@@ -287,10 +449,30 @@ def _float_reader(source: SafetensorsCheckpoint):
     return read
 
 
+def _check_copies(source: SafetensorsCheckpoint, cfg: LMConfig, read) -> None:
+    """Each MTP copy of the embedding or head present in `source` equals its original."""
+    for copy, original in mtp_copies(cfg).items():
+        if copy not in source:
+            continue
+        shape = source.shape_of(original)
+        a, b = read(copy, shape), read(original, shape)
+        if a.dtype == b.dtype:  # bitwise, without a float32 copy of a [V, D] table
+            a, b = a.view(np.uint8), b.view(np.uint8)
+        if not np.array_equal(a, b):
+            raise CheckpointError(
+                f"differs from {original!r}; moejax shares one embedding and head between the "
+                "model and its MTP layers (would need MTP layers with their own)",
+                tensor=copy,
+                file=source.file_of(copy),
+            )
+
+
 def _empty_tree(cfg: LMConfig) -> dict:
     tree = {"embed": {}, "layers": [{} for _ in range(cfg.num_layers)], "final_norm": {}}
     if not cfg.tie_embeddings:
         tree["unembed"] = {}
+    if cfg.mtp_layers:
+        tree["mtp"] = [{} for _ in range(cfg.mtp_layers)]
     return tree
 
 
@@ -409,6 +591,9 @@ def load_hf_model(
         what = "missing" if not os.path.lexists(path) else "not a directory"
         raise CheckpointError(f"{what}; need a Hugging Face checkpoint directory", file=str(path))
     hf_config = read_config(path)
+    block = fp8_block_size(hf_config)
+    if block is not None:
+        hf_config = without_quantization(hf_config)
     cfg, family = lm_config_from_hf(hf_config, param_dtype=param_dtype)
     source = SafetensorsCheckpoint(path, allow_nonfinite=allow_nonfinite)
     layout = _check_counts(source, cfg, family)  # before anything is sized from the config
@@ -417,7 +602,9 @@ def load_hf_model(
             f"len(placements)={len(placements)}: need one per MoE layer ({cfg.num_moe_layers})"
         )
     recipes = model_recipes(cfg, family, layout)
-    expected = {n for r in recipes for n in r.tensors}
+    expected = {n for r in recipes for n in r.tensors} | set(mtp_copies(cfg))
+    if block is not None:  # every weight may have its scales
+        expected |= {n + SCALE_SUFFIX for n in expected}
     unexpected = sorted(n for n in source.tensors if n not in expected)
     if cfg.tie_embeddings and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")  # some tied checkpoints store the copy too
@@ -428,7 +615,15 @@ def load_hf_model(
             tensor=unexpected[0],
             file=source.file_of(unexpected[0]),
         )
-    read = _float_reader(source)
+    read = _float_reader(source, block)
+    _check_copies(source, cfg, read)
+    if block is not None:
+        print(
+            f"moejax: {path}: FP8 weights (e4m3, {block[0]}x{block[1]} block scales) "
+            f"dequantized to {param_dtype} on load; save_hf_model writes them unquantized",
+            file=sys.stderr,
+            flush=True,
+        )
     dtype = np.dtype(param_dtype if param_dtype != "bfloat16" else DTYPES["BF16"])
     placer = _Placer(cfg, mesh, placements, dtype)
     abstract = abstract_params(cfg) if mesh is not None else None
@@ -471,7 +666,7 @@ def save_hf_model(
     cfg: LMConfig,
     hf_config: dict,
     *,
-    layout: Layout = "per_expert",
+    layout: Layout | None = None,
     dtype: str | None = None,
     placements=None,
     max_shard_bytes: int = 5 * 2**30,
@@ -491,7 +686,8 @@ def save_hf_model(
       params: the `moejax.models` tree of `cfg`.
       cfg: the model config; must be the one of `hf_config` (`lm_config_from_hf`).
       hf_config: the `config.json` to write (e.g. from `load_hf_model`).
-      layout: experts as published (`"per_expert"`) or transformers 5's `"fused"` tensors.
+      layout: experts as published (`"per_expert"`) or transformers 5's `"fused"` tensors
+        (None: `default_layout(family)`, per-expert where the family has it).
       dtype: stored dtype, "float32", "bfloat16" or "float16" (default: the config's
         `torch_dtype`, else float32).
       placements: as `load_hf_model`, when `params` holds physical expert slots.
@@ -513,8 +709,14 @@ def save_hf_model(
         path, max_shard_bytes=max_shard_bytes, overwrite=overwrite, inputs=inputs
     )
     with writer:  # removes the temporary directory on an error: nothing half-written
-        for recipe in _progress(model_recipes(cfg, family, layout), progress, "save"):
+        recipes = model_recipes(cfg, family, layout)
+        copies = mtp_copies(cfg)
+        originals = {r.tensors[0]: r for r in recipes if r.tensors[0] in copies.values()}
+        for recipe, names in [(r, r.tensors) for r in _progress(recipes, progress, "save")] + [
+            (originals[original], (copy,)) for copy, original in copies.items()
+        ]:
             leaves = [_host_leaf(params, p, moe_index, placements) for p in recipe.leaves]
-            for tensor_name, t in zip(recipe.tensors, recipe.to_tensors(leaves), strict=True):
-                writer.add(tensor_name, np.ascontiguousarray(t.astype(out_dtype)))
+            for tensor_name, t in zip(names, recipe.to_tensors(leaves), strict=True):
+                keep = tensor_name.endswith(FP32_TENSORS) and t.dtype == np.float32
+                writer.add(tensor_name, np.ascontiguousarray(t if keep else t.astype(out_dtype)))
         writer.add_file(CONFIG_FILE, hf_config)

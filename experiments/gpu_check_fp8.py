@@ -1,0 +1,305 @@
+"""`gpu_check.py --parts fp8`: the fp8 expert matmuls (DeepSeek-V3 recipe) on a lent Hopper GPU.
+
+In about 4 minutes on one H100 (budget `BUDGET_S`), each step skipped with its reason when it
+fails or the budget is spent:
+  numerics (20 s): the fp8 kernels (fp8_gmm forward and lhs gradient, fp8_tgmm) compiled on
+    the device against the dequantize-then-matmul reference (XLA, fp32), bf16 outputs.
+  train (85 s): gpu_check's OLMoE-shaped ~1B train step, fp8 vs bf16 experts (moejax only).
+  kernels (105 s): TFLOP/s of forward, dlhs and tgmm at the Mixtral, DeepSeek-V3 and
+    fine-grained shapes (balanced groups): the fp8 kernels on pre-quantized operands, the
+    forward again with its quantization (what the layer pays), our bf16 Mosaic GPU kernels, and
+    `torch._scaled_grouped_mm` (rowwise-scaled fp8, the forward) where torch has it.
+  layer (30 s): moejax's MoE layer forward + backward at Mixtral sizes, fp8 vs bf16 experts.
+`--dry-run` takes every path at tiny shapes (the kernels in the Mosaic GPU interpreter).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gpu_check_lib import Run, free_torch_cache, rel_err, to_torch, torch_unavailable
+
+import pallas_kernels as pk
+from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops, targets
+from pallas_kernels import shapes as pk_shapes
+
+BUDGET_S = {"numerics": 20, "train": 85, "kernels": 105, "layer": 30}
+SHAPES = ("mixtral_8x7b", "deepseek_v3", "fine_grained")
+TOL = 2 * float(jnp.finfo(jnp.bfloat16).eps)  # the bf16 rounding of the same fp32 sums
+
+
+def _fp8_fns(run: Run, align: int) -> dict:
+    """kernel -> jitted fn on pre-quantized operands (the fp8 kernels)."""
+    kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu)
+    return {
+        "gmm": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_gmm(*a, *b, s, **kw)),
+        "gmm_t": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_gmm(*a, *b, s, **kw)),
+        "tgmm": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_tgmm(*a, *b, s, **kw)),
+    }
+
+
+def _emulated(kernel: str, a, b, s):
+    """The dequantize-then-matmul reference of one kernel, fp32 (XLA's ragged dot)."""
+    m = fp8_ops.REFERENCE_MATMULS
+    if kernel == "tgmm":
+        return m.tgmm(fp8.dequantize_rows(*a).T, fp8.dequantize_rows(*b).T, s)
+    return m.gmm_t(fp8.dequantize_rows(*a), fp8.dequantize_blocks(*b), s)
+
+
+@jax.jit
+def _quantized(x, w, dy):
+    """The operands each kernel reads, as `fp8_ops` makes them (rows past the groups are
+    already zero in these problems)."""
+    wq = fp8.quantize_blocks(w)
+    return {
+        "gmm": (fp8.quantize_rows(x), fp8.transpose_blocks(*wq)),
+        "gmm_t": (fp8.quantize_rows(dy), wq),
+        "tgmm": (fp8.quantize_cols(x), fp8.quantize_cols(dy)),
+    }
+
+
+def _quantize_and_gmm(run: Run, align: int):
+    """The forward as the layer runs it: quantize x (1 x 128) and w (128 x 128), then fp8_gmm."""
+    kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu)
+
+    def fn(x, w, s):
+        wq = fp8.transpose_blocks(*fp8.quantize_blocks(w))
+        return fp8_mosaic_gpu.fp8_gmm(*fp8.quantize_rows(x), *wq, s, **kw)
+
+    return jax.jit(fn)
+
+
+def _problem(m, k, n, g, align, seed):
+    from gpu_check import aligned_sizes, operands
+
+    x, w, dy = operands(m, k, n, g, seed=seed)
+    sizes_np = aligned_sizes("balanced", m, g, align, seed=seed)
+    return x, w, dy, sizes_np
+
+
+def _numerics(run: Run, align: int, out: dict) -> None:
+    m, k, n, g = (8192, 1024, 768, 16) if not run.dry else (256, 128, 128, 2)
+    x, w, dy, sizes_np = _problem(m, k, n, g, align, seed=0)
+    s = jnp.asarray(sizes_np)
+    q = _quantized(x, w, dy)
+    rows = out["numerics"] = []
+    for kernel, fn in _fp8_fns(run, align).items():
+        try:
+            got = fn(*q[kernel], s)
+            with jax.default_matmul_precision("float32"):  # no TF32 in the reference
+                want = _emulated(kernel, *q[kernel], s)
+            err = rel_err(got, want)
+            rows.append(dict(kernel=kernel, rel_err=err, ok=bool(err <= TOL)))
+        except Exception as err:  # noqa: BLE001  (reported; the rest runs)
+            run.log(traceback.format_exc())
+            rows.append(dict(kernel=kernel, ok=False, error=f"{type(err).__name__}: {err}"[:300]))
+        run.log(f"  fp8 numerics {kernel}: {rows[-1]}")
+    out["numerics_ok"] = all(r["ok"] for r in rows)
+
+
+def _torch_scaled(run: Run, x, w, sizes_np):
+    """Seconds of torch._scaled_grouped_mm (fp8 e4m3, rowwise scales) on x @ w[g], or why not."""
+    if why := torch_unavailable():
+        return why
+    import torch
+
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no _scaled_grouped_mm"
+    try:
+        # Quantized in bf16 (a timing baseline: DeepSeek-V3's weights in fp32 need 15 GB).
+        tx = to_torch(x)
+        sa = tx.abs().amax(1).float().clamp(min=1e-12) / 448
+        a = (tx / sa[:, None].to(tx.dtype)).to(torch.float8_e4m3fn)
+        wt = to_torch(w).transpose(-2, -1).contiguous()  # [G, N, K]: B column-major for torch
+        sb = wt.abs().amax(-1).float().clamp(min=1e-12) / 448  # [G, N]
+        b = (wt / sb[..., None].to(wt.dtype)).to(torch.float8_e4m3fn).transpose(-2, -1)
+        del tx, wt
+        offs = torch.tensor(np.cumsum(sizes_np), device=a.device, dtype=torch.int32)
+
+        def fn():
+            return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+
+        return run.torch_seconds(fn)
+    except Exception as err:  # noqa: BLE001  (a comparison column; reported, not fatal)
+        return f"{type(err).__name__}: {str(err)[:200]}"
+
+
+def _kernels(run: Run, align: int, out: dict, deadline: float) -> None:
+    from gpu_check import ours
+
+    rows = out["kernels"] = []
+    problems = [(s, *_dims(s)) for s in SHAPES] if not run.dry else [("tiny", 256, 128, 128, 2)]
+    for shape, m, k, n, g in problems:
+        if deadline - time.perf_counter() < 10:
+            run.skip("fp8", f"kernels {shape}", "the fp8 kernels' time budget is spent")
+            continue
+        x, w, dy, sizes_np = _problem(m, k, n, g, align, seed=1)
+        s, used = jnp.asarray(sizes_np), int(sizes_np.sum())
+        flops = 2.0 * used * k * n
+        q = _quantized(x, w, dy)
+        fp8_fns, bf16_fns = _fp8_fns(run, align), ours(run, "pallas_mosaic_gpu", align)
+        args16 = {"gmm": (x, w), "gmm_t": (dy, w), "tgmm": (x, dy)}
+        for kernel in ("gmm", "gmm_t", "tgmm"):
+            row = dict(shape=shape, kernel=kernel, m=m, k=k, n=n, g=g, tflops={}, unavailable={})
+            timed = {
+                "fp8 (quantized operands)": (fp8_fns[kernel], (*q[kernel], s)),
+                "bf16 Mosaic GPU": (bf16_fns[kernel], (*args16[kernel], s)),
+            }
+            if kernel == "gmm":
+                timed["fp8 incl. quantization"] = (_quantize_and_gmm(run, align), (x, w, s))
+            for name, (fn, a) in timed.items():
+                if deadline - time.perf_counter() < 3:
+                    row["unavailable"][name] = "the time budget is spent"
+                    continue
+                try:
+                    row["tflops"][name] = flops / run.seconds(fn, *a) / 1e12
+                except Exception as err:  # noqa: BLE001
+                    run.log(traceback.format_exc())
+                    row["unavailable"][name] = f"{type(err).__name__}: {str(err)[:200]}"
+            if kernel == "gmm":
+                t = _torch_scaled(run, x, w, sizes_np)
+                if isinstance(t, str):
+                    row["unavailable"]["torch._scaled_grouped_mm"] = t
+                else:
+                    row["tflops"]["torch._scaled_grouped_mm"] = flops / t / 1e12
+            ratio = row["tflops"].get("fp8 (quantized operands)", 0) / max(
+                row["tflops"].get("bf16 Mosaic GPU", float("inf")), 1e-9
+            )
+            row["fp8_over_bf16"] = ratio
+            rows.append(row)
+            figures = " ".join(f"{k_}={v:.0f}" for k_, v in row["tflops"].items())
+            run.log(f"  fp8 {shape:13s} {kernel:6s} {figures} fp8/bf16={ratio:.2f}")
+        del x, w, dy, q, args16
+        gc.collect()
+        free_torch_cache()
+
+
+def _dims(shape):
+    spec = pk_shapes.SHAPES[shape]
+    return spec.m, spec.k, spec.n, spec.g
+
+
+def _layer(run: Run, out: dict) -> None:
+    import moejax
+
+    c = dict(d_model=4096, d_ff=14336, num_experts=8, top_k=2)
+    t = 8192
+    if run.dry:
+        c, t = dict(d_model=128, d_ff=128, num_experts=2, top_k=1), 128
+    row = out["layer"] = dict(config=c, tokens=t)
+    x = jax.random.normal(jax.random.key(1), (t, c["d_model"]), jnp.bfloat16)
+    params = None
+    for precision in ("bf16", "fp8"):
+        cfg = moejax.MoEConfig(**c, param_dtype="bfloat16", expert_precision=precision)
+        params = params or moejax.init_moe_params(cfg, jax.random.key(0))
+
+        def loss(p, x, cfg=cfg):
+            y, aux = moejax.moe_apply(p, x, cfg, implementation="pallas")
+            return jnp.sum(y.astype(jnp.float32)) + aux.load_balance_loss
+
+        try:
+            secs = run.seconds(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x)
+            row[f"{precision}_ms"] = secs * 1e3
+        except Exception as err:  # noqa: BLE001
+            run.log(traceback.format_exc())
+            row[f"{precision}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    if "bf16_ms" in row and "fp8_ms" in row:
+        row["fp8_speedup"] = row["bf16_ms"] / row["fp8_ms"]
+    run.log(f"  fp8 layer: {row}")
+
+
+def _train(run: Run, out: dict) -> None:
+    from gpu_check import olmoe_hf_config
+
+    from moejax.interop.hf import lm_config_from_hf
+    from moejax.training import TrainConfig, init_train_state, make_train_step
+
+    hf = olmoe_hf_config(run.dry)
+    batch, seq = (2, 32) if run.dry else (8, 2048)
+    base, _ = lm_config_from_hf(hf)
+    base = base.replace(dtype="bfloat16", max_seq_len=seq)
+    row = out["train"] = dict(batch=batch, seq=seq)
+    data = jnp.asarray(
+        np.random.default_rng(0).integers(0, hf["vocab_size"], (batch, seq + 1)), jnp.int32
+    )
+    for precision in ("bf16", "fp8"):
+        if run.left() < 20 and not run.dry:
+            run.skip("fp8", f"train {precision}", "the fp8 part's time budget is spent")
+            continue
+        cfg = base.replace(moe=base.moe.replace(expert_precision=precision))
+        train_cfg = TrainConfig(steps=100, batch_size=batch, seq_len=seq, warmup_steps=1)
+        try:
+            step = make_train_step(cfg, train_cfg)
+            holder = {"state": init_train_state(cfg, train_cfg)}
+
+            def one_step(step=step, holder=holder):
+                holder["state"], metrics = step(holder["state"], data)
+                return metrics.loss
+
+            start = time.perf_counter()
+            row[f"{precision}_first_loss"] = float(one_step())
+            row[f"{precision}_first_step_s"] = time.perf_counter() - start
+            secs = run.seconds(one_step)
+            row[f"{precision}_step_ms"] = secs * 1e3
+            row[f"{precision}_tokens_per_s"] = batch * seq / secs
+            holder.clear()
+        except Exception as err:  # noqa: BLE001
+            run.log(traceback.format_exc())
+            row[f"{precision}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        gc.collect()
+    if "bf16_step_ms" in row and "fp8_step_ms" in row:
+        row["fp8_speedup"] = row["bf16_step_ms"] / row["fp8_step_ms"]
+    run.log(f"  fp8 train: {row}")
+
+
+def part_fp8(run: Run) -> None:
+    """The fp8 part (module docstring); results under results["fp8"]."""
+    out = run.results["fp8"] = {}
+    if run.on_gpu and not targets.is_hopper(jax.devices()[0].device_kind):
+        run.skip("fp8", "everything", "the fp8 kernels need a Hopper GPU")
+        return
+    align = pk.GROUP_ALIGNMENT  # the fp8 kernels' row tile, on a GPU and interpreted alike
+    # The train step first after the numerics: its two compiles are the longest wait, and
+    # its fp8 / bf16 ratio the figure the slot is for; the kernel shapes then fill the rest.
+    steps = (("numerics", lambda d: _numerics(run, align, out)),
+             ("train", lambda d: _train(run, out)),
+             ("kernels", lambda d: _kernels(run, align, out, d)),
+             ("layer", lambda d: _layer(run, out)))  # fmt: skip
+    for name, fn in steps:
+        deadline = time.perf_counter() + (float("inf") if run.dry else BUDGET_S[name])
+        if run.left() < 5:
+            run.skip("fp8", name, "the fp8 part's time budget is spent")
+            continue
+        try:
+            fn(min(deadline, run.deadline))
+        except Exception as err:  # noqa: BLE001  (one step fails, the next runs)
+            run.log(traceback.format_exc())
+            out.setdefault("errors", []).append(f"{name}: {type(err).__name__}: {err}"[:500])
+        gc.collect()
+        jax.clear_caches()
+
+
+def markdown(fp8_results: dict) -> list[str]:
+    """The fp8 tables for results.md."""
+    lines = ["**FP8 experts** (DeepSeek-V3 recipe)", ""]
+    for r in fp8_results.get("numerics", []):
+        lines.append(f"- numerics {r['kernel']}: rel err {r.get('rel_err', float('nan')):.2e}, "
+                     f"ok={r['ok']} {r.get('error', '')}")  # fmt: skip
+    rows = fp8_results.get("kernels", [])
+    if rows:
+        names = sorted({n for r in rows for n in r["tflops"]})
+        lines += ["", "| shape | kernel | " + " | ".join(names) + " | fp8 / bf16 |",
+                  "|---|---|" + "---|" * (len(names) + 1)]  # fmt: skip
+        for r in rows:
+            cells = [f"{r['tflops'][n]:.0f}" if n in r["tflops"] else "-" for n in names]
+            lines.append(f"| {r['shape']} | {r['kernel']} | " + " | ".join(cells)
+                         + f" | {r['fp8_over_bf16']:.2f} |")  # fmt: skip
+    for key in ("layer", "train"):
+        if key in fp8_results:
+            lines += ["", f"- {key}: {fp8_results[key]}"]
+    return [*lines, ""]

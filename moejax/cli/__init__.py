@@ -1,0 +1,12 @@
+"""The command lines: each module is one command with `main(argv) -> int` (its exit code).
+
+- `train_lm`: train an MoE language model (the README's main job); its inputs (flags, configs,
+  mesh, corpus, starting weights) are read by `train_inputs`.
+- `convert_hf`: Hugging Face directory <-> converted directory (`moejax.interop.hf`).
+- `simulate_placement`: placement strategies through the cost model, and the reference cases
+  (`moejax.placement.reference_cases`).
+- `replay_placement`: a placed run's routing trace through its placement controller.
+
+Run one as `python -m moejax.cli.<name>`, or through its script in `experiments/`
+(`python experiments/train_lm.py`), which only calls `main`.
+"""

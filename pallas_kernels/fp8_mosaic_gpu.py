@@ -1,0 +1,340 @@
+"""FP8 grouped matmuls on Hopper (Mosaic GPU): block-scaled e4m3/e5m2 operands, fp32
+promotion per 128-deep K block, 16-bit outputs (the DeepSeek-V3 / DeepGEMM recipe).
+
+The kernels are `mosaic_gpu`'s persistent, warp-specialized gmm and tgmm (one CTA per SM, a TMA
+producer warpgroup, two wgmma consumer warpgroups), changed where fp8 needs it:
+  * both operands K-major (Hopper's fp8 wgmma reads no transposed operand): the weights come as
+    `[G, N, K]` (the forward reads the quantized `w^T`, the lhs gradient `w` as stored) and the
+    weight gradient reads `x^T` and `dy^T` (`pallas_kernels.fp8`).
+  * each pipeline step is one 128-deep K block: wgmma accumulates it into a scoped accumulator,
+    which the consumer reads, multiplies by the tile scales (per row of the lhs tile, times the
+    weight block's scalar; per row and per column in the weight gradient) and adds to an fp32
+    register accumulator carried through the pipeline (DeepGEMM's promotion: Hopper's fp8
+    tensor-core accumulation is too narrow to run over all of K).
+  * CTA tile 128 x 128 (each consumer: 128 x 64), so the carried and the scoped accumulators
+    take 64 registers each per thread.
+The per-row scales travel with their tiles by TMA (stored transposed, `[K / 128, M]`, so a
+tile's scales are contiguous); the weight block's scale is one scalar load per step.
+
+Groups must be aligned to 128 rows (`group_alignment`): the 128 x 1 scale tiles of the weight
+gradient's operands must not straddle groups, and rows are never moved (that would need a
+requantization). `fp8_ops` emulates where these conditions do not hold.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import metadata as md
+from pallas_kernels import mgpu_compat, vma
+from pallas_kernels.mosaic_gpu import (
+    MEMORY_REGISTERS,
+    _epilogue,
+    _kernel,
+    _out_smem,
+    _transforms,
+    num_sms,
+)
+
+TILE = 128  # tm = tk = tn: one scale block deep, 64 accumulator columns per consumer
+STAGES = 4  # shared memory ring: 4 x (16 + 16 KiB of fp8 + scales)
+RASTER = 8
+_E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+
+
+def smem_bytes(kernel: str, out_dtype) -> int:
+    """Shared memory of one CTA: `STAGES` slots of the two 128 x 128 fp8 tiles and their scale
+    rows (one of 128 fp32 for fp8_gmm, two for fp8_tgmm), two "loaded"/"consumed" mbarriers per
+    stage, and the epilogue's two 64 x 64 slots per consumer warpgroup."""
+    scales = (1 if kernel == "fp8_gmm" else 2) * TILE * 4
+    epilogue = 2 * 2 * 64 * 64 * jnp.dtype(out_dtype).itemsize
+    return STAGES * (2 * TILE * TILE + scales + 2 * 8) + epilogue
+
+
+def supports(lhs_dtype, rhs_dtype) -> bool:
+    """Whether the kernels take this operand pair on the installed jax: e4m3 x e4m3 and
+    e5m2 x e5m2 always; a mixed e4m3/e5m2 pair where Mosaic GPU's wgmma mixes them."""
+    a, b = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+    if a not in (_E4M3, _E5M2) or b not in (_E4M3, _E5M2):
+        return False
+    return a == b or mgpu_compat.WGMMA_MIXES_FP8
+
+
+def _scaled_step(carry, a_smem, b_smem_kmajor, scale):
+    """carry + (a @ b^T) * scale, the product of one K block in a scoped accumulator."""
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem_kmajor.T)
+        return acc_ref[...]
+
+    part = pl.run_scoped(mma, plgpu.ACC(carry.shape, jnp.float32))
+    return carry + part * scale
+
+
+def _zeros(shape, interpret):
+    zeros = jnp.zeros(shape, jnp.float32)
+    return mgpu_compat.layout_cast(zeros, plgpu.Layout.WGMMA, interpret=bool(interpret))
+
+
+def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, interpret):
+    """out[rows of g] = (lhs * scales)[rows of g] @ (rhs[g] * scales)^T, groups 128-aligned.
+
+    Args:
+      lhs: `[M, K]` fp8, M and K multiples of 128.
+      lhs_scale_t: `[K / 128, M]` fp32: the scale of each row's 128-column tile, transposed.
+      rhs: `[G, N, K]` fp8 (K-major), N a multiple of 128.
+      rhs_scale: `[G, N / 128, K / 128]` fp32 block scales.
+      tile_group: `[M / 128]` int32, each m-tile's group, G past the groups.
+      out_dtype: output dtype.
+      interpret: False, or Mosaic GPU interpreter params.
+
+    Returns:
+      `[M, N]` out_dtype; tiles past the groups are zero.
+    """
+    m, k = lhs.shape
+    num_groups, n, _ = rhs.shape
+    load = functools.partial(mgpu_compat.load, interpret=bool(interpret))
+    m_iters, n_iters, k_iters = m // TILE, n // TILE, k // TILE
+    cols = TILE // 2
+    stages = min(STAGES, k_iters)
+    operand = _transforms(TILE, lhs.dtype)
+    in_specs = [
+        plgpu.BlockSpec((TILE, TILE), lambda kk: (0, kk), transforms=operand),
+        plgpu.BlockSpec((TILE, TILE), lambda kk: (0, kk), transforms=_transforms(TILE, rhs.dtype)),
+        plgpu.BlockSpec((1, TILE), lambda kk: (kk, 0)),
+    ]
+
+    def pipeline(step, context, steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+            compute_context=context,
+        )  # fmt: skip
+
+    def body(tile_group_gmem, lhs_gmem, scale_gmem, rhs_gmem, rhs_scale_gmem, out_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+        allocations = pipeline(ignore, ignore, k_iters).get_allocations(
+            lhs_gmem, rhs_gmem.at[0], scale_gmem
+        )
+
+        @functools.partial(
+            pl.run_scoped, allocations=allocations,
+            out_smem=_out_smem(TILE, cols, out_dtype), collective_axes="wg",
+        )  # fmt: skip
+        def _scope(allocations, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            def _tile(info):
+                mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 0, RASTER)
+                group = tile_group_gmem[mi]
+                steps = jnp.where(group < num_groups, k_iters, 0)
+                g = jnp.minimum(group, num_groups - 1)
+                rows, wg_cols = pl.ds(mi * TILE, TILE), pl.ds(wg * cols, cols)
+
+                def context(run):
+                    acc = run(_zeros((TILE, cols), interpret))
+                    out = out_gmem.at[rows, pl.ds(ni * TILE, TILE)].at[:, wg_cols]
+                    _epilogue(acc, out_smem, out, wg, out_dtype)
+
+                def step(idx, lhs_smem, rhs_smem, scale_smem, carry):
+                    row_scale = load(scale_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    block_scale = rhs_scale_gmem[g, ni, idx[0]]
+                    scale = lax.broadcast_in_dim(row_scale * block_scale, carry.shape, [0])
+                    return _scaled_step(carry, lhs_smem, rhs_smem.at[wg_cols, :], scale)
+
+                pipeline(step, context, steps)(
+                    lhs_gmem.at[rows, :],
+                    rhs_gmem.at[g, pl.ds(ni * TILE, TILE), :],
+                    scale_gmem.at[:, rows],
+                    allocations=allocations,
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=m * k * n_iters + rhs.size * m_iters // num_groups
+        + m * n * jnp.dtype(out_dtype).itemsize,
+    )  # fmt: skip
+    kernel = _kernel(
+        body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), name="fp8_gmm",
+        interpret=interpret, cost=cost, sms=num_sms(),
+    )  # fmt: skip
+    out = kernel(tile_group, lhs, lhs_scale_t, rhs, rhs_scale)
+    return vma.cast_varying(out, vma.varying_axes(lhs))
+
+
+def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, interpret):
+    """out[g] = (lhs_t * scales)[:, rows of g] @ ((rhs_t * scales)[:, rows of g])^T.
+
+    Args:
+      lhs_t: `[K, M]` fp8 (x^T), K and M multiples of 128.
+      lhs_scale: `[M / 128, K]` fp32: the scale of each 128-row tile of each column of x.
+      rhs_t: `[N, M]` fp8 (dy^T), N a multiple of 128.
+      rhs_scale: `[M / 128, N]` fp32, likewise for dy.
+      group_sizes: `[G]` int32, multiples of 128, sum <= M.
+      out_dtype: output dtype.
+      interpret: False, or Mosaic GPU interpreter params.
+
+    Returns:
+      `[G, K, N]` out_dtype; empty groups are zero.
+    """
+    k, m = lhs_t.shape
+    n = rhs_t.shape[0]
+    load = functools.partial(mgpu_compat.load, interpret=bool(interpret))
+    num_groups = group_sizes.shape[0]
+    k_iters, n_iters = k // TILE, n // TILE
+    cols = TILE // 2
+    order, first_block, steps = md.largest_first(group_sizes, tm=TILE)
+
+    def pipeline(step, context, num_steps, first):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(num_steps,), memory_registers=MEMORY_REGISTERS,
+            in_specs=[  # 128-row blocks r of the group, from its first on
+                plgpu.BlockSpec((TILE, TILE), lambda r: (0, first + r),
+                                transforms=_transforms(TILE, lhs_t.dtype)),
+                plgpu.BlockSpec((TILE, TILE), lambda r: (0, first + r),
+                                transforms=_transforms(TILE, rhs_t.dtype)),
+                plgpu.BlockSpec((1, TILE), lambda r: (first + r, 0)),
+                plgpu.BlockSpec((1, TILE), lambda r: (first + r, 0)),
+            ],
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=STAGES,
+            compute_context=context,
+        )  # fmt: skip
+
+    def body(order_gmem, first_gmem, steps_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, out_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731
+        allocations = pipeline(ignore, ignore, STAGES, 0).get_allocations(
+            a_gmem, b_gmem, sa_gmem, sb_gmem
+        )
+
+        @functools.partial(
+            pl.run_scoped, allocations=allocations,
+            out_smem=_out_smem(TILE, cols, out_dtype), collective_axes="wg",
+        )  # fmt: skip
+        def _scope(allocations, out_smem):
+            wg = lax.axis_index("wg")
+            per_group = k_iters * n_iters
+
+            @plgpu.nd_loop((num_groups * per_group,), collective_axes="sm")
+            def _tile(info):
+                (lin,) = info.index
+                g = order_gmem[lax.div(lin, per_group)]  # largest groups first
+                ki, ni = plgpu.planar_snake(lax.rem(lin, per_group), (k_iters, n_iters), 0, RASTER)
+                wg_cols = pl.ds(wg * cols, cols)
+
+                def context(run):
+                    acc = run(_zeros((TILE, cols), interpret))  # zero steps for an empty group
+                    out = out_gmem.at[g, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)]
+                    _epilogue(acc, out_smem, out.at[:, wg_cols], wg, out_dtype)
+
+                def step(_, a_smem, b_smem, sa_smem, sb_smem, carry):
+                    row = load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    col = load(sb_smem.at[0, wg_cols], layout=plgpu.Layout.WGMMA.reduce(0))
+                    scale = lax.broadcast_in_dim(row, carry.shape, [0]) * lax.broadcast_in_dim(
+                        col, carry.shape, [1]
+                    )
+                    return _scaled_step(carry, a_smem, b_smem.at[wg_cols, :], scale)
+
+                pipeline(step, context, steps_gmem[g], first_gmem[g])(
+                    a_gmem.at[pl.ds(ki * TILE, TILE), :],
+                    b_gmem.at[pl.ds(ni * TILE, TILE), :],
+                    sa_gmem.at[:, pl.ds(ki * TILE, TILE)],
+                    sb_gmem.at[:, pl.ds(ni * TILE, TILE)],
+                    allocations=allocations,
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=lhs_t.size * n_iters + rhs_t.size * k_iters
+        + num_groups * k * n * jnp.dtype(out_dtype).itemsize,
+    )  # fmt: skip
+    kernel = _kernel(
+        body, out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), name="fp8_tgmm",
+        interpret=interpret, cost=cost, sms=num_sms(),
+    )  # fmt: skip
+    out = kernel(order, first_block, steps, lhs_t, lhs_scale, rhs_t, rhs_scale)
+    return vma.cast_varying(out, vma.varying_axes(lhs_t))
+
+
+def _pad_to(x, multiples, value=0):
+    widths = [(0, -d % t) for d, t in zip(x.shape, multiples, strict=True)]
+    return jnp.pad(x, widths, constant_values=value) if any(w for _, w in widths) else x
+
+
+def _check_aligned(group_alignment: int) -> None:
+    if group_alignment % TILE:
+        raise ValueError(
+            f"the fp8 Mosaic GPU kernels need group_alignment a multiple of {TILE}, got "
+            f"{group_alignment} (fp8_ops emulates for unaligned groups)"
+        )
+
+
+def _interpret(interpret):
+    if not interpret:
+        return False
+    return interpret if type(interpret).__name__ == "InterpretGPUParams" else True
+
+
+def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_alignment,
+            interpret=False):  # fmt: skip
+    """`lhs @ rhs[g]^T` per group from `fp8.quantize_rows` / `quantize_blocks` operands.
+
+    Args:
+      lhs: `[M, Kc]` fp8; lhs_scale `[M, ceil(Kc / 128)]`.
+      rhs: `[G, N, Kc]` fp8 (K-major); rhs_scale `[G, ceil(N / 128), ceil(Kc / 128)]`.
+      group_sizes: `[G]` int32, multiples of `group_alignment` (a multiple of 128).
+      out_dtype: output dtype.
+      group_alignment: the callers' static promise on the group sizes.
+      interpret: run in the Mosaic GPU interpreter.
+
+    Returns:
+      `[M, N]` out_dtype; rows past the groups are zero.
+    """
+    _check_aligned(group_alignment)
+    m, n = lhs.shape[0], rhs.shape[1]
+    lhs_p = _pad_to(lhs, (TILE, TILE))
+    scale_t = _pad_to(lhs_scale, (TILE, 1), 1.0).T
+    rhs_p = _pad_to(rhs, (1, TILE, TILE))
+    tile_group = md.aligned_tile_groups(group_sizes, m=lhs_p.shape[0], tm=TILE)
+    out = gmm_kernel(
+        lhs_p, scale_t, rhs_p, rhs_scale, tile_group, out_dtype=jnp.dtype(out_dtype),
+        interpret=_interpret(interpret),
+    )  # fmt: skip
+    return out[:m, :n]
+
+
+def fp8_tgmm(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, group_alignment,
+             interpret=False):  # fmt: skip
+    """Per group `lhs_t[:, rows] @ rhs_t[:, rows]^T` from `fp8.quantize_cols` operands.
+
+    Args:
+      lhs_t: `[K, M]` fp8; lhs_scale `[K, ceil(M / 128)]`.
+      rhs_t: `[N, M]` fp8; rhs_scale `[N, ceil(M / 128)]`.
+      group_sizes: `[G]` int32, multiples of `group_alignment` (a multiple of 128).
+      out_dtype, group_alignment, interpret: as for `fp8_gmm`.
+
+    Returns:
+      `[G, K, N]` out_dtype.
+    """
+    _check_aligned(group_alignment)
+    k, n = lhs_t.shape[0], rhs_t.shape[0]
+    a = _pad_to(lhs_t, (TILE, TILE))
+    b = _pad_to(rhs_t, (TILE, TILE))
+    sa = _pad_to(lhs_scale, (TILE, 1), 1.0).T
+    sb = _pad_to(rhs_scale, (TILE, 1), 1.0).T
+    out = tgmm_kernel(
+        a, sa, b, sb, group_sizes, out_dtype=jnp.dtype(out_dtype), interpret=_interpret(interpret)
+    )
+    return out[:, :k, :n]

@@ -1,0 +1,221 @@
+"""The differentiable fp8 grouped matmul of the DeepSeek-V3 recipe (`fp8_grouped_matmul`).
+
+Forward `out = x @ w[g]`, lhs gradient `dx = dy @ w[g]^T`, weight gradient `dw[g] = x_g^T dy_g`,
+each with block-scaled fp8 operands (`pallas_kernels.fp8`):
+  * x: e4m3, 1 x 128 tiles along K (forward); the weight gradient reads x^T quantized along the
+    rows (128 x 1 tiles of x), which is what the forward keeps for the backward (in fp8).
+  * w: e4m3, 128 x 128 blocks, quantized once: the forward reads the transposed copy, the lhs
+    gradient the weights as stored (both K-major).
+  * dy: `grad_format` (e4m3 as DeepSeek-V3, or e5m2), 1 x 128 along N for the lhs gradient and
+    128 x 1 (dy^T along the rows) for the weight gradient.
+Each product is fp32-accumulated and returned in the output dtype (the operands' for gradients).
+
+Two ways to run the three products, same numerics up to fp32 summation order:
+  * "emulated": dequantize to fp32 and multiply with float grouped matmuls (`Matmuls`: the
+    reference `ragged_dot` ones by default; `moejax` passes its own). Any backend.
+  * "pallas_mosaic_gpu": the fp8 Mosaic GPU kernels (`fp8_mosaic_gpu`, Hopper): the tensor
+    cores accumulate each 128-deep K block of fp8 products, promoted into an fp32 accumulator
+    times the two tiles' scales.
+"auto" picks the kernels when compiled for a Hopper GPU with 128-aligned groups and operand
+formats the installed jax's wgmma takes (`kernel_supports`), and emulates elsewhere (decided at
+lowering, like `ops`).
+
+Rows past `sum(group_sizes)` are zeroed before the rows are quantized in 128-row tiles, so
+padding never sets a tile's scale; groups that are not 128-aligned share boundary tiles
+(which only coarsens the scale of those tiles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import fp8, targets
+from pallas_kernels.ops import same_varying_axes
+from pallas_kernels.reference import reference_gmm, reference_tgmm
+from pallas_kernels.vma import match_varying
+
+FP8_BACKENDS = ("auto", "emulated", "pallas_mosaic_gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmuls:
+    """Float grouped matmuls the emulated path runs on dequantized fp32 operands.
+
+    gmm: `(lhs [M, K], rhs [G, K, N], group_sizes) -> [M, N]`.
+    gmm_t: `(lhs [M, N], rhs [G, K, N], group_sizes) -> lhs @ rhs[g]^T [M, K]`.
+    tgmm: `(lhs [M, K], rhs [M, N], group_sizes) -> [G, K, N]`.
+    """
+
+    gmm: Callable
+    gmm_t: Callable
+    tgmm: Callable
+
+
+REFERENCE_MATMULS = Matmuls(
+    gmm=functools.partial(reference_gmm, preferred_element_type=jnp.float32),
+    gmm_t=functools.partial(reference_gmm, transpose_rhs=True, preferred_element_type=jnp.float32),
+    tgmm=functools.partial(reference_tgmm, preferred_element_type=jnp.float32),
+)
+
+
+def _mask_rows(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    live = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(live[:, None], x, jnp.zeros((), x.dtype))
+
+
+# The three products on quantized operands. `lhs`: (q [M, Kc], scale [M, Kc/128]) rowwise;
+# `rhs_kmajor`: (q [G, Nout, Kc], scale [G, Nout/128, Kc/128]) blocks, contracted on its last axis.
+def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret):
+    def emulated():
+        x = fp8.dequantize_rows(*lhs)
+        w = fp8.dequantize_blocks(*rhs_kmajor)
+        return matmuls.gmm_t(x, w, group_sizes).astype(out_dtype)
+
+    def kernel():
+        from pallas_kernels import fp8_mosaic_gpu
+
+        return fp8_mosaic_gpu.fp8_gmm(
+            *lhs, *rhs_kmajor, group_sizes, out_dtype=out_dtype, group_alignment=alignment,
+            interpret=interpret,
+        )  # fmt: skip
+
+    return _on_target(backend, emulated, kernel, lhs[0].dtype, rhs_kmajor[0].dtype, alignment)
+
+
+# lhs_t: (q [K, M], scale [K, M/128]), rhs_t: (q [N, M], scale [N, M/128]): both along the rows.
+def _tgmm_q(lhs_t, rhs_t, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret):
+    def emulated():
+        x = fp8.dequantize_rows(*lhs_t).T
+        dy = fp8.dequantize_rows(*rhs_t).T
+        return matmuls.tgmm(x, dy, group_sizes).astype(out_dtype)
+
+    def kernel():
+        from pallas_kernels import fp8_mosaic_gpu
+
+        return fp8_mosaic_gpu.fp8_tgmm(
+            *lhs_t, *rhs_t, group_sizes, out_dtype=out_dtype, group_alignment=alignment,
+            interpret=interpret,
+        )  # fmt: skip
+
+    return _on_target(backend, emulated, kernel, lhs_t[0].dtype, rhs_t[0].dtype, alignment)
+
+
+def kernel_supports(lhs_dtype, rhs_dtype, group_alignment: int) -> bool:
+    """Whether the fp8 Mosaic GPU kernels run this product on the installed jax: groups
+    aligned to their 128-row tile, and an operand pair Mosaic GPU's wgmma takes (a mixed
+    e4m3/e5m2 pair from jax 0.11 on)."""
+    from pallas_kernels import fp8_mosaic_gpu
+
+    return group_alignment % fp8_mosaic_gpu.TILE == 0 and fp8_mosaic_gpu.supports(
+        lhs_dtype, rhs_dtype
+    )
+
+
+def _on_target(backend, emulated, kernel, lhs_dtype, rhs_dtype, alignment):
+    if backend == "emulated":
+        return emulated()
+    supported = kernel_supports(lhs_dtype, rhs_dtype, alignment)
+    if backend == "pallas_mosaic_gpu":
+        if not supported:
+            raise ValueError(
+                f"the fp8 Mosaic GPU kernels do not run {lhs_dtype} x {rhs_dtype} operands with "
+                f"group_alignment={alignment} on jax {jax.__version__} (they need groups "
+                "aligned to 128, and jax >= 0.11 to mix e4m3 with e5m2): use backend='auto'"
+            )
+        return kernel()
+    # "auto": the kernels when lowering for a Hopper GPU (a GPU target that names no device
+    # counts as one, as in `ops.gpu_backend`), emulated on every other platform.
+    kind = targets.gpu_kind()
+    if not supported or (kind is not None and not targets.is_hopper(kind)):
+        return emulated()
+    return jax.lax.platform_dependent(cuda=kernel, default=emulated)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _fp8_gmm(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
+    out, _ = _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts)
+    return out
+
+
+def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
+    alignment, interpret = opts
+    kw = dict(backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret)
+    wq = fp8.quantize_blocks(rhs, "e4m3")
+    out = _gmm_q(
+        fp8.quantize_rows(lhs, "e4m3"), fp8.transpose_blocks(*wq), group_sizes,
+        out_dtype=out_dtype, **kw,
+    )  # fmt: skip
+    # Kept for the backward, in fp8: x^T along the rows and the block-quantized weights.
+    x_t = fp8.quantize_cols(_mask_rows(lhs, group_sizes), "e4m3")
+    return out, (x_t, wq, group_sizes, lhs, rhs)
+
+
+def _bwd(grad_format, out_dtype, backend, matmuls, opts, residuals, dout):
+    x_t, wq, group_sizes, lhs, rhs = residuals
+    alignment, interpret = opts
+    kw = dict(backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret)
+    dout = _mask_rows(dout, group_sizes)
+    dlhs = _gmm_q(fp8.quantize_rows(dout, grad_format), wq, group_sizes, out_dtype=lhs.dtype, **kw)
+    drhs = _tgmm_q(
+        x_t, fp8.quantize_cols(dout, grad_format), group_sizes, out_dtype=rhs.dtype, **kw
+    )
+    return match_varying(dlhs, lhs), match_varying(drhs, rhs), None
+
+
+def _fwd_rule(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
+    out, (x_t, wq, group_sizes, *_) = _fwd(
+        lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts
+    )
+    # The backward needs lhs and rhs only for their dtypes and varying axes: zero-size slices.
+    return out, (x_t, wq, group_sizes, lhs.reshape(-1)[:0], rhs.reshape(-1)[:0])
+
+
+_fp8_gmm.defvjp(_fwd_rule, _bwd)
+
+
+def fp8_grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    grad_format: str = "e4m3",
+    preferred_element_type=None,
+    backend: str = "auto",
+    matmuls: Matmuls = REFERENCE_MATMULS,
+    group_alignment: int = 1,
+    interpret=False,
+) -> jax.Array:
+    """Differentiable grouped matmul `lhs[rows of g] @ rhs[g]` in block-scaled fp8 (module
+    docstring), safe inside `shard_map(check_vma=True)` (as `ops.grouped_matmul`).
+
+    Args:
+      lhs: `[M, K]` float, rows sorted by group.
+      rhs: `[G, K, N]` float (master weights: quantized on each call).
+      group_sizes: `[G]` integer, sum <= M; not differentiated.
+      grad_format: fp8 format of the output gradient, "e4m3" (DeepSeek-V3) or "e5m2".
+      preferred_element_type: output dtype (None: lhs.dtype); gradients take their operands'.
+      backend: "auto", "emulated" or "pallas_mosaic_gpu" (module docstring).
+      matmuls: the float matmuls of the emulated path.
+      group_alignment: every group size is a multiple of this (the kernels' row alignment).
+      interpret: run the Mosaic GPU kernels in their interpreter.
+
+    Returns:
+      `[M, N]`; rows past sum(group_sizes) are zero.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"lhs [M, K] and rhs [G, K, N] expected, got {lhs.shape}, {rhs.shape}")
+    if backend not in FP8_BACKENDS:
+        raise ValueError(f"backend must be one of {FP8_BACKENDS}, got {backend!r}")
+    fp8.fp8_dtype(grad_format)  # validates the name
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    group_sizes = group_sizes.astype(jnp.int32)
+    lhs, rhs, group_sizes = same_varying_axes(lhs, rhs, group_sizes)
+    return _fp8_gmm(
+        lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls,
+        (group_alignment, interpret),
+    )  # fmt: skip

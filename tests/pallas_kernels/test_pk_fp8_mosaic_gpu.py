@@ -1,0 +1,176 @@
+"""The fp8 Mosaic GPU kernels (pallas_kernels.fp8_mosaic_gpu) in the Mosaic GPU interpreter on
+CPU, against the dequantize-then-matmul reference, and which kernels `fp8_ops` runs where.
+
+The kernels sum exact fp8 products per 128-deep K block in fp32, then scale; the reference
+multiplies the dequantized (fp32) operands. Both are fp32 sums of the same real products, so
+they differ by fp32 rounding only: elementwise within 2 (depth + 2) 2^-24 (|a| @ |b|) of each
+other (each within (depth + 2) 2^-24 (|a| @ |b|) of the exact sum, Higham's gamma_n, plus the
+rounding of the two scale multiplications), which is what the tests check, at depths where fp8
+rounding (2^-4) would be far outside it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops, introspect, mgpu_compat, targets
+
+SIZES = [128, 0, 256]  # an empty group; rows 384..511 are past the groups
+
+
+def _x(m, k, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 2)
+    rows = jnp.exp2(jax.random.randint(keys[0], (m, 1), -3, 3).astype(jnp.float32))
+    return jax.random.normal(keys[1], (m, k)) * rows
+
+
+def _fp32_close(got, a, b, depth, product):
+    """|got - want| <= 2 (depth + 2) 2^-24 (|a| @ |b|), with want and the bound from `product`."""
+    want = product(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    bound = 2 * (depth + 2) * 2.0**-24 * product(np.abs(np.asarray(a, np.float64)),
+                                                  np.abs(np.asarray(b, np.float64)))  # fmt: skip
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(err <= bound + 1e-30), float(np.max(err - bound))
+
+
+def _group_rows(m):
+    g = np.full(m, -1)
+    start = 0
+    for i, s in enumerate(SIZES):
+        g[start : start + s] = i
+        start += s
+    return g
+
+
+def _gmm_t(a, b):  # rows of group i times b[i]^T
+    g, out = _group_rows(a.shape[0]), np.zeros((a.shape[0], b.shape[1]))
+    for i in range(b.shape[0]):
+        out[g == i] = a[g == i] @ b[i].T
+    return out
+
+
+def _tgmm(a_t, b_t):  # per group a_t[:, rows] @ b_t[:, rows]^T
+    g = _group_rows(a_t.shape[1])
+    return np.stack([a_t[:, g == i] @ b_t[:, g == i].T for i in range(len(SIZES))])
+
+
+def test_fp8_gmm_matches_dequantized_reference():
+    m, k, n = 512, 256, 128  # two K blocks with different scales, a tile past the groups
+    sizes = jnp.array(SIZES, jnp.int32)
+    xq = fp8.quantize_rows(_x(m, k))
+    wq = fp8.transpose_blocks(*fp8.quantize_blocks(jax.random.normal(jax.random.key(1), (3, k, n))))
+
+    def run(*args):
+        return fp8_mosaic_gpu.fp8_gmm(
+            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True
+        )
+
+    calls = introspect.traced_kernel_calls(run, *xq, *wq, platform="cpu")
+    assert [str(c) for c in calls] == ["fp8_gmm/interpret"]
+    out = np.asarray(run(*xq, *wq))
+    assert not out[384:].any()
+    _fp32_close(out, fp8.dequantize_rows(*xq), fp8.dequantize_blocks(*wq), k, _gmm_t)
+
+
+def test_fp8_tgmm_matches_dequantized_reference():
+    m, k, n = 512, 128, 128
+    sizes = jnp.array(SIZES, jnp.int32)
+    live = (_group_rows(m) >= 0)[:, None]
+    xt = fp8.quantize_cols(jnp.where(live, _x(m, k), 0))
+    dyt = fp8.quantize_cols(jnp.where(live, _x(m, n, seed=2), 0))
+
+    def run(*args):
+        return fp8_mosaic_gpu.fp8_tgmm(
+            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True
+        )
+
+    calls = introspect.traced_kernel_calls(run, *xt, *dyt, platform="cpu")
+    assert [str(c) for c in calls] == ["fp8_tgmm/interpret"]
+    out = np.asarray(run(*xt, *dyt))
+    assert out.shape == (3, k, n) and not out[1].any()  # the empty group
+    _fp32_close(out, fp8.dequantize_rows(*xt), fp8.dequantize_rows(*dyt), 256, _tgmm)
+
+
+FORMATS = ["e4m3", "e5m2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_format", FORMATS)
+def test_recipe_on_the_kernels_matches_emulation(grad_format):
+    """fp8_grouped_matmul forward and VJP on the kernels (interpreted) vs emulated, with K and
+    N not multiples of 128 (the ops pad) and a 16-bit output."""
+    if not fp8_mosaic_gpu.supports(jnp.float8_e4m3fn, fp8.fp8_dtype(grad_format)):
+        pytest.skip(f"jax {jax.__version__}'s Mosaic GPU wgmma does not mix e4m3 with e5m2")
+    m, k, n = 512, 200, 136
+    sizes = jnp.array(SIZES, jnp.int32)
+    x = _x(m, k).astype(jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(3), (3, k, n)) * 0.1).astype(jnp.bfloat16)
+    dy = _x(m, n, seed=4).astype(jnp.bfloat16)
+
+    def fwd_vjp(backend):
+        def f(x, w):
+            return fp8_ops.fp8_grouped_matmul(
+                x, w, sizes, grad_format=grad_format, backend=backend, group_alignment=128,
+                interpret=backend != "emulated",
+            )  # fmt: skip
+
+        out, vjp = jax.vjp(f, x, w)
+        return (out, *vjp(dy))
+
+    calls = introspect.traced_kernel_calls(lambda: fwd_vjp("pallas_mosaic_gpu"), platform="cpu")
+    assert [str(c) for c in calls] == [f"fp8_{c}/interpret" for c in ("gmm", "gmm", "tgmm")]
+    got = jax.jit(lambda: fwd_vjp("pallas_mosaic_gpu"))()
+    want = jax.jit(lambda: fwd_vjp("emulated"))()
+    # |A| @ |B| of each product's dequantized operands (as the recipe quantizes them).
+    live = (_group_rows(m) >= 0)[:, None]
+    absq = lambda q: np.abs(np.asarray(q, np.float64))  # noqa: E731
+    wq = absq(fp8.dequantize_blocks(*fp8.quantize_blocks(w)))
+    xq = absq(fp8.dequantize_rows(*fp8.quantize_rows(x)))
+    dyq = absq(fp8.dequantize_rows(*fp8.quantize_rows(dy, grad_format)))
+    xt = absq(fp8.dequantize_rows(*fp8.quantize_cols(jnp.where(live, x, 0))))
+    dyt = absq(fp8.dequantize_rows(*fp8.quantize_cols(jnp.where(live, dy, 0), grad_format)))
+    mass = {
+        "out": (_gmm_t(xq, np.swapaxes(wq, 1, 2)), k),
+        "dx": (_gmm_t(dyq, wq), n),
+        "dw": (_tgmm(xt, dyt), m),
+    }
+    for a, b, what in zip(got, want, ("out", "dx", "dw"), strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16, what
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        # Two fp32 sums of the same products (module docstring), each rounded to bf16 (unit
+        # roundoff 2^-8).
+        ab, depth = mass[what]
+        bound = 2.0**-8 * (np.abs(a) + np.abs(b)) + 2 * (depth + 2) * 2.0**-24 * ab * 1.01
+        i = np.unravel_index(np.argmax(np.abs(a - b) - bound), a.shape)
+        assert np.all(np.abs(a - b) <= bound), (what, i, a[i], b[i], bound[i], ab[i])
+        assert np.mean(a == b) > 0.9, what
+
+
+def test_auto_runs_the_kernels_only_for_hopper_and_aligned_groups():
+    x = jnp.ones((256, 128), jnp.bfloat16)
+    w = jnp.ones((2, 128, 128), jnp.bfloat16)
+    sizes = jnp.array([128, 128], jnp.int32)
+
+    def calls(mesh, alignment, platform="cuda"):
+        def f(x, w):
+            return fp8_ops.fp8_grouped_matmul(x, w, sizes, group_alignment=alignment)
+
+        with jax.sharding.use_abstract_mesh(mesh):
+            return [str(c) for c in introspect.traced_kernel_calls(f, x, w, platform=platform)]
+
+    h100 = targets.abstract_gpu_mesh()
+    assert calls(h100, 128) == ["fp8_gmm/mosaic_gpu"]
+    assert calls(h100, 1) == []  # unaligned groups: emulated
+    assert calls(h100, 128, platform="cpu") == []  # the same program lowered for CPU
+    with pytest.raises(ValueError, match="group_alignment=1"):
+        fp8_ops.fp8_grouped_matmul(x, w, sizes, backend="pallas_mosaic_gpu")
+
+
+def test_mixed_formats_follow_the_installed_jax():
+    mixed = fp8_mosaic_gpu.supports(jnp.float8_e5m2, jnp.float8_e4m3fn)
+    assert mixed == mgpu_compat.WGMMA_MIXES_FP8
+    assert fp8_mosaic_gpu.supports(jnp.float8_e4m3fn, jnp.float8_e4m3fn)
+    assert not fp8_mosaic_gpu.supports(jnp.bfloat16, jnp.float8_e4m3fn)
