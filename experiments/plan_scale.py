@@ -7,9 +7,13 @@ Run: python -m pallas_kernels.targets --install   (once; the compilers)
                                                    v5p-64: ~20-40 min on 2 cores)
      python experiments/plan_scale.py --preset mixtral_8x7b --target h100x64
      python experiments/plan_scale.py --target h100x8 --batch 128   (one node)
-     python experiments/plan_scale.py --preset deepseek_v3_4l   (DeepSeek-V3's widths, 4
-                                                   layers: does one layer-unit fit?)
-Ends with one line per preset and target: the best layout found and `fits` / `does not fit`.
+     python experiments/plan_scale.py --preset deepseek_v3_4l --fsdp-expert --microbatches 4
+                                                  (DeepSeek-V3's widths, 4 layers: one dense
+                                                   layer then MoE; does one layer-unit fit?)
+Per preset and target it prints each layout's row, then the training state one device stores
+(parameters + Adam moments, from the partition specs, no compile) per layer of each kind and,
+for a reduced-depth preset (`presets.FULL_DEPTH`), at the published depth. Ends with one line
+per preset and target: the best layout found and `fits` / `does not fit`.
 The logic lives in `moejax.aot.fit`; the table is in BENCHMARKS.md ("Real scale").
 """
 
@@ -40,6 +44,13 @@ def main() -> None:
     parser.add_argument("--target", nargs="+", default=["h100x64", "v5p-64"],
                         choices=sorted(fit.TARGETS))  # fmt: skip
     parser.add_argument("--batch", type=int, help="global batch (default: the preset's)")
+    parser.add_argument(
+        "--fsdp-expert",
+        action="store_true",
+        help="only FSDP x expert layouts (no tensor-parallel model axis)",
+    )
+    parser.add_argument("--microbatches", type=int, nargs="+",
+                        help="only layouts with these micro-batch counts")  # fmt: skip
     args = parser.parse_args()
     for platform in {fit.TARGETS[t].platform for t in args.target}:
         if (why := targets.missing(platform)) is not None:
@@ -53,7 +64,14 @@ def main() -> None:
         for target_name in args.target:
             target = fit.TARGETS[target_name]
             group = []
-            for layout in fit.default_layouts(model_cfg, target):
+            layouts = fit.default_layouts(model_cfg, target)
+            if args.fsdp_expert:
+                layouts = [lay for lay in layouts if "model" not in dict(lay.axes)]
+            if args.microbatches:
+                layouts = [lay for lay in layouts if lay.microbatches in args.microbatches]
+            if not layouts:
+                raise SystemExit(f"{name} {target.name}: no layout left by the filters")
+            for layout in layouts:
                 try:
                     row = fit.plan_row(name, model_cfg, train_cfg, target, layout)
                 except Exception as err:  # noqa: BLE001 - a layout that does not compile is a row
@@ -61,9 +79,12 @@ def main() -> None:
                     continue
                 print(fit.markdown([row]).splitlines()[-1], flush=True)
                 group.append(row)
+            full = presets.FULL_DEPTH.get(name)
+            state = fit.state_line(name, model_cfg, target, layouts[0], full)
+            print(state, flush=True)
             rows += group
-            if group:
-                summary.append(fit.summary_line(group))
+            summary += [fit.summary_line(group)] if group else []
+            summary.append(state)
     print("\n" + fit.markdown(rows))
     print("\n" + "\n".join(summary))
 

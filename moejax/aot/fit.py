@@ -165,6 +165,88 @@ def plan_row(
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 
 
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """The training state one device stores between steps, as laid out by
+    `lm_partition_specs` on a layout's mesh: every parameter and Adam's two moments (optax
+    keeps them in the parameter's dtype), by block; gradients and activations, which live
+    within the step, are not in it (the compiled `PlanRow` has them).
+
+    Attributes:
+      per_kind: bytes per device of one layer of each FFN kind (`"dense"`, `"moe"`): a
+        layer-unit of the scanned stack.
+      other: the embedding, the unembedding, the final norm and any MTP blocks.
+    """
+
+    per_kind: dict[str, int]
+    other: int
+
+    def at_depth(self, kinds: tuple[str, ...]) -> int:
+        """Bytes per device of the model with the FFN kinds `kinds` (one per layer)."""
+        return self.other + sum(self.per_kind[k] for k in kinds)
+
+
+def state_bytes(model_cfg: LMConfig, target: Target, layout: Layout) -> StateBytes:
+    """`StateBytes` of `model_cfg` on `layout` (no compile: shapes and partition specs only)."""
+    import jax
+
+    from moejax.models import abstract_params, lm_partition_specs
+
+    names, sizes = zip(*layout.axes, strict=True)
+    if math.prod(sizes) != target.devices:
+        raise ValueError(f"layout {layout.mesh_name} has {math.prod(sizes)} devices, "
+                         f"{target.name} has {target.devices}")  # fmt: skip
+    mesh = jax.sharding.AbstractMesh(tuple(sizes), tuple(names))
+    specs = lm_partition_specs(model_cfg, mesh)
+    axis = dict(layout.axes)
+
+    def stored(leaf, spec) -> int:  # bytes of the leaf and its two moments on one device
+        split = math.prod(
+            axis[a]
+            for entry in spec
+            if entry
+            for a in (entry if isinstance(entry, tuple) else (entry,))
+        )
+        return 3 * leaf.size * leaf.dtype.itemsize // split
+
+    def tree_bytes(tree, tree_specs) -> int:
+        is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+        leaves = jax.tree.leaves(tree_specs, is_leaf=is_spec)
+        return sum(map(stored, jax.tree.leaves(tree), leaves))
+
+    params = abstract_params(model_cfg)
+    layers = [tree_bytes(p, s) for p, s in zip(params["layers"], specs["layers"], strict=True)]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    other = tree_bytes(rest, {k: specs[k] for k in rest})
+    per_kind = {}
+    for kind, b in zip(model_cfg.mlp_kinds, layers, strict=True):
+        per_kind.setdefault(kind, b)
+    return StateBytes(per_kind, other)
+
+
+def state_line(
+    preset: str, model_cfg: LMConfig, target: Target, layout: Layout, full_depth=None
+) -> str:
+    """One line: the state per device of each layer kind of `model_cfg` on `layout` and,
+    with `full_depth` (FFN kinds of the published model), the whole model's state against HBM."""
+    state = state_bytes(model_cfg, target, layout)
+    gib = 2**30
+    kinds = ", ".join(f"{kind} layer {b / gib:.2f}" for kind, b in state.per_kind.items())
+    line = (
+        f"{preset} {target.name} {layout.mesh_name}: parameters + Adam moments per device, GiB: "
+        f"{kinds}, embeddings and head {state.other / gib:.2f}"
+    )
+    if full_depth is not None:
+        total = state.at_depth(tuple(full_depth))
+        counts = ", ".join(f"{full_depth.count(k)} {k}" for k in sorted(set(full_depth)))
+        verdict = "fits" if total <= target.hbm_bytes else "does not fit"
+        line += (
+            f"; at the published {len(full_depth)} layers ({counts}): "
+            f"{total / gib:.1f}/{target.hbm_bytes / gib:.1f} GiB {verdict}"
+        )
+    return line
+
+
 def default_layouts(model_cfg: LMConfig, target: Target) -> list[Layout]:
     """The layouts a user would try on `target`: FSDP over what the expert axis leaves, the
     expert axis as wide as the experts allow within one node (8), 1, 2 or 4 micro-batches with

@@ -304,19 +304,45 @@ def checkpoint_step(path: str) -> str:
     raise InputError(f"--upcycle-from={path}: no moejax training checkpoint there")
 
 
+def _hf_dense(args):
+    """`(LMConfig, params)` of a Hugging Face dense checkpoint directory (`--upcycle-from`):
+    Llama, Qwen2 or Qwen3, every layer dense."""
+    from moejax.interop.hf import FAMILIES, load_hf_model
+
+    try:
+        cfg, params, hf_config = load_hf_model(
+            args.upcycle_from, allow_nonfinite=args.allow_nonfinite
+        )
+    except ValueError as err:
+        raise InputError(f"--upcycle-from={args.upcycle_from}: {err}") from None
+    if cfg.moe_layers:
+        dense = sorted(name for name, fam in FAMILIES.items() if fam.dense)
+        raise InputError(
+            f"--upcycle-from={args.upcycle_from}: model_type={hf_config.get('model_type')!r} "
+            f"has MoE layers; upcycling starts from a dense model ({dense})"
+        )
+    return cfg, params
+
+
 def upcycled(args, preset_cfg):
     """`(params on the host, model config)` of `--upcycle-from`: the dense run's newest
-    checkpoint (verified), its MLPs copied into the experts of the preset's MoE layer."""
+    checkpoint (verified) or a Hugging Face dense checkpoint directory, its MLPs copied into the
+    experts of the preset's MoE layer (every layer's, for a Hugging Face model)."""
     from moejax.interop.hf import params_of_train_checkpoint
     from moejax.models import upcycle
     from moejax.training.checkpoint import CheckpointError, read_model_config
 
-    step_dir = checkpoint_step(args.upcycle_from)
-    try:
-        dense_cfg = read_model_config(step_dir)
-    except CheckpointError as err:
-        raise InputError(f"--upcycle-from={err}") from None
-    params = params_of_train_checkpoint(step_dir, dense_cfg, allow_nonfinite=args.allow_nonfinite)
+    if os.path.isfile(os.path.join(args.upcycle_from, "config.json")):
+        dense_cfg, params = _hf_dense(args)
+    else:
+        step_dir = checkpoint_step(args.upcycle_from)
+        try:
+            dense_cfg = read_model_config(step_dir)
+        except CheckpointError as err:
+            raise InputError(f"--upcycle-from={err}") from None
+        params = params_of_train_checkpoint(
+            step_dir, dense_cfg, allow_nonfinite=args.allow_nonfinite
+        )
     g = args.upcycle_granularity
     width = dense_cfg.moe.d_ff if dense_cfg.moe.num_experts == 1 else dense_cfg.mlp_d_ff
     if width % max(g, 1):

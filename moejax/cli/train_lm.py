@@ -218,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--upcycle-from",
-        help="start from a dense moejax model (a training run directory or its checkpoints/<n>; "
-        "dense MLP or one-expert layers, moejax.models.dense_lm_config): its MLPs are copied "
+        help="start from a dense model: a moejax training run directory or its checkpoints/<n> "
+        "(dense MLP or one-expert layers, moejax.models.dense_lm_config), or a Hugging Face "
+        "Llama, Qwen2 or Qwen3 checkpoint directory (config.json and safetensors; every layer "
+        "becomes MoE): its MLPs are copied "
         "into the experts (moejax.models.upcycle); the preset's MoE layer gives the routing "
         "and experts (d_ff: the dense width / --upcycle-granularity; no shared experts), its "
         "training settings the rest",

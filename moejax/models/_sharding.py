@@ -152,6 +152,10 @@ def lm_mesh_problems(cfg: LMConfig, mesh) -> list[str]:
         ("MoEConfig.num_experts", cfg.moe.num_experts, "expert", n),
         ("MoEConfig.d_ff", cfg.moe.d_ff, "model", m),
         ("the shared-expert width", cfg.moe.shared_width, "model", m),
+    ]
+    if not cfg.num_moe_layers:  # all dense (a Hugging Face Llama as loaded): `moe` is unused
+        checks = []
+    checks += [
         ("LMConfig.num_heads", cfg.num_heads, "model", m),
         ("LMConfig.num_kv_heads", cfg.num_kv_heads, "model", m),
     ]

@@ -4,7 +4,8 @@
 A dense moejax LM is an `LMConfig` whose feed-forward layers are dense SwiGLU MLPs (`mlp`
 layers) or one-expert MoE layers (`num_experts=1, top_k=1`, softmax router: the routing weight
 is exactly 1, so the layer is its expert's SwiGLU MLP; `dense_lm_config` makes one, and
-`experiments/train_lm.py` trains it like any model).
+`experiments/train_lm.py` trains it like any model), or a model whose `mlp_layer_types` are all
+`"dense"`: the Llama, Qwen2 and Qwen3 checkpoints `moejax.interop.hf.load_hf_model` reads.
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ def upcycle(
     granularity: int = 1,
     noise: float = 0.0,
     seed: int = 0,
+    mlp_layer_types: tuple[str, ...] | None = None,
 ) -> tuple[dict, LMConfig]:
     """An MoE LM initialised from a dense one: each dense MLP copied into the experts.
 
-    The result keeps the dense model's attention, norms, embeddings and layer pattern
-    (`dense_cfg.moe_every`): the layers `dense_cfg.replace(moe=moe_cfg)` makes MoE get
-    `num_experts / granularity` copies of that layer's dense MLP, split `granularity` ways; the
-    other layers keep their MLP. The router is fresh (normal, std `init_scale / sqrt(D)`, the
+    The result keeps the dense model's attention, norms and embeddings, and its layer pattern
+    (`dense_cfg.moe_every` or `mlp_layer_types`) unless `mlp_layer_types` gives one: the layers
+    that pattern makes MoE get `num_experts / granularity` copies of that layer's dense MLP,
+    split `granularity` ways; the other layers keep their MLP. A dense model without MoE
+    layers (every `mlp_layer_types` entry `"dense"`, as `load_hf_model` reads Llama, Qwen2 and
+    Qwen3) becomes MoE in every layer. The router is fresh (normal, std `init_scale / sqrt(D)`, the
     bias and correction bias zero); expert biases are zero.
 
     Granularity `g`: expert `c * g + j` holds columns `j*F .. (j+1)*F` (`F = moe_cfg.d_ff`,
@@ -80,6 +84,8 @@ def upcycle(
       noise: relative Gaussian noise on every expert weight, `w * (1 + noise * N(0, 1))`, drawn
         per expert to break their symmetry (0: exact copies).
       seed: the router's and the noise's PRNG seed.
+      mlp_layer_types: the MoE model's FFN kind per layer (`"dense"` / `"moe"`, one per layer);
+        None: the dense model's pattern, every layer MoE where that has no MoE layer.
 
     Returns:
       `(params, cfg)`: the MoE model's tree and its `LMConfig`.
@@ -117,6 +123,10 @@ def upcycle(
             f"width {width}"
         )
     cfg = dense_cfg.replace(moe=moe_cfg, dense_d_ff=width)
+    if mlp_layer_types is None and not cfg.moe_layers:  # an all-dense model: every layer MoE
+        mlp_layer_types = ("moe",) * cfg.num_layers
+    if mlp_layer_types is not None:
+        cfg = cfg.replace(moe_every=1, mlp_layer_types=tuple(mlp_layer_types))
     dtype = jnp.dtype(cfg.param_dtype)
     keys = iter(jax.random.split(jax.random.key(seed), 2 * cfg.num_layers))
     layers = []

@@ -169,6 +169,9 @@ PRESETS: dict[str, LMConfig] = {
 # Accelerators only, and planned to fit 64 devices (tests/accelerator); `deepseek_v3_4l` is
 # sized on demand (`experiments/plan_scale.py --preset deepseek_v3_4l`).
 REAL_SIZE: tuple[str, ...] = ("mixtral_8x7b", "fine_grained_64x1408")
+# The published depth of the presets that keep a model's widths at reduced depth: the FFN kind of
+# every layer (`plan_scale.py` sizes the whole model's state from one layer of each kind).
+FULL_DEPTH: dict[str, tuple[str, ...]] = {"deepseek_v3_4l": ("dense",) * 3 + ("moe",) * 58}
 
 
 def get(name: str) -> LMConfig:

@@ -180,8 +180,14 @@ def check_setup(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> int:
     Raises:
       SetupError: one line per mismatch, each naming the field (batch vs token shards,
         micro-batches, experts vs the expert axis, heads and widths vs the model axis, sequence
-        length vs the model).
+        length vs the model), or a model without MoE layers.
     """
+    if not model_cfg.moe_layers:  # e.g. a Hugging Face Llama, Qwen2 or Qwen3 as loaded
+        raise SetupError(
+            f"LMConfig.mlp_layer_types={model_cfg.mlp_layer_types}: no MoE layer; moejax trains "
+            "MoE models: upcycle this dense one (moejax.models.upcycle, train_lm.py "
+            "--upcycle-from) or write its MLPs as one-expert MoE layers (dense_lm_config)"
+        )
     seq_len = train_cfg.seq_len or model_cfg.max_seq_len
     if seq_len > model_cfg.max_seq_len:
         raise SetupError(

@@ -4,12 +4,15 @@ Qwen3-MoE, OLMoE and Qwen2-MoE models computed by transformers on torch CPU in f
 and `hf_model_fixtures_2026.npz`: the same for DeepSeek-V3 (MLA, a dense first layer, grouped
 sigmoid routing, shared experts, and its multi-token-prediction layer through transformers'
 `MtpModel`) and GPT-OSS (sinks, sliding windows shorter than the sequence), plus the tokens of
-transformers' greedy `generate` for Mixtral, Qwen3-MoE, DeepSeek-V3 and GPT-OSS.
+transformers' greedy `generate` for Mixtral, Qwen3-MoE, DeepSeek-V3 and GPT-OSS; and
+`hf_dense_fixtures.npz`: logits and gradients of tiny dense Llama, Qwen2 and Qwen3 models, for
+`test_hf_dense.py` (the dense section below).
 
   # from the repository root, with moejax's venv; --hf-python: a python with torch+transformers
   PYTHONPATH=$PWD python tests/interop/make_hf_model_fixtures.py --hf-python /path/to/bin/python
-  # only the 2026 file (leaves hf_model_fixtures.npz as it is)
+  # only the 2026 file (leaves hf_model_fixtures.npz as it is), or only the dense file
   PYTHONPATH=$PWD python tests/interop/make_hf_model_fixtures.py --hf-python ... --only-2026
+  PYTHONPATH=$PWD python tests/interop/make_hf_model_fixtures.py --hf-python ... --only-dense
 
 Two halves: with moejax's python it writes each family's checkpoint directory (the weights of
 `_hf_decoder_reference.random_state_dict(config, seed)`, bf16, as published checkpoints are)
@@ -256,14 +259,139 @@ def _torch_half(root: str, out: str, only_2026: bool = False) -> None:
     np.savez_compressed(out, **arrays)
 
 
+# ---------------------------------------------------------------------------------------------
+# Dense decoders (Llama, Qwen2, Qwen3): the sources `moejax.models.upcycle` starts from. Written
+# to their own file, `DENSE_OUT`: logits `[B, S, V]` and the gradients of `sum(logits * R)` for
+# every parameter, per family (`--only-dense` remakes only it; written with transformers 5.18.0,
+# torch 2.14.1).
+
+DENSE_OUT = os.path.join(HERE, "hf_dense_fixtures.npz")
+_DENSE_BASE = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+# Each covers what the others do not: Llama's llama3 rope scaling and biases on q/k/v and o
+# (`attention_bias`), Qwen2's q/k/v-only biases and tied embeddings, Qwen3's per-head q/k norms,
+# head_dim != hidden / heads and yarn scaling. The ramps' bounds (original length 16) fall
+# inside the head's frequencies, so both ends and the ramp are exercised.
+DENSE_CONFIGS = {
+    "llama": _DENSE_BASE
+    | {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+        },
+        "attention_bias": True,
+        "mlp_bias": False,
+        "rms_norm_eps": 1e-5,
+    },
+    "qwen2": _DENSE_BASE
+    | {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+    },
+    "qwen3": _DENSE_BASE
+    | {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "head_dim": 16,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        },
+        "attention_bias": False,
+        "use_sliding_window": False,
+    },
+}  # fmt: skip
+DENSE_SEED = {"llama": 21, "qwen2": 22, "qwen3": 23}
+
+
+def _write_dense_dirs(root: str) -> dict:
+    sys.path.insert(0, HERE)
+    import _hf_decoder_reference as ref
+
+    hashes = {}
+    for family, config in DENSE_CONFIGS.items():
+        sd = ref.random_state_dict(config, seed=DENSE_SEED[family])
+        ref.write_checkpoint(os.path.join(root, family), config, sd, shards=1)
+        tokens, r = inputs(config, DENSE_SEED[family])
+        np.save(os.path.join(root, family, "tokens.npy"), tokens)
+        np.save(os.path.join(root, family, "r.npy"), r)
+        hashes[family] = weights_sha256(sd)
+    return hashes
+
+
+def _torch_dense_half(root: str, out: str) -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    arrays = {}
+    for family in DENSE_CONFIGS:
+        path = os.path.join(root, family)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        )
+        model.eval()
+        assert type(model).__name__ == DENSE_CONFIGS[family]["architectures"][0]
+        tokens = torch.tensor(np.load(os.path.join(path, "tokens.npy")))
+        r = torch.tensor(np.load(os.path.join(path, "r.npy")))
+        logits = model(input_ids=tokens).logits
+        (logits * r).sum().backward()
+        arrays[f"{family}/logits"] = logits.detach().numpy()
+        for name, p in model.named_parameters():
+            arrays[f"{family}/grad/{name}"] = p.grad.numpy()
+    versions = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    arrays["versions"] = np.array(versions)
+    np.savez_compressed(out, **arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_dense(hf_python: str) -> None:
+    """`DENSE_OUT`, both halves."""
+    with tempfile.TemporaryDirectory() as root:
+        hashes = _write_dense_dirs(root)
+        raw = os.path.join(root, "torch.npz")
+        subprocess.run([hf_python, __file__, "--torch-dense", root, raw], check=True)
+        arrays = dict(np.load(raw))
+    arrays["weights_sha256"] = np.array(json.dumps(hashes))
+    np.savez_compressed(DENSE_OUT, **arrays)
+    print(f"wrote {DENSE_OUT} ({os.path.getsize(DENSE_OUT)} bytes): {arrays['versions']}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hf-python", help="a python with torch and transformers")
     p.add_argument("--only-2026", action="store_true", help=f"write only {OUT_2026}")
+    p.add_argument("--only-dense", action="store_true", help=f"write only {DENSE_OUT}")
     p.add_argument("--torch", nargs=2, metavar=("DIR", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--torch-dense", nargs=2, metavar=("DIR", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.torch:
         return _torch_half(*args.torch, only_2026=args.only_2026)
+    if args.torch_dense:
+        return _torch_dense_half(*args.torch_dense)
+    if not args.only_2026:
+        _write_dense(args.hf_python)
+    if args.only_dense:
+        return None
     parts = [(True, OUT_2026, FAMILIES_2026)]
     if not args.only_2026:
         parts.insert(0, (False, OUT, FAMILIES))

@@ -200,16 +200,19 @@ def test_ignored_fields_are_dropped():
 
 
 def test_unknown_architecture_is_an_error():
-    with pytest.raises(ValueError, match=r"model_type='llama'.*mixtral"):
-        hf.moe_config_from_hf({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
-    with pytest.raises(ValueError, match=r"architectures=\['LlamaForCausalLM'\]"):
-        hf.moe_config_from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 8})
+    with pytest.raises(ValueError, match=r"model_type='gemma'.*mixtral"):
+        hf.moe_config_from_hf({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]})
+    with pytest.raises(ValueError, match=r"architectures=\['GemmaForCausalLM'\]"):
+        hf.moe_config_from_hf({"architectures": ["GemmaForCausalLM"], "hidden_size": 8})
     with pytest.raises(ValueError, match=r"'LlamaForCausalLM' is not a Mixtral\*"):
         hf.moe_config_from_hf({**CONFIGS["mixtral"], "architectures": ["LlamaForCausalLM"]})
     no_type = {k: v for k, v in CONFIGS["olmoe"].items() if k != "model_type"}
     assert hf.moe_config_from_hf(no_type)[1] == "olmoe"  # architectures suffice
-    with pytest.raises(ValueError, match="family='llama'"):
-        hf.block_tensor_names(hf.moe_config_from_hf(CONFIGS["olmoe"])[0], "llama")
+    with pytest.raises(ValueError, match="family='gemma': not one of"):
+        hf.block_tensor_names(hf.moe_config_from_hf(CONFIGS["olmoe"])[0], "gemma")
+    # Llama is a dense family: whole models only (test_hf_dense.py), no MoE block
+    with pytest.raises(ValueError, match="model_type='llama': a dense model"):
+        hf.moe_config_from_hf({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def load(family, layout):
 
 
 def test_fixtures_cover_every_family_and_layout():
-    assert sorted(hf.FAMILIES) == FAMILIES
+    assert sorted(name for name, fam in hf.FAMILIES.items() if not fam.dense) == FAMILIES
     for family in FAMILIES:
         assert [layout for f, layout in CASES if f == family] == list(
             hf.FAMILIES[family].layouts

@@ -64,7 +64,8 @@ def test_upcycled_tiny_model_trains(dense):
     moe_params, cfg = upcycle(params, DENSE, _moe(num_experts=4, top_k=2), noise=0.01)
     train_cfg = TrainConfig(steps=12, batch_size=4, warmup_steps=2, learning_rate=3e-3)
     state = init_train_state(cfg, train_cfg)
-    state = state.__class__(**{**vars(state), "params": moe_params})
+    # copies: the step donates the state, and moe_params shares arrays with the `dense` fixture
+    state = state.__class__(**{**vars(state), "params": jax.tree.map(jnp.copy, moe_params)})
     step = make_train_step(cfg, train_cfg, implementation="ragged_dot")
     batch = jnp.concatenate([TOKENS, TOKENS[:, :1]], axis=1)  # [B, S + 1]: memorise 4 rows
     losses = []
@@ -95,3 +96,22 @@ def test_bad_arguments_name_themselves(dense, change, match):
             params, DENSE, change.get("moe", _moe()), granularity=change.get("g", 1),
             noise=change.get("noise", 0.0),
         )  # fmt: skip
+
+
+def test_an_all_dense_model_becomes_moe_where_the_pattern_says(dense):
+    """A model whose `mlp_layer_types` are all dense (a Hugging Face Llama/Qwen as loaded): every
+    layer MoE by default, or the layers `mlp_layer_types` names; the logits stay the dense ones."""
+    params, want = dense
+    all_dense = BASE.replace(mlp_layer_types=("dense", "dense"), dense_d_ff=64)
+    mlp_params = {**params, "layers": [dict(layer) for layer in params["layers"]]}
+    for layer in mlp_params["layers"]:  # the same MLPs, stored as dense `mlp` layers
+        layer["mlp"] = {k: w[0] for k, w in layer.pop("moe")["experts"].items()}
+    _, cfg = upcycle(mlp_params, all_dense, _moe())
+    assert cfg.mlp_kinds == ("moe", "moe")
+    moe_params, cfg = upcycle(mlp_params, all_dense, _moe(), mlp_layer_types=("dense", "moe"))
+    assert cfg.mlp_kinds == ("dense", "moe") and cfg.mlp_d_ff == 64
+    assert set(moe_params["layers"][0]) >= {"mlp"} and "moe" in moe_params["layers"][1]
+    logits, _ = lm_forward(moe_params, TOKENS, cfg, implementation="ragged_dot")
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"mlp_layer_types=.*has 1 entries"):
+        upcycle(mlp_params, all_dense, _moe(), mlp_layer_types=("moe",))

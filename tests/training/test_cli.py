@@ -80,6 +80,12 @@ def test_experts_that_do_not_divide_over_the_expert_axis():
         check_setup(six, TRAIN, mesh((2, 4)))
 
 
+def test_a_model_without_moe_layers_is_refused_with_what_to_do():
+    dense = MODEL.replace(mlp_layer_types=("dense",) * MODEL.num_layers, dense_d_ff=64)
+    with pytest.raises(SetupError, match=r"no MoE layer; .*moejax.models.upcycle"):
+        check_setup(dense, TRAIN, None)
+
+
 def test_placement_with_measured_hardware(capsys, tmp_path):
     out = tmp_path / "run"
     args = ["--preset", "micro", "--out", str(out), "--no-progress", "--placement"]

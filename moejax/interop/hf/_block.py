@@ -16,7 +16,7 @@ import numpy as np
 
 from moejax import MoEConfig, param_specs
 from moejax.interop.hf._errors import CheckpointError, MissingTensorError
-from moejax.interop.hf._families import FLOAT_DTYPES, HFFamily, check_layout, get_family
+from moejax.interop.hf._families import FLOAT_DTYPES, HFFamily, block_family, check_layout
 
 
 def _check_features(cfg: MoEConfig, fam: HFFamily) -> None:
@@ -58,7 +58,7 @@ def block_tensor_shapes(
     Raises:
       ValueError: an unknown family or layout, or a `cfg` the family's block cannot hold.
     """
-    fam = get_family(family)
+    fam = block_family(family)
     check_layout(fam, layout)
     _check_features(cfg, fam)
     d, f, e, fs = cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.shared_width
@@ -115,7 +115,7 @@ def detect_layout(names: Iterable[str] | Container[str], family: str, prefix: st
     Raises:
       CheckpointError: when neither layout's experts are there (naming what was looked for).
     """
-    fam = get_family(family)
+    fam = block_family(family)
     if len(fam.layouts) == 1:
         return fam.layouts[0]  # a missing tensor is reported by name when it is read
     fused = prefix + "experts.gate_up_proj"
@@ -211,7 +211,7 @@ def block_from_hf(
       CheckpointError: a tensor of the wrong shape or of a non-float dtype, an unexpected tensor
         (names it, and the file when `tensors` knows it).
     """
-    fam = get_family(family)
+    fam = block_family(family)
     layout = detect_layout(tensors, family, prefix)
     shapes = block_tensor_shapes(cfg, family, prefix, layout)
     if strict and prefix:
@@ -310,7 +310,7 @@ def block_to_hf(
       `{prefix + name: array}`, C-contiguous numpy arrays in the parameters' dtypes, named and
       shaped as `block_tensor_shapes` says.
     """
-    fam = get_family(family)
+    fam = block_family(family)
     shapes = block_tensor_shapes(cfg, family, prefix, layout)
     _check_params(params, cfg)
     p = {g: {n: np.asarray(a) for n, a in leaves.items()} for g, leaves in params.items()}

@@ -25,6 +25,13 @@ norms, rope and which layers are sparse; the model's forward pass sees only the 
 An FP8 block-scaled checkpoint's `quantization_config` is accepted by `lm_config_from_hf` (the
 model it describes is the dequantized one, `moejax.interop.hf._fp8`); fields in `UNIMPLEMENTED`
 are refused first, whatever the family.
+| `llama` | - (dense) | - | optional biases (`attention_bias`) |
+| `qwen2` | - (dense) | - | q/k/v biases |
+| `qwen3` | - (dense) | - | `qk_norm="head"`, optional biases |
+
+The dense families (`HFFamily.dense`: Llama, Qwen2, Qwen3) read as an `LMConfig` whose
+`mlp_layer_types` are all `"dense"` (SwiGLU MLPs of width `intermediate_size`); its `moe` is a
+placeholder no layer uses (one expert of that width), and `moejax.models.upcycle` replaces it.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any
 
 from moejax import MoEConfig
 from moejax.interop.hf._errors import CheckpointError
-from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, HFDecoder, get_family
+from moejax.interop.hf._families import FAMILIES, FLOAT_DTYPES, HFDecoder, block_family
 from moejax.interop.hf._fp8 import fp8_block_size, without_quantization
 from moejax.interop.hf._safetensors import read_json
 from moejax.models import LMConfig, MLAConfig, RopeScaling, mlp_layer_types_of
@@ -366,6 +373,11 @@ def moe_config_from_hf(
     """
     check_fields(config)
     family = family_of(config)
+    if FAMILIES[family].dense:
+        raise CheckpointError(
+            f"{CONFIG_FILE} model_type={config.get('model_type', family)!r}: a dense model, "
+            "without MoE blocks (load_hf_model / lm_config_from_hf read it whole)"
+        )
     fields = _Fields(config, family, ignore)
     kw = {**_common(fields), **_READERS[family](fields)}
     try:
@@ -393,7 +405,7 @@ def moe_config_to_hf(cfg: MoEConfig, family: str) -> dict[str, Any]:
       ValueError: naming the `MoEConfig` field that `family` cannot express (e.g. Mixtral with
         `norm_topk_prob=False`, or a shared-expert width that is not one expert).
     """
-    fam = get_family(family)
+    fam = block_family(family)
     out: dict[str, Any] = {"model_type": fam.model_type}
     for field, key in fam.config_keys.items():
         out[key] = getattr(cfg, field)
@@ -463,7 +475,8 @@ def _rope(config: dict) -> tuple[float, RopeScaling | None]:
 
 
 def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LMConfig, str]:
-    """`(LMConfig, family)` of a Hugging Face MoE decoder config.
+    """`(LMConfig, family)` of a Hugging Face MoE decoder config, or of a dense one (Llama, Qwen2,
+    Qwen3: every layer `"dense"`, module docstring).
 
     Dense and MoE layers come from any of the layer-pattern fields
     (`moejax.models.mlp_layer_types_of`: `mlp_layer_types`, `first_k_dense_replace`,
@@ -479,8 +492,8 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
         does not implement (`UNIMPLEMENTED`: hash-routed layers, `sqrtsoftplus` scoring,
         `moe_apply_probs_on_input`, latent MoE; an unknown `layer_types` or `mlp_layer_types`
         entry, `first_k_dense_replace` beyond the layers), `clip_qkv`, a rope type not in
-        `ROPE_TYPES`, a missing field, or fields that do not fit together; each names the
-        field.
+        `ROPE_TYPES`, a missing field, a dense model's `mlp_bias`, or fields that do not fit
+        together; each names the field.
 
     >>> cfg, family = lm_config_from_hf({"model_type": "olmoe", "vocab_size": 64,
     ...     "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -667,7 +680,11 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
                 f"query head (num_attention_heads={heads})"
             )
         head_dim = mla.qk_head_dim
-    moe, _ = moe_config_from_hf(config)
+    if FAMILIES[family].dense:
+        moe, kinds = _dense_mlp(config, family, d, layers)
+        legacy = False
+    else:
+        moe, _ = moe_config_from_hf(config)
     cfg = LMConfig(
         vocab_size=_get(config, "vocab_size", required=True),
         d_model=d,
@@ -695,3 +712,15 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
         param_dtype=param_dtype,
     )
     return cfg, family
+
+
+def _dense_mlp(config: dict, family: str, d: int, layers: int) -> tuple[MoEConfig, tuple]:
+    """A dense model's placeholder `MoEConfig` (one expert of the MLP's width, softmax top-1:
+    no layer uses it) and its FFN kinds (every layer dense)."""
+    fields = _Fields(config, family, ())
+    _common(fields)  # quantization and dtype checks
+    if config.get("mlp_bias"):
+        fields.bad("mlp_bias", config["mlp_bias"], "MLP biases are not supported")
+    d_ff = _get(config, "intermediate_size", required=True)
+    moe = MoEConfig(d_model=d, d_ff=d_ff, num_experts=1, top_k=1, router="softmax")
+    return moe, ("dense",) * layers

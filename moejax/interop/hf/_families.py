@@ -1,6 +1,8 @@
 """The Hugging Face MoE families moejax reads, in one table (`FAMILIES`): how each names its MoE
 block's tensors, which `MoEConfig` features a block can carry, and, for the families whose whole
-decoders moejax loads (`HFFamily.decoder`), what their `config.json` implies for attention.
+decoders moejax loads (`HFFamily.decoder`), what their `config.json` implies for attention. The
+table also holds the dense decoders moejax loads whole (Llama, Qwen2, Qwen3: `HFFamily.dense`, no
+MoE block), as all-dense `LMConfig`s that `moejax.models.upcycle` turns into MoE models.
 
 Names are local to the block module (the caller adds the block's prefix, e.g.
 `model.layers.3.mlp.`). Two layouts exist:
@@ -61,7 +63,8 @@ class HFFamily:
       name: moejax's name of the family (the `family` argument everywhere).
       model_type: `config.json` `model_type`.
       architecture_prefix: `config.json` `architectures[0]` starts with it.
-      router: the router Linear (`{router}.weight [E, D]`, `{router}.bias [E]`).
+      router: the router Linear (`{router}.weight [E, D]`, `{router}.bias [E]`); None for a
+        dense family (no MoE block: `dense`).
       correction_bias: DeepSeek-V3's `e_score_correction_bias [E]` buffer, or None.
       expert_pattern: per-expert Linear name, formatted with `i` and `proj`; None when the family
         has no per-expert layout.
@@ -81,7 +84,7 @@ class HFFamily:
     name: str
     model_type: str
     architecture_prefix: str
-    router: str
+    router: str | None
     correction_bias: str | None
     expert_pattern: str | None
     projections: tuple[str | None, str, str] | None
@@ -92,6 +95,11 @@ class HFFamily:
     prefix: dict[str, str]
     config_keys: dict[str, str]
     decoder: HFDecoder | None = None
+
+    @property
+    def dense(self) -> bool:
+        """A dense decoder family: its models have no MoE block (every MLP dense)."""
+        return self.router is None
 
     @property
     def layouts(self) -> tuple[str, ...]:
@@ -140,6 +148,15 @@ def _family(
     config_keys.update(top_k="num_experts_per_tok", **(keys or {}))
     fields = {**base, "config_keys": config_keys, **fields}
     return HFFamily(name, architecture_prefix=architecture_prefix, **fields)
+
+
+def _dense(name: str, architecture_prefix: str, decoder: HFDecoder) -> HFFamily:
+    """A dense decoder family: no MoE block fields, only its whole-decoder facts."""
+    return HFFamily(
+        name, name, architecture_prefix, router=None, correction_bias=None, expert_pattern=None,
+        projections=None, fused=None, shared=None, shared_gate=None, features={}, prefix={},
+        config_keys={}, decoder=decoder,
+    )  # fmt: skip
 
 
 _NORM = {"norm_topk_prob": "norm_topk_prob"}
@@ -263,6 +280,16 @@ FAMILIES: dict[str, HFFamily] = {
             features=_features(router_bias=_ANY, gated=_NO),
             prefix={},  # encoder-decoder: `encoder.block.{i}.layer.1.mlp.`, decoder `layer.2`
         ),
+        # Dense decoders (upcycling sources). Prefixes end in "For" so that Qwen2MoeFor* and
+        # Llama4For* do not read as Qwen2 and Llama.
+        _dense("llama", "LlamaFor", HFDecoder(None, "attention_bias", "attention_bias")),
+        _dense("qwen2", "Qwen2For", HFDecoder(None, True, False)),
+        # Qwen3Config's head_dim default is 128, not hidden // heads as elsewhere
+        _dense(
+            "qwen3",
+            "Qwen3For",
+            HFDecoder("head", "attention_bias", "attention_bias", defaults={"head_dim": 128}),
+        ),
     )
 }
 
@@ -273,6 +300,17 @@ def get_family(family: str) -> HFFamily:
         return FAMILIES[family]
     except KeyError:
         raise ValueError(f"family={family!r}: not one of {tuple(FAMILIES)}") from None
+
+
+def block_family(family: str) -> HFFamily:
+    """The `HFFamily` named `family`, which must have MoE blocks (`ValueError` otherwise)."""
+    fam = get_family(family)
+    if fam.dense:
+        raise ValueError(
+            f"family={family!r}: a dense decoder family, without MoE blocks (load_hf_model reads "
+            "its whole models; moejax.models.upcycle makes MoE models of them)"
+        )
+    return fam
 
 
 def check_layout(fam: HFFamily, layout: str) -> None:
@@ -291,7 +329,7 @@ def block_prefix(family: str, layer: int, layout: str = "fused") -> str:
     >>> block_prefix("mixtral", 3, "per_expert")
     'model.layers.3.block_sparse_moe.'
     """
-    fam = get_family(family)
+    fam = block_family(family)
     check_layout(fam, layout)
     if layout not in fam.prefix:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""Whole MoE decoders from and to Hugging Face checkpoint directories, streamed tensor by tensor.
+"""Whole MoE decoders (and dense ones: Llama, Qwen2, Qwen3) from and to Hugging Face checkpoint
+directories, streamed tensor by tensor.
 
 A directory holds `config.json` and `model.safetensors` or shards with
 `model.safetensors.index.json`. `load_hf_model` reads it one *recipe* at a time: a recipe ties
@@ -350,7 +351,8 @@ def model_recipes(cfg: LMConfig, family: str, layout: Layout | None = None) -> l
         raise ValueError(f"layout={layout!r}: must be one of {LAYOUTS}")
     if FAMILIES[family].decoder is None:
         raise ValueError(f"family={family!r}: moejax reads its MoE blocks, not whole models")
-    check_layout(FAMILIES[family], layout)
+    if not FAMILIES[family].dense:  # a dense model has no expert tensors: any layout names it
+        check_layout(FAMILIES[family], layout)
     v, d = cfg.vocab_size, cfg.d_model
     out = [_one(("embed", "embedding"), "model.embed_tokens.weight", (v, d))]
     for i in range(cfg.num_layers):
@@ -558,7 +560,8 @@ def load_hf_model(
     progress: bool = False,
     allow_nonfinite: bool = False,
 ) -> tuple[LMConfig, dict, dict]:
-    """Read a Hugging Face MoE decoder directory into a `moejax.models` parameter tree.
+    """Read a Hugging Face MoE decoder directory (or a dense Llama, Qwen2, Qwen3 one: every layer
+    `"dense"`) into a `moejax.models` parameter tree.
 
     Tensors are read one recipe at a time and each leaf is put straight onto its target
     sharding (module docstring); the host never holds more than one recipe's tensors.
