@@ -92,10 +92,14 @@ def plot(curves: dict, path: str, window: int) -> None:
 
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
     for ax, (preset, (base, fp8)) in zip(axes[0], curves.items(), strict=True):
-        for name, losses, style in (("bf16 experts", base, "-"), ("fp8 experts", fp8, "--")):
+        # "bf16" is `--expert-precision bf16`: experts unquantized, in the run's compute dtype
+        # (fp32 for the presets unless --bf16).
+        series = (("unquantized experts", base, "-", "C0"), ("fp8 experts", fp8, "--", "C3"))
+        for name, losses, style, color in series:
             steps = sorted(losses)
-            ax.plot(steps, [losses[s] for s in steps], style, alpha=0.25)
-            ax.plot(steps, _smooth([losses[s] for s in steps], window), style, label=name)
+            ax.plot(steps, [losses[s] for s in steps], style, color=color, alpha=0.25)
+            ax.plot(steps, _smooth([losses[s] for s in steps], window), style, color=color,
+                    label=name)  # fmt: skip
         ax.set_title(f"{preset}: loss ({window}-step moving average bold)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/byte)")
