@@ -23,7 +23,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from moejax.interop.hf import lm_config_from_hf, model_recipes
-from moejax.interop.hf._model import FP32_TENSORS, mtp_copies
+from moejax.interop.hf._model import FP32_TENSORS
+from moejax.interop.hf._recipes import mtp_copies
 
 INDEX_NAME = "model.safetensors.index.json"
 

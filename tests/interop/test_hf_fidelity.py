@@ -88,7 +88,7 @@ def test_logits_grads_and_topk_match_transformers(expected, family, tmp_path):
 @pytest.mark.parametrize("case", sorted(fixtures.ROPE_CASES))
 def test_rope_scaling_matches_transformers(expected, case):
     """`rope_scaling` of a config.json -> `RopeScaling` -> frequencies, as transformers'."""
-    from moejax.interop.hf._config import _rope
+    from moejax.interop.hf._lm_config import _rope
 
     config = {k: v for k, v in fixtures.ROPE.items() if k != "head_dim"}
     theta, scaling = _rope(config | {"rope_scaling": fixtures.ROPE_CASES[case]})

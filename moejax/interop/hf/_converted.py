@@ -29,9 +29,10 @@ import sys
 import jax
 
 from moejax import MoEConfig
-from moejax.interop.hf._config import COUNT_CAPS, family_of
+from moejax.interop.hf._config import COUNT_CAPS
 from moejax.interop.hf._errors import ConvertedDirError, NonFiniteError
 from moejax.interop.hf._model import load_hf_model, save_hf_model
+from moejax.interop.hf._moe_config import family_of
 from moejax.interop.hf._outputs import OutputDir, check_output
 from moejax.models import LMConfig, RopeScaling, abstract_params, lm_partition_specs
 
