@@ -11,7 +11,8 @@ from moejax.aot import ranking
 from moejax.models import presets
 from moejax.training import tuning
 
-pytestmark = [pytest.mark.deviceless, needs_cuda, CACHE_WARNING]
+# slow: 5 minutes on 2 cores; tests/training/test_tuning.py runs the tuner on CPU by default
+pytestmark = [pytest.mark.deviceless, needs_cuda, CACHE_WARNING, pytest.mark.slow]
 
 
 def test_plan_strategy_ranks_candidates_by_the_schedule_model():

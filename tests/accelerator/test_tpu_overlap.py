@@ -14,7 +14,8 @@ from moejax import aot, parallel, training
 from moejax.aot import hlo, windows
 from moejax.models import presets
 
-pytestmark = [pytest.mark.deviceless, needs_tpu, CACHE_WARNING]
+# slow: 2.5 minutes on 2 cores; the H100 window tests run by default
+pytestmark = [pytest.mark.deviceless, needs_tpu, CACHE_WARNING, pytest.mark.slow]
 
 PROJECTIONS = ("bsd,dhk->bshk", "bshk,hkd->bsd")  # the attention projections' einsums
 
