@@ -7,11 +7,16 @@ offsets and sizes, forward and backward, round 0 and the leftover rounds, are ch
 single-device layer with the routings that stress them.
 """
 
+import importlib.util
+import pathlib
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _common import DROPLESS, inputs, make_params, sharded, single_device
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import PartitionSpec as P
 
 from moejax import parallel
@@ -104,3 +109,25 @@ def test_ragged_branch_matches_single_device(ragged_on_cpu, kind, mesh_name, str
     # The emulation (all-gathers) ran, not the padded exchange.
     text = fn.lower(params, x).as_text()
     assert "all_gather" in text or "all-gather" in text
+
+
+def test_programs_here_are_not_served_from_the_persistent_cache(monkeypatch, tmp_path):
+    """pytest imports tests/training/conftest.py in every worker of a full run; its persistent
+    compilation cache must not reach this directory's programs. (With jaxlib 0.12.0.1 the
+    `all_on_one-d2e4` program above, loaded back from that cache, gave NaN rows about one run in
+    seven: collectives paired wrongly across the simulated devices.)"""
+    for key in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        monkeypatch.delenv(key, raising=False)  # restored after the test
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the conftest's cache goes here
+    path = pathlib.Path(__file__).parents[1] / "training" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("_training_conftest", path)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))  # as collection does
+        compilation_cache.reset_cache()  # whatever jax decided before, decide again
+        jax.jit(lambda a: jnp.sin(a) * 3.25 + 0.5)(jnp.arange(7.0)).block_until_ready()
+        assert jax.config.jax_compilation_cache_dir is None
+        assert not any(tmp_path.rglob("*-cache")), sorted(tmp_path.rglob("*"))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
