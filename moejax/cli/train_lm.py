@@ -60,6 +60,15 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """(0, 12, 0) from '0.12.0.1' or '0.12.0.dev1'."""
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit()) if not piece.isdigit() else piece
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags; `--help` shows every default."""
     p = OneLineParser(description=__doc__, formatter_class=_HelpFormatter)
@@ -209,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--jax-cache",
         help="persistent XLA compilation cache dir, or 'none' (default: $JAX_COMPILATION_CACHE_DIR "
-        "if set, else <out>/jax_cache for single-process runs)",
+        "if set, else <out>/jax_cache for single-process runs; none on CPU with jax >= 0.12, "
+        "whose cache served multi-device CPU programs with mismatched collectives)",
     )
     p.add_argument(
         "--init-from",
@@ -267,6 +277,11 @@ def run(args, model_cfg, train_cfg, mesh, strategy, corpus) -> int:
     # Default cache only for single-process runs: processes sharing one cache directory were
     # seen to hang at shutdown in the 2-process test, so multi-process runs opt in explicitly.
     default_cache = args.num_processes == 1 and not jax.config.jax_compilation_cache_dir
+    # jaxlib 0.12.0.1 was seen to load multi-device CPU programs back from the cache with their
+    # collectives mismatched (NaN rows, or a rendezvous hang; 0 of 90 on 0.10.2): on CPU with
+    # jax >= 0.12 the cache is used only when asked for (--jax-cache DIR).
+    if jax.default_backend() == "cpu" and _version(jax.__version__) >= (0, 12):
+        default_cache = False
     cache = None
     if args.jax_cache != "none" and (args.jax_cache or default_cache):
         cache = args.jax_cache or os.path.join(run_dir, "jax_cache")
