@@ -275,3 +275,13 @@ def test_default_candidates_come_from_the_layer_strategy_space(drop_policy, plat
     assert candidates[0] == Candidate(space[0])
     assert {c.strategy for c in candidates} <= set(space)
     assert any(c.batch_split == 2 for c in candidates) == (platform != "cpu")
+
+
+def test_summary_of_a_run_stopped_before_the_first_decision():
+    """SIGTERM can land before the tuner decides anything: the summary says so instead of
+    failing the run's last save (seen in test_resume's SIGTERM test)."""
+    runner = tuning.runner.StepRunner(TuningConfig(), MODEL, TRAIN, mesh(), "blocked")
+    assert runner.tuner is not None and not runner.tuner.decisions
+    summary = runner.summary()
+    assert summary["kind"] == "none" and "before the tuner's first decision" in summary["reason"]
+    assert summary["decisions"] == 0 and summary["switches"] == []

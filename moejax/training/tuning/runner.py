@@ -145,11 +145,13 @@ class StepRunner:
         decisions = self.tuner.decisions
         measured = [d for d in decisions if d.kind in ("measured", "cost")]
         timed = [d for d in decisions if d.times]
-        last = decisions[-1]
+        # A run stopped (SIGTERM, a step budget) before the tuner's first decision has none.
+        kind, reason = (decisions[-1].kind, decisions[-1].reason) if decisions else (
+            "none", "the run stopped before the tuner's first decision")  # fmt: skip
         return {
             "chosen": self.tuner.current.label,
-            "kind": last.kind,
-            "reason": last.reason,
+            "kind": kind,
+            "reason": reason,
             "times": dict(timed[-1].times) if timed else {},
             "decisions": len(decisions),
             "rounds": len(measured),
