@@ -1,12 +1,14 @@
 """`gpu_check.py --parts fp8`: the fp8 expert matmuls (DeepSeek-V3 recipe) on a lent Hopper GPU.
 
-In about 4 minutes on one H100 (budget `BUDGET_S`), each step skipped with its reason when it
+In about 4.5 minutes on one H100 (budget `BUDGET_S`), each step skipped with its reason when it
 fails or the budget is spent:
-  numerics (20 s): the fp8 kernels (fp8_gmm forward and lhs gradient, fp8_tgmm) compiled on
+  numerics (25 s): the fp8 kernels (fp8_gmm forward and lhs gradient, fp8_tgmm), with the
+    consumers halving each tile by columns and by rows (`fp8_mosaic_gpu.SPLITS`), compiled on
     the device against the dequantize-then-matmul reference (XLA, fp32), bf16 outputs.
   train (85 s): gpu_check's OLMoE-shaped ~1B train step, fp8 vs bf16 experts (moejax only).
-  kernels (105 s): TFLOP/s of forward, dlhs and tgmm at the Mixtral, DeepSeek-V3 and
-    fine-grained shapes (balanced groups): the fp8 kernels on pre-quantized operands, the
+  kernels (125 s): TFLOP/s of forward, dlhs and tgmm at the Mixtral, DeepSeek-V3 and
+    fine-grained shapes (balanced groups): the fp8 kernels on pre-quantized operands (both
+    splits: the default's column is "fp8 (quantized operands)"), the
     forward again with its quantization (what the layer pays), our bf16 Mosaic GPU kernels, and
     `torch._scaled_grouped_mm` (rowwise-scaled fp8, the forward) where torch has it.
   layer (30 s): moejax's MoE layer forward + backward at Mixtral sizes, fp8 vs bf16 experts.
@@ -28,14 +30,15 @@ import pallas_kernels as pk
 from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops, targets
 from pallas_kernels import shapes as pk_shapes
 
-BUDGET_S = {"numerics": 20, "train": 85, "kernels": 105, "layer": 30}
+BUDGET_S = {"numerics": 25, "train": 85, "kernels": 125, "layer": 30}
 SHAPES = ("mixtral_8x7b", "deepseek_v3", "fine_grained")
 TOL = 2 * float(jnp.finfo(jnp.bfloat16).eps)  # the bf16 rounding of the same fp32 sums
 
 
-def _fp8_fns(run: Run, align: int) -> dict:
-    """kernel -> jitted fn on pre-quantized operands (the fp8 kernels)."""
-    kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu)
+def _fp8_fns(run: Run, align: int, split: str = fp8_mosaic_gpu.SPLIT) -> dict:
+    """kernel -> jitted fn on pre-quantized operands (the fp8 kernels, consumers halving each
+    tile by `split`)."""
+    kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu, split=split)
     return {
         "gmm": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_gmm(*a, *b, s, **kw)),
         "gmm_t": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_gmm(*a, *b, s, **kw)),
@@ -88,17 +91,19 @@ def _numerics(run: Run, align: int, out: dict) -> None:
     s = jnp.asarray(sizes_np)
     q = _quantized(x, w, dy)
     rows = out["numerics"] = []
-    for kernel, fn in _fp8_fns(run, align).items():
+    fns = [(f"{kernel} {split}", kernel, fn) for split in fp8_mosaic_gpu.SPLITS
+           for kernel, fn in _fp8_fns(run, align, split).items()]  # fmt: skip
+    for name, kernel, fn in fns:
         try:
             got = fn(*q[kernel], s)
             with jax.default_matmul_precision("float32"):  # no TF32 in the reference
                 want = _emulated(kernel, *q[kernel], s)
             err = rel_err(got, want)
-            rows.append(dict(kernel=kernel, rel_err=err, ok=bool(err <= TOL)))
+            rows.append(dict(kernel=name, rel_err=err, ok=bool(err <= TOL)))
         except Exception as err:  # noqa: BLE001  (reported; the rest runs)
             run.log(traceback.format_exc())
-            rows.append(dict(kernel=kernel, ok=False, error=f"{type(err).__name__}: {err}"[:300]))
-        run.log(f"  fp8 numerics {kernel}: {rows[-1]}")
+            rows.append(dict(kernel=name, ok=False, error=f"{type(err).__name__}: {err}"[:300]))
+        run.log(f"  fp8 numerics {name}: {rows[-1]}")
     out["numerics_ok"] = all(r["ok"] for r in rows)
 
 
@@ -143,12 +148,15 @@ def _kernels(run: Run, align: int, out: dict, deadline: float) -> None:
         flops = 2.0 * used * k * n
         q = _quantized(x, w, dy)
         fp8_fns, bf16_fns = _fp8_fns(run, align), ours(run, "pallas_mosaic_gpu", align)
+        other = next(s for s in fp8_mosaic_gpu.SPLITS if s != fp8_mosaic_gpu.SPLIT)
+        other_fns = _fp8_fns(run, align, other)
         args16 = {"gmm": (x, w), "gmm_t": (dy, w), "tgmm": (x, dy)}
         for kernel in ("gmm", "gmm_t", "tgmm"):
             row = dict(shape=shape, kernel=kernel, m=m, k=k, n=n, g=g, tflops={}, unavailable={})
             timed = {
                 "fp8 (quantized operands)": (fp8_fns[kernel], (*q[kernel], s)),
                 "bf16 Mosaic GPU": (bf16_fns[kernel], (*args16[kernel], s)),
+                f"fp8 split by {other}": (other_fns[kernel], (*q[kernel], s)),
             }
             if kernel == "gmm":
                 timed["fp8 incl. quantization"] = (_quantize_and_gmm(run, align), (x, w, s))

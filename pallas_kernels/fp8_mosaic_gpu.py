@@ -11,8 +11,11 @@ producer warpgroup, two wgmma consumer warpgroups), changed where fp8 needs it:
     weight block's scalar; per row and per column in the weight gradient) and adds to an fp32
     register accumulator carried through the pipeline (DeepGEMM's promotion: Hopper's fp8
     tensor-core accumulation is too narrow to run over all of K).
-  * CTA tile 128 x 128 (each consumer: 128 x 64), so the carried and the scoped accumulators
-    take 64 registers each per thread.
+  * CTA tile 128 x 128, halved between the two consumers (`SPLITS`): by columns (each owns
+    128 x 64: `"cols"`, the default, measured on an H100) or by rows (64 x 128, DeepGEMM's
+    layout: every wgmma is 128 columns wide, so it reads a quarter fewer shared-memory bytes
+    per FLOP than at 64). Either way the carried and the scoped accumulators take 64
+    registers each per thread.
 The per-row scales travel with their tiles by TMA (stored transposed, `[K / 128, M]`, so a
 tile's scales are contiguous); the weight block's scale is one scalar load per step.
 
@@ -42,7 +45,10 @@ from pallas_kernels.mosaic_gpu import (
     num_sms,
 )
 
-TILE = 128  # tm = tk = tn: one scale block deep, 64 accumulator columns per consumer
+TILE = 128  # tm = tk = tn: one scale block deep
+HALF = TILE // 2  # a consumer warpgroup's rows ("rows") or columns ("cols") of the tile
+SPLITS = ("cols", "rows")  # how the two consumers halve the CTA tile (module docstring)
+SPLIT = "cols"  # the default: the split measured on an H100 (BENCHMARKS.md)
 STAGES = 4  # shared memory ring: 4 x (16 + 16 KiB of fp8 + scales)
 RASTER = 8
 _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -77,12 +83,26 @@ def _scaled_step(carry, a_smem, b_smem_kmajor, scale):
     return carry + part * scale
 
 
+def _halves(split: str, wg):
+    """`(rows, cols)` of the CTA tile that consumer `wg` owns, and its accumulator shape."""
+    if split == "rows":
+        return pl.ds(wg * HALF, HALF), slice(None), (HALF, TILE)
+    return slice(None), pl.ds(wg * HALF, HALF), (TILE, HALF)
+
+
+def _check_split(split: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return split
+
+
 def _zeros(shape, interpret):
     zeros = jnp.zeros(shape, jnp.float32)
     return mgpu_compat.layout_cast(zeros, plgpu.Layout.WGMMA, interpret=bool(interpret))
 
 
-def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, interpret):
+def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, interpret,
+               split=SPLIT):  # fmt: skip
     """out[rows of g] = (lhs * scales)[rows of g] @ (rhs[g] * scales)^T, groups 128-aligned.
 
     Args:
@@ -93,6 +113,7 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
       tile_group: `[M / 128]` int32, each m-tile's group, G past the groups.
       out_dtype: output dtype.
       interpret: False, or Mosaic GPU interpreter params.
+      split: how the consumers halve the tile (`SPLITS`).
 
     Returns:
       `[M, N]` out_dtype; tiles past the groups are zero.
@@ -101,7 +122,6 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
     num_groups, n, _ = rhs.shape
     load = functools.partial(mgpu_compat.load, interpret=bool(interpret))
     m_iters, n_iters, k_iters = m // TILE, n // TILE, k // TILE
-    cols = TILE // 2
     stages = min(STAGES, k_iters)
     operand = _transforms(TILE, lhs.dtype)
     in_specs = [
@@ -125,10 +145,11 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
 
         @functools.partial(
             pl.run_scoped, allocations=allocations,
-            out_smem=_out_smem(TILE, cols, out_dtype), collective_axes="wg",
+            out_smem=_out_smem(*_halves(split, 0)[2], out_dtype), collective_axes="wg",
         )  # fmt: skip
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
+            wg_rows, wg_cols, acc_shape = _halves(split, wg)
 
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _tile(info):
@@ -136,18 +157,20 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
                 group = tile_group_gmem[mi]
                 steps = jnp.where(group < num_groups, k_iters, 0)
                 g = jnp.minimum(group, num_groups - 1)
-                rows, wg_cols = pl.ds(mi * TILE, TILE), pl.ds(wg * cols, cols)
+                rows = pl.ds(mi * TILE, TILE)
 
                 def context(run):
-                    acc = run(_zeros((TILE, cols), interpret))
-                    out = out_gmem.at[rows, pl.ds(ni * TILE, TILE)].at[:, wg_cols]
+                    acc = run(_zeros(acc_shape, interpret))
+                    out = out_gmem.at[rows, pl.ds(ni * TILE, TILE)].at[wg_rows, wg_cols]
                     _epilogue(acc, out_smem, out, wg, out_dtype)
 
                 def step(idx, lhs_smem, rhs_smem, scale_smem, carry):
-                    row_scale = load(scale_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    row_scale = load(scale_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
                     block_scale = rhs_scale_gmem[g, ni, idx[0]]
                     scale = lax.broadcast_in_dim(row_scale * block_scale, carry.shape, [0])
-                    return _scaled_step(carry, lhs_smem, rhs_smem.at[wg_cols, :], scale)
+                    return _scaled_step(
+                        carry, lhs_smem.at[wg_rows, :], rhs_smem.at[wg_cols, :], scale
+                    )
 
                 pipeline(step, context, steps)(
                     lhs_gmem.at[rows, :],
@@ -172,7 +195,8 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
     return vma.cast_varying(out, vma.varying_axes(lhs))
 
 
-def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, interpret):
+def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, interpret,
+                split=SPLIT):  # fmt: skip
     """out[g] = (lhs_t * scales)[:, rows of g] @ ((rhs_t * scales)[:, rows of g])^T.
 
     Args:
@@ -183,6 +207,7 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
       group_sizes: `[G]` int32, multiples of 128, sum <= M.
       out_dtype: output dtype.
       interpret: False, or Mosaic GPU interpreter params.
+      split: how the consumers halve the output tile (`SPLITS`).
 
     Returns:
       `[G, K, N]` out_dtype; empty groups are zero.
@@ -192,7 +217,6 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
     load = functools.partial(mgpu_compat.load, interpret=bool(interpret))
     num_groups = group_sizes.shape[0]
     k_iters, n_iters = k // TILE, n // TILE
-    cols = TILE // 2
     order, first_block, steps = md.largest_first(group_sizes, tm=TILE)
 
     def pipeline(step, context, num_steps, first):
@@ -218,10 +242,11 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
 
         @functools.partial(
             pl.run_scoped, allocations=allocations,
-            out_smem=_out_smem(TILE, cols, out_dtype), collective_axes="wg",
+            out_smem=_out_smem(*_halves(split, 0)[2], out_dtype), collective_axes="wg",
         )  # fmt: skip
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
+            wg_rows, wg_cols, acc_shape = _halves(split, wg)
             per_group = k_iters * n_iters
 
             @plgpu.nd_loop((num_groups * per_group,), collective_axes="sm")
@@ -229,20 +254,19 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
                 (lin,) = info.index
                 g = order_gmem[lax.div(lin, per_group)]  # largest groups first
                 ki, ni = plgpu.planar_snake(lax.rem(lin, per_group), (k_iters, n_iters), 0, RASTER)
-                wg_cols = pl.ds(wg * cols, cols)
 
                 def context(run):
-                    acc = run(_zeros((TILE, cols), interpret))  # zero steps for an empty group
+                    acc = run(_zeros(acc_shape, interpret))  # zero steps for an empty group
                     out = out_gmem.at[g, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)]
-                    _epilogue(acc, out_smem, out.at[:, wg_cols], wg, out_dtype)
+                    _epilogue(acc, out_smem, out.at[wg_rows, wg_cols], wg, out_dtype)
 
                 def step(_, a_smem, b_smem, sa_smem, sb_smem, carry):
-                    row = load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    row = load(sa_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
                     col = load(sb_smem.at[0, wg_cols], layout=plgpu.Layout.WGMMA.reduce(0))
                     scale = lax.broadcast_in_dim(row, carry.shape, [0]) * lax.broadcast_in_dim(
                         col, carry.shape, [1]
                     )
-                    return _scaled_step(carry, a_smem, b_smem.at[wg_cols, :], scale)
+                    return _scaled_step(carry, a_smem.at[wg_rows, :], b_smem.at[wg_cols, :], scale)
 
                 pipeline(step, context, steps_gmem[g], first_gmem[g])(
                     a_gmem.at[pl.ds(ki * TILE, TILE), :],
@@ -288,7 +312,7 @@ def _interpret(interpret):
 
 
 def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_alignment,
-            interpret=False):  # fmt: skip
+            interpret=False, split=SPLIT):  # fmt: skip
     """`lhs @ rhs[g]^T` per group from `fp8.quantize_rows` / `quantize_blocks` operands.
 
     Args:
@@ -298,11 +322,13 @@ def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_ali
       out_dtype: output dtype.
       group_alignment: the callers' static promise on the group sizes.
       interpret: run in the Mosaic GPU interpreter.
+      split: how the two consumer warpgroups halve the 128 x 128 tile (`SPLITS`).
 
     Returns:
       `[M, N]` out_dtype; rows past the groups are zero.
     """
     _check_aligned(group_alignment)
+    _check_split(split)
     m, n = lhs.shape[0], rhs.shape[1]
     lhs_p = _pad_to(lhs, (TILE, TILE))
     scale_t = _pad_to(lhs_scale, (TILE, 1), 1.0).T
@@ -310,31 +336,33 @@ def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_ali
     tile_group = md.aligned_tile_groups(group_sizes, m=lhs_p.shape[0], tm=TILE)
     out = gmm_kernel(
         lhs_p, scale_t, rhs_p, rhs_scale, tile_group, out_dtype=jnp.dtype(out_dtype),
-        interpret=_interpret(interpret),
+        interpret=_interpret(interpret), split=split,
     )  # fmt: skip
     return out[:m, :n]
 
 
 def fp8_tgmm(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, group_alignment,
-             interpret=False):  # fmt: skip
+             interpret=False, split=SPLIT):  # fmt: skip
     """Per group `lhs_t[:, rows] @ rhs_t[:, rows]^T` from `fp8.quantize_cols` operands.
 
     Args:
       lhs_t: `[K, M]` fp8; lhs_scale `[K, ceil(M / 128)]`.
       rhs_t: `[N, M]` fp8; rhs_scale `[N, ceil(M / 128)]`.
       group_sizes: `[G]` int32, multiples of `group_alignment` (a multiple of 128).
-      out_dtype, group_alignment, interpret: as for `fp8_gmm`.
+      out_dtype, group_alignment, interpret, split: as for `fp8_gmm`.
 
     Returns:
       `[G, K, N]` out_dtype.
     """
     _check_aligned(group_alignment)
+    _check_split(split)
     k, n = lhs_t.shape[0], rhs_t.shape[0]
     a = _pad_to(lhs_t, (TILE, TILE))
     b = _pad_to(rhs_t, (TILE, TILE))
     sa = _pad_to(lhs_scale, (TILE, 1), 1.0).T
     sb = _pad_to(rhs_scale, (TILE, 1), 1.0).T
     out = tgmm_kernel(
-        a, sa, b, sb, group_sizes, out_dtype=jnp.dtype(out_dtype), interpret=_interpret(interpret)
-    )
+        a, sa, b, sb, group_sizes, out_dtype=jnp.dtype(out_dtype),
+        interpret=_interpret(interpret), split=split,
+    )  # fmt: skip
     return out[:, :k, :n]

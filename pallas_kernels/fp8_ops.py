@@ -70,7 +70,8 @@ def _mask_rows(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 # The three products on quantized operands. `lhs`: (q [M, Kc], scale [M, Kc/128]) rowwise;
 # `rhs_kmajor`: (q [G, Nout, Kc], scale [G, Nout/128, Kc/128]) blocks, contracted on its last axis.
-def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret):
+def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret,
+           split):  # fmt: skip
     def emulated():
         x = fp8.dequantize_rows(*lhs)
         w = fp8.dequantize_blocks(*rhs_kmajor)
@@ -81,14 +82,15 @@ def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignme
 
         return fp8_mosaic_gpu.fp8_gmm(
             *lhs, *rhs_kmajor, group_sizes, out_dtype=out_dtype, group_alignment=alignment,
-            interpret=interpret,
+            interpret=interpret, split=split,
         )  # fmt: skip
 
     return _on_target(backend, emulated, kernel, lhs[0].dtype, rhs_kmajor[0].dtype, alignment)
 
 
 # lhs_t: (q [K, M], scale [K, M/128]), rhs_t: (q [N, M], scale [N, M/128]): both along the rows.
-def _tgmm_q(lhs_t, rhs_t, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret):
+def _tgmm_q(lhs_t, rhs_t, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret,
+            split):  # fmt: skip
     def emulated():
         x = fp8.dequantize_rows(*lhs_t).T
         dy = fp8.dequantize_rows(*rhs_t).T
@@ -99,7 +101,7 @@ def _tgmm_q(lhs_t, rhs_t, group_sizes, *, backend, matmuls, out_dtype, alignment
 
         return fp8_mosaic_gpu.fp8_tgmm(
             *lhs_t, *rhs_t, group_sizes, out_dtype=out_dtype, group_alignment=alignment,
-            interpret=interpret,
+            interpret=interpret, split=split,
         )  # fmt: skip
 
     return _on_target(backend, emulated, kernel, lhs_t[0].dtype, rhs_t[0].dtype, alignment)
@@ -143,8 +145,10 @@ def _fp8_gmm(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, op
 
 
 def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
-    alignment, interpret = opts
-    kw = dict(backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret)
+    alignment, interpret, split = opts
+    kw = dict(
+        backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret, split=split
+    )
     wq = fp8.quantize_blocks(rhs, "e4m3")
     out = _gmm_q(
         fp8.quantize_rows(lhs, "e4m3"), fp8.transpose_blocks(*wq), group_sizes,
@@ -157,8 +161,10 @@ def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
 
 def _bwd(grad_format, out_dtype, backend, matmuls, opts, residuals, dout):
     x_t, wq, group_sizes, lhs, rhs = residuals
-    alignment, interpret = opts
-    kw = dict(backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret)
+    alignment, interpret, split = opts
+    kw = dict(
+        backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret, split=split
+    )
     dout = _mask_rows(dout, group_sizes)
     dlhs = _gmm_q(fp8.quantize_rows(dout, grad_format), wq, group_sizes, out_dtype=lhs.dtype, **kw)
     drhs = _tgmm_q(
@@ -189,6 +195,7 @@ def fp8_grouped_matmul(
     matmuls: Matmuls = REFERENCE_MATMULS,
     group_alignment: int = 1,
     interpret=False,
+    split: str | None = None,
 ) -> jax.Array:
     """Differentiable grouped matmul `lhs[rows of g] @ rhs[g]` in block-scaled fp8 (module
     docstring), safe inside `shard_map(check_vma=True)` (as `ops.grouped_matmul`).
@@ -203,6 +210,8 @@ def fp8_grouped_matmul(
       matmuls: the float matmuls of the emulated path.
       group_alignment: every group size is a multiple of this (the kernels' row alignment).
       interpret: run the Mosaic GPU kernels in their interpreter.
+      split: how the kernels' two consumer warpgroups halve a tile
+        (`fp8_mosaic_gpu.SPLITS`; None: `fp8_mosaic_gpu.SPLIT`).
 
     Returns:
       `[M, N]`; rows past sum(group_sizes) are zero.
@@ -212,10 +221,15 @@ def fp8_grouped_matmul(
     if backend not in FP8_BACKENDS:
         raise ValueError(f"backend must be one of {FP8_BACKENDS}, got {backend!r}")
     fp8.fp8_dtype(grad_format)  # validates the name
+    from pallas_kernels import fp8_mosaic_gpu
+
+    if split is not None and split not in fp8_mosaic_gpu.SPLITS:
+        raise ValueError(f"split must be one of {fp8_mosaic_gpu.SPLITS}, got {split!r}")
+    split = split or fp8_mosaic_gpu.SPLIT
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     lhs, rhs, group_sizes = same_varying_axes(lhs, rhs, group_sizes)
     return _fp8_gmm(
         lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls,
-        (group_alignment, interpret),
+        (group_alignment, interpret, split),
     )  # fmt: skip

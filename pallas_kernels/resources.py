@@ -53,6 +53,8 @@ class Case:
       backend: "pallas" (the target decides), a concrete backend of `config.BACKENDS`, or
         `FP8_BACKEND`: the fp8 recipe (`fp8_ops`, operands of `dtype` quantized to e4m3) on the
         fp8 Mosaic GPU kernels (fp8_gmm for the forward and the lhs gradient, fp8_tgmm).
+      split: for `FP8_BACKEND`, how the kernels' consumers halve a tile
+        (`fp8_mosaic_gpu.SPLITS`; None: the default).
     """
 
     shape: str
@@ -60,6 +62,7 @@ class Case:
     projection: str = "in"
     kernel: str = "vjp"
     backend: str = "pallas"
+    split: str | None = None
 
     def dims(self) -> tuple[int, int, int, int]:
         """(M, K, N, G) of the forward gmm."""
@@ -73,7 +76,8 @@ class Case:
         return ("gather_gmm",) if self.kernel == "gather_gmm" else ("gmm", "gmm_t", "tgmm")
 
     def name(self) -> str:
-        return f"{self.kernel}_{self.shape}_{self.projection}_{self.dtype}_{self.backend}"
+        name = f"{self.kernel}_{self.shape}_{self.projection}_{self.dtype}_{self.backend}"
+        return name + (f"_{self.split}" if self.split else "")
 
     def concrete_backend(self, platform: str) -> str:
         """The backend the kernels run on when compiled for `platform` ("cuda": an H100)."""
@@ -108,9 +112,13 @@ def default_cases(platform: str) -> list[Case]:
     return cases
 
 
-def fp8_cases(shapes_: tuple[str, ...] = MOSAIC_GPU_SHAPES) -> list[Case]:
+def fp8_cases(shapes_: tuple[str, ...] = MOSAIC_GPU_SHAPES, split: str | None = None) -> list[Case]:
     """The fp8 kernels (H100 only) at `shapes_`, both projections, from bf16 operands."""
-    return [Case(s, "bfloat16", p, backend=FP8_BACKEND) for s in shapes_ for p in ("in", "out")]
+    return [
+        Case(s, "bfloat16", p, backend=FP8_BACKEND, split=split)
+        for s in shapes_
+        for p in ("in", "out")
+    ]
 
 
 def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
@@ -121,7 +129,7 @@ def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
         t = f.TILE
         return {
             kernel: dict(
-                config=dict(num_stages=f.STAGES, raster=f.RASTER),
+                config=dict(num_stages=f.STAGES, raster=f.RASTER, split=case.split or f.SPLIT),
                 tiles=[t, t, t],
                 backend=FP8_BACKEND,
                 smem_model=f.smem_bytes(kernel, case.dtype),
@@ -179,8 +187,9 @@ def _program(case: Case):
                 from pallas_kernels import fp8_ops
 
                 return fp8_ops.fp8_grouped_matmul(
-                    a, b, sizes, backend="pallas_mosaic_gpu", group_alignment=pk.GROUP_ALIGNMENT
-                )
+                    a, b, sizes, backend="pallas_mosaic_gpu", group_alignment=pk.GROUP_ALIGNMENT,
+                    split=case.split,
+                )  # fmt: skip
             return pk.grouped_matmul(
                 a, b, sizes, backend=case.backend, group_alignment=pk.GROUP_ALIGNMENT
             )

@@ -41,3 +41,80 @@ def test_h100_fp8_kernels_compile_without_spills_deepseek_v3():
 @pytest.mark.slow
 def test_h100_fp8_kernels_compile_without_spills_every_shape():
     _check(_rows(tuple(resources.fp8_cases())), len(resources.MOSAIC_GPU_SHAPES) * 2)
+
+
+_PTX_PROGRAM = """
+import sys, jax, jax.numpy as jnp
+from pallas_kernels import fp8_mosaic_gpu, targets
+mesh = targets.mesh_for("cuda", (1,), ("x",))
+m, k, n, g = 1024, 512, 512, 4
+f8, f32 = jnp.float8_e4m3fn, jnp.float32
+args = [((m, k), f8), ((m, k // 128), f32), ((g, n, k), f8), ((g, n // 128, k // 128), f32),
+        ((g,), jnp.int32)]
+args = targets.shapes_on([jax.ShapeDtypeStruct(s, d) for s, d in args], mesh)
+def fn(*a):
+    return fp8_mosaic_gpu.fp8_gmm(*a, out_dtype=jnp.bfloat16, group_alignment=128,
+                                  split=sys.argv[1])
+with targets.lowering(mesh):
+    jax.jit(fn).lower(*args).compile()
+"""
+
+
+@needs_cuda
+@pytest.mark.parametrize(("split", "width"), [("cols", 64), ("rows", 128)])
+def test_h100_fp8_gmm_wgmma_width_follows_the_split(split, width):
+    """The PTX Mosaic GPU emits for fp8_gmm (its MOSAIC_GPU_DUMP_PTX output): each consumer's
+    wgmma is 64 columns wide when the consumers split the tile by columns, 128 when by rows."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_PTX": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PTX_PROGRAM, split], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3",
+                            proc.stdout + proc.stderr))  # fmt: skip
+    assert shapes == {f"m64n{width}k32"}, shapes
+
+
+def _hbm_bytes(fn, *shapes):
+    """HBM bytes the kernels of `fn`'s H100 program read and write (XLA's fusions as compiled,
+    costed by `moejax.aot.schedule`)."""
+    import jax
+
+    from moejax.aot import schedule
+    from pallas_kernels import targets
+
+    mesh = targets.mesh_for("cuda", (1,), ("x",))
+    args = targets.shapes_on(tuple(jax.ShapeDtypeStruct(*s) for s in shapes), mesh)
+    with targets.lowering(mesh):
+        text = jax.jit(fn).lower(*args).compile().as_text()
+    return sum(op.bytes for op in schedule.parse(text) if op.kind == schedule.COMPUTE)
+
+
+@needs_cuda
+def test_h100_quantization_traffic_is_two_passes():
+    """Quantizing a bf16 operand both ways (1 x 128 and 128 x 1 tiles, the forward's and the
+    weight gradient's layouts) costs two passes over it per layout: one read for the tile
+    maxima, one to scale and cast, and the fp8 writes (half its size each): 5 x its bytes,
+    plus the fp32 scales (1/128 of the elements; 5% covers them). Weights (128 x 128 blocks,
+    both orientations from one reduction): two reads and two fp8 writes, 3 x. Taking the
+    maxima on fp32 copies of x^T, as fp8.py once did, cost 12 x."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import fp8
+
+    m, k, g, n = 4096, 2048, 4, 1024
+    got = _hbm_bytes(lambda x: (fp8.quantize_rows(x), fp8.quantize_cols(x)), ((m, k), jnp.bfloat16))
+    assert got <= 5 * 1.05 * (2 * m * k), got / (2 * m * k)
+
+    def weights(w):
+        q, s = fp8.quantize_blocks(w)
+        return (q, s), fp8.transpose_blocks(q, s)
+
+    got = _hbm_bytes(weights, ((g, k, n), jnp.bfloat16))
+    assert got <= 3 * 1.05 * (2 * g * k * n), got / (2 * g * k * n)

@@ -57,7 +57,8 @@ def _tgmm(a_t, b_t):  # per group a_t[:, rows] @ b_t[:, rows]^T
     return np.stack([a_t[:, g == i] @ b_t[:, g == i].T for i in range(len(SIZES))])
 
 
-def test_fp8_gmm_matches_dequantized_reference():
+@pytest.mark.parametrize("split", fp8_mosaic_gpu.SPLITS)
+def test_fp8_gmm_matches_dequantized_reference(split):
     m, k, n = 512, 256, 128  # two K blocks with different scales, a tile past the groups
     sizes = jnp.array(SIZES, jnp.int32)
     xq = fp8.quantize_rows(_x(m, k))
@@ -65,7 +66,7 @@ def test_fp8_gmm_matches_dequantized_reference():
 
     def run(*args):
         return fp8_mosaic_gpu.fp8_gmm(
-            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True
+            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True, split=split
         )
 
     calls = introspect.traced_kernel_calls(run, *xq, *wq, platform="cpu")
@@ -75,7 +76,8 @@ def test_fp8_gmm_matches_dequantized_reference():
     _fp32_close(out, fp8.dequantize_rows(*xq), fp8.dequantize_blocks(*wq), k, _gmm_t)
 
 
-def test_fp8_tgmm_matches_dequantized_reference():
+@pytest.mark.parametrize("split", fp8_mosaic_gpu.SPLITS)
+def test_fp8_tgmm_matches_dequantized_reference(split):
     m, k, n = 512, 128, 128
     sizes = jnp.array(SIZES, jnp.int32)
     live = (_group_rows(m) >= 0)[:, None]
@@ -84,7 +86,7 @@ def test_fp8_tgmm_matches_dequantized_reference():
 
     def run(*args):
         return fp8_mosaic_gpu.fp8_tgmm(
-            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True
+            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True, split=split
         )
 
     calls = introspect.traced_kernel_calls(run, *xt, *dyt, platform="cpu")
