@@ -4,7 +4,8 @@
   from jax 0.11, a private module in 0.10.
 * `kernel`: `plgpu.kernel`, passing a `pl.CostEstimate` where jax takes one (0.11+).
 * `races_found`: the interpreter's race detector, read the same way in every version.
-* `load`, `layout_cast`: `plgpu.load(ref, layout=)` (an index argument before jax 0.11) and
+* `load`, `layout_cast`: `plgpu.load(ref, layout=)` (an index argument required in jax 0.10,
+  deprecated in 0.11, gone in 0.12) and
   `plgpu.layout_cast`, read as plain values under jax 0.10's interpreter, which has no rule
   for either.
 * `WGMMA_MIXES_FP8`: whether wgmma takes an e4m3 operand with an e5m2 one (jax 0.11+).
@@ -40,16 +41,19 @@ def kernel(body, *, cost_estimate: pl.CostEstimate, **kwargs):
     return plgpu.kernel(body, **kwargs)
 
 
-_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+_LOAD_INDEX = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_TAKES_INDEX = _LOAD_INDEX is not None  # jax 0.10 and 0.11
+# jax 0.10 requires the index; 0.11 deprecates it (a warning per call) and 0.12 removed it.
+_LOAD_NEEDS_INDEX = _LOAD_TAKES_INDEX and _LOAD_INDEX.default is inspect.Parameter.empty
 
 
 def load(ref, *, layout, interpret: bool = False):
     """`plgpu.load` of the whole of `ref` into registers in `layout`. jax 0.10's interpreter
     cannot evaluate `plgpu.load` (its abstract eval wants a ref where the interpreter passes
     values); a plain read gives the same values there (layouts are a compiled-kernel notion)."""
-    if _LOAD_TAKES_INDEX:
-        if interpret:
-            return ref[...]
+    if _LOAD_TAKES_INDEX and interpret:
+        return ref[...]
+    if _LOAD_NEEDS_INDEX:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
 

@@ -81,9 +81,9 @@ def test_h100_fp8_gmm_wgmma_width_follows_the_split(split, width):
     assert shapes == {f"m64n{width}k32"}, shapes
 
 
-def _hbm_bytes(fn, *shapes):
-    """HBM bytes the kernels of `fn`'s H100 program read and write (XLA's fusions as compiled,
-    costed by `moejax.aot.schedule`)."""
+def _kernels(fn, *shapes):
+    """The kernels of `fn`'s H100 program (XLA's fusions and the custom calls, as compiled),
+    costed by `moejax.aot.schedule`."""
     import jax
 
     from moejax.aot import schedule
@@ -93,7 +93,37 @@ def _hbm_bytes(fn, *shapes):
     args = targets.shapes_on(tuple(jax.ShapeDtypeStruct(*s) for s in shapes), mesh)
     with targets.lowering(mesh):
         text = jax.jit(fn).lower(*args).compile().as_text()
-    return sum(op.bytes for op in schedule.parse(text) if op.kind == schedule.COMPUTE)
+    return [op for op in schedule.parse(text) if op.kind == schedule.COMPUTE]
+
+
+def _hbm_bytes(fn, *shapes):
+    """HBM bytes the kernels of `fn`'s H100 program read and write."""
+    return sum(op.bytes for op in _kernels(fn, *shapes))
+
+
+@needs_cuda
+def test_h100_schedule_model_prices_the_fp8_kernels():
+    """The schedule model (moejax.aot.schedule) counts each fp8 kernel's products, at the fp8
+    rate: forward, lhs gradient and weight gradient, 2 M K N each."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import fp8_ops
+
+    m, k, n, g = 1024, 512, 256, 4
+
+    def fn(x, w, sizes):
+        def op(x, w):
+            return fp8_ops.fp8_grouped_matmul(
+                x, w, sizes, backend="pallas_mosaic_gpu", group_alignment=128
+            )
+
+        out, vjp = jax.vjp(op, x, w)
+        return out, *vjp(out)
+
+    shapes = (((m, k), jnp.bfloat16), ((g, k, n), jnp.bfloat16), ((g,), jnp.int32))
+    priced = [(op.flops, op.dtype) for op in _kernels(fn, *shapes) if op.flops]
+    assert priced == [(2.0 * m * k * n, "f8")] * 3, priced
 
 
 @needs_cuda

@@ -420,8 +420,9 @@ def _pallas_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
     """FLOPs of this package's Triton kernels and jax's flash attention, from their shapes.
 
     `gmm` / `gmm_t` / `gather_gmm`: lhs `[M, K]` times one group's weight per row -> `[M, N]`;
-    `tgmm`: `[M, K]^T [M, N]` per group -> `[G, K, N]`; `mha_forward`: `Q K^T` and `P V` over
-    `q, k, v [B, S, H, D]`; `mha_backward`: five products of that size.
+    `tgmm`: `[M, K]^T [M, N]` per group -> `[G, K, N]`; the fp8 kernels likewise (`fp8_gmm`:
+    lhs `[M, K]`; `fp8_tgmm`: lhs `x^T [K, M]`, at the fp8 rate); `mha_forward`: `Q K^T` and
+    `P V` over `q, k, v [B, S, H, D]`; `mha_backward`: five products of that size.
     """
     from pallas_kernels import introspect
 
@@ -436,10 +437,12 @@ def _pallas_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
     dtype = _rate_key(floats[0][0], False)  # Pallas kernels multiply at DEFAULT precision
     out = result[0][1]
     lhs = floats[0][1]
-    if name in ("gmm", "gmm_t", "gather_gmm") and len(lhs) == 2:
+    if name in ("gmm", "gmm_t", "gather_gmm", "fp8_gmm") and len(lhs) == 2:
         return 2.0 * math.prod(out) * lhs[-1], dtype
     if name == "tgmm" and len(lhs) == 2 and len(out) == 3:
         return 2.0 * lhs[0] * out[1] * out[2], dtype
+    if name == "fp8_tgmm" and len(lhs) == 2 and len(out) == 3:
+        return 2.0 * lhs[1] * out[1] * out[2], dtype
     if name in ("mha_forward", "mha_backward") and len(floats) >= 2 and len(lhs) == 4:
         products = 2 if name == "mha_forward" else 5
         return 2.0 * products * math.prod(lhs) * floats[1][1][1], dtype
