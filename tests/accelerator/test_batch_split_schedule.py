@@ -95,6 +95,9 @@ def _attention_weight_gemms(text: str, k: int) -> list[tuple[str, bool]]:
     return [(op, inside) for kind, op, inside in kernels if kind == "attention"]
 
 
+# Slow (1.5-3 minutes on 2 cores); the default run checks where delayed weight gradients go on
+# CPU (tests/models/test_delay_wgrad.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_attention_weight_gradients_sit_in_backward_all_to_all_windows(dispatch):
     layers = presets.get("tiny").num_layers

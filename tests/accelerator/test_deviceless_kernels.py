@@ -112,7 +112,7 @@ def test_mosaic_gpu_shared_memory_model_is_what_mosaic_gpu_checks():
 
 
 @needs_tpu
-@pytest.mark.parametrize("generation", ["v5e", "v5p"])
+@pytest.mark.parametrize("generation", ["v5e", pytest.param("v5p", marks=pytest.mark.slow)])
 def test_tpu_kernels_compile_within_the_vmem_model(generation):
     rows = _report("tpu", generation)
     _check_cases(rows, "tpu")
