@@ -19,6 +19,9 @@ producer warpgroup, two wgmma consumer warpgroups), changed where fp8 needs it:
 The per-row scales travel with their tiles by TMA (stored transposed, `[K / 128, M]`, so a
 tile's scales are contiguous); the weight block's scale is one scalar load per step.
 
+`quantize_both` is the quantization these kernels read, fused: one read of a 16-bit `x` gives
+`fp8.quantize_rows(x)` and `fp8.quantize_cols(x)` bit for bit (XLA needs two passes per layout).
+
 Groups must be aligned to 128 rows (`group_alignment`): the 128 x 1 scale tiles of the weight
 gradient's operands must not straddle groups, and rows are never moved (that would need a
 requantization). `fp8_ops` emulates where these conditions do not hold.
@@ -34,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import fp8, mgpu_compat, vma
 from pallas_kernels import metadata as md
-from pallas_kernels import mgpu_compat, vma
 from pallas_kernels.mosaic_gpu import (
     MEMORY_REGISTERS,
     _epilogue,
@@ -290,6 +293,105 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
     )  # fmt: skip
     out = kernel(order, first_block, steps, lhs_t, lhs_scale, rhs_t, rhs_scale)
     return vma.cast_varying(out, vma.varying_axes(lhs_t))
+
+
+def quantize_supports(x, dtype) -> bool:
+    """Whether `quantize_both` runs for `x` on the installed jax: a 16-bit float `[M, K]`, both
+    multiples of 128, an fp8 format, and a Mosaic GPU that loads tiles transposed (jax 0.11+)."""
+    return (
+        mgpu_compat.LOADS_TRANSPOSED
+        and x.ndim == 2
+        and x.shape[0] % TILE == 0
+        and x.shape[1] % TILE == 0
+        and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and jnp.dtype(dtype) in (_E4M3, _E5M2)
+    )
+
+
+def _quantized_tile(x, big, dtype):
+    """One warpgroup's `[128, 128]` fp32 tile quantized along its rows: `(q, scale)`, the
+    arithmetic of `fp8._quantize` (so the bits match)."""
+    amax = jnp.max(jnp.abs(x), axis=1)
+    scale = jnp.where(amax > 0, amax * jnp.float32(1 / big), 1.0).astype(jnp.float32)
+    y = x / lax.broadcast_in_dim(scale, x.shape, [0])
+    return jnp.clip(y, -big, big).astype(dtype), scale
+
+
+def quantize_both(x, dtype="e4m3", *, interpret=False):
+    """`(fp8.quantize_rows(x, dtype), fp8.quantize_cols(x, dtype))` from one read of `x`.
+
+    One CTA per 128 x 128 tile: TMA brings the tile to shared memory; the warpgroup loads it
+    into registers as it is (its rows' 1 x 128 maxima, the row-quantized tile) and transposed
+    (its columns' 128 x 1 maxima, the tile of `x^T` quantized along its rows), and TMA stores
+    both fp8 tiles and their scales. Every scale tile is a whole 128 x 128 tile's row or column,
+    so each CTA's results are final.
+
+    Args:
+      x: `[M, K]` bf16 or fp16, M and K multiples of 128 (`quantize_supports`).
+      dtype: "e4m3" or "e5m2" (or the jnp dtype).
+      interpret: run in the Mosaic GPU interpreter.
+
+    Returns:
+      `((q [M, K], scale [M, K / 128]), (q_t [K, M], scale_t [K, M / 128]))`.
+    """
+    dtype = fp8.fp8_dtype(dtype)
+    if not quantize_supports(x, dtype):
+        raise ValueError(
+            f"quantize_both takes a 16-bit [M, K] with M and K multiples of {TILE} on jax >= "
+            f"0.11, got {x.dtype}{list(x.shape)} on jax {jax.__version__}"
+        )
+    m, k = x.shape
+    big = fp8.fmax(dtype)
+    tile = functools.partial(plgpu.SMEM, (TILE, TILE))
+
+    def body(x_gmem, q_gmem, s_gmem, qt_gmem, st_gmem):
+        def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, barrier):
+            i, j = lax.axis_index("m"), lax.axis_index("k")
+            rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
+            plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, barrier)
+            plgpu.barrier_wait(barrier)
+            for src, q_ref, s_ref in ((x_smem, q_smem, s_smem), (x_smem.T, qt_smem, st_smem)):
+                tile_ = mgpu_compat.load(src, layout=plgpu.Layout.WGMMA, interpret=interpret)
+                q_ref[...], s_ref[...] = _quantized_tile(tile_.astype(jnp.float32), big, dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
+            plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[j, rows])
+            plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
+            plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[i, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scoped, tile(x.dtype, transforms=_transforms(TILE, x.dtype)),
+            tile(dtype, transforms=_transforms(TILE, dtype)),
+            tile(dtype, transforms=_transforms(TILE, dtype)),
+            plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.float32),
+            plgpu.Barrier(num_arrivals=1),
+        )  # fmt: skip
+
+    interpret = _interpret(interpret)
+    if interpret is True:
+        interpret = mgpu_compat.interpret_params()
+    kernel = mgpu_compat.kernel(
+        body,
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=x.size * (x.dtype.itemsize + 2)
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((m, k), dtype),
+            jax.ShapeDtypeStruct((k // TILE, m), jnp.float32),
+            jax.ShapeDtypeStruct((k, m), dtype),
+            jax.ShapeDtypeStruct((m // TILE, k), jnp.float32),
+        ),
+        grid=(m // TILE, k // TILE),
+        grid_names=("m", "k"),
+        kernel_name="fp8_quantize",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret or None,
+    )
+    q, s_t, q_t, st_t = kernel(x)
+    axes = vma.varying_axes(x)
+    q, s_t, q_t, st_t = (vma.cast_varying(a, axes) for a in (q, s_t, q_t, st_t))
+    return (q, s_t.T), (q_t, st_t.T)
 
 
 def _pad_to(x, multiples, value=0):

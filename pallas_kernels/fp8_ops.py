@@ -16,6 +16,9 @@ Two ways to run the three products, same numerics up to fp32 summation order:
   * "pallas_mosaic_gpu": the fp8 Mosaic GPU kernels (`fp8_mosaic_gpu`, Hopper): the tensor
     cores accumulate each 128-deep K block of fp8 products, promoted into an fp32 accumulator
     times the two tiles' scales.
+Where the kernels run, each activation (x in the forward, dy in the backward) is quantized both
+ways in one read (`fp8_mosaic_gpu.quantize_both`: the bits of the XLA quantization, which reads
+x twice per layout).
 "auto" picks the kernels when compiled for a Hopper GPU with 128-aligned groups and operand
 formats the installed jax's wgmma takes (`kernel_supports`), and emulates elsewhere (decided at
 lowering, like `ops`).
@@ -118,6 +121,31 @@ def kernel_supports(lhs_dtype, rhs_dtype, group_alignment: int) -> bool:
     )
 
 
+def _quantize_both(x, dtype, *, backend, alignment, interpret, **_):
+    """`(fp8.quantize_rows(x), fp8.quantize_cols(x))`: where the kernels run, one read of x
+    (`fp8_mosaic_gpu.quantize_both`, the same bits), else XLA's two passes per layout."""
+
+    def xla():
+        return fp8.quantize_rows(x, dtype), fp8.quantize_cols(x, dtype)
+
+    from pallas_kernels import fp8_mosaic_gpu
+
+    if backend == "emulated" or alignment % fp8_mosaic_gpu.TILE:
+        return xla()
+    if not fp8_mosaic_gpu.quantize_supports(x, fp8.fp8_dtype(dtype)):
+        return xla()
+
+    def kernel():
+        return fp8_mosaic_gpu.quantize_both(x, dtype, interpret=interpret)
+
+    if backend == "pallas_mosaic_gpu":
+        return kernel()
+    kind = targets.gpu_kind()
+    if kind is not None and not targets.is_hopper(kind):
+        return xla()
+    return jax.lax.platform_dependent(cuda=kernel, default=xla)
+
+
 def _on_target(backend, emulated, kernel, lhs_dtype, rhs_dtype, alignment):
     if backend == "emulated":
         return emulated()
@@ -150,12 +178,11 @@ def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
         backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret, split=split
     )
     wq = fp8.quantize_blocks(rhs, "e4m3")
-    out = _gmm_q(
-        fp8.quantize_rows(lhs, "e4m3"), fp8.transpose_blocks(*wq), group_sizes,
-        out_dtype=out_dtype, **kw,
-    )  # fmt: skip
+    # Rows past the groups are zeroed first: they then set no scale of the 128 x 1 tiles, and
+    # the forward's products leave them out either way.
+    x, x_t = _quantize_both(_mask_rows(lhs, group_sizes), "e4m3", **kw)
+    out = _gmm_q(x, fp8.transpose_blocks(*wq), group_sizes, out_dtype=out_dtype, **kw)
     # Kept for the backward, in fp8: x^T along the rows and the block-quantized weights.
-    x_t = fp8.quantize_cols(_mask_rows(lhs, group_sizes), "e4m3")
     return out, (x_t, wq, group_sizes, lhs, rhs)
 
 
@@ -165,11 +192,9 @@ def _bwd(grad_format, out_dtype, backend, matmuls, opts, residuals, dout):
     kw = dict(
         backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret, split=split
     )
-    dout = _mask_rows(dout, group_sizes)
-    dlhs = _gmm_q(fp8.quantize_rows(dout, grad_format), wq, group_sizes, out_dtype=lhs.dtype, **kw)
-    drhs = _tgmm_q(
-        x_t, fp8.quantize_cols(dout, grad_format), group_sizes, out_dtype=rhs.dtype, **kw
-    )
+    dout, dout_t = _quantize_both(_mask_rows(dout, group_sizes), grad_format, **kw)
+    dlhs = _gmm_q(dout, wq, group_sizes, out_dtype=lhs.dtype, **kw)
+    drhs = _tgmm_q(x_t, dout_t, group_sizes, out_dtype=rhs.dtype, **kw)
     return match_varying(dlhs, lhs), match_varying(drhs, rhs), None
 
 

@@ -9,6 +9,7 @@
   `plgpu.layout_cast`, read as plain values under jax 0.10's interpreter, which has no rule
   for either.
 * `WGMMA_MIXES_FP8`: whether wgmma takes an e4m3 operand with an e5m2 one (jax 0.11+).
+* `LOADS_TRANSPOSED`: whether a swizzled shared-memory tile loads transposed (jax 0.11+).
 * jax 0.10's interpreter cannot read a transposed wgmma operand (`ref.T`: the dlhs kernel's
   weights, both tgmm operands); `_install_transposed_wgmma_fix` teaches it, as 0.11 does.
 """
@@ -64,6 +65,11 @@ def layout_cast(x, layout, *, interpret: bool = False):
     if interpret and _LOAD_TAKES_INDEX:
         return x
     return plgpu.layout_cast(x, layout)
+
+
+# jax 0.10's Mosaic GPU cannot load a swizzled shared-memory tile transposed into registers
+# ("Can't transpose the swizzled dimension"); 0.11 and 0.12 can (fp8_mosaic_gpu.quantize_both).
+LOADS_TRANSPOSED = jax.__version_info__ >= (0, 11)
 
 
 def _wgmma_mixes_fp8() -> bool:

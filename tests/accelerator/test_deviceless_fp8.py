@@ -9,7 +9,7 @@ import functools
 import pytest
 from _targets import CACHE_WARNING, needs_cuda
 
-from pallas_kernels import config, fp8_mosaic_gpu, resources
+from pallas_kernels import config, fp8_mosaic_gpu, mgpu_compat, resources
 
 pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
 
@@ -60,25 +60,65 @@ with targets.lowering(mesh):
 """
 
 
+def _compile_output(program: str, dump: str, *args: str) -> str:
+    """What compiling `program` in a fresh process prints with Mosaic GPU's `dump` on
+    (`MOSAIC_GPU_DUMP_PTX`, `MOSAIC_GPU_DUMP_PTXAS`: read when jax loads)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", dump: "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", program, *args], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
 @needs_cuda
 @pytest.mark.parametrize(("split", "width"), [("cols", 64), ("rows", 128)])
 def test_h100_fp8_gmm_wgmma_width_follows_the_split(split, width):
     """The PTX Mosaic GPU emits for fp8_gmm (its MOSAIC_GPU_DUMP_PTX output): each consumer's
     wgmma is 64 columns wide when the consumers split the tile by columns, 128 when by rows."""
-    import os
     import re
-    import subprocess
-    import sys
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_PTX": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _PTX_PROGRAM, split], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3",
-                            proc.stdout + proc.stderr))  # fmt: skip
+    out = _compile_output(_PTX_PROGRAM, "MOSAIC_GPU_DUMP_PTX", split)
+    shapes = set(
+        re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", out)
+    )
     assert shapes == {f"m64n{width}k32"}, shapes
+
+
+_QUANTIZE_PROGRAM = """
+import jax, jax.numpy as jnp
+from moejax.aot import schedule
+from pallas_kernels import fp8_mosaic_gpu, targets
+mesh = targets.mesh_for("cuda", (1,), ("x",))
+m, k = 2048, 1024
+x = targets.shapes_on(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), mesh)
+with targets.lowering(mesh):
+    text = jax.jit(fp8_mosaic_gpu.quantize_both).lower(x).compile().as_text()
+ops = [op for op in schedule.parse(text) if op.kind == schedule.COMPUTE]
+print("@@kernel_bytes", max(op.bytes for op in ops) / (2 * m * k))
+"""
+
+
+@needs_cuda
+@pytest.mark.skipif(not mgpu_compat.LOADS_TRANSPOSED, reason="jax 0.10: no transposed tile loads")
+def test_h100_fused_quantizer_reads_x_once_without_spills():
+    """fp8_mosaic_gpu.quantize_both compiled for H100: ptxas reports no spills, and its call
+    moves 2 x the bytes of x (x once, its two fp8 copies, the scales): XLA's quantization of
+    the same two layouts moves 5 x (test_h100_quantization_traffic_is_two_passes)."""
+    import re
+
+    out = _compile_output(_QUANTIZE_PROGRAM, "MOSAIC_GPU_DUMP_PTXAS")
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", out)]
+    assert spills and all(a == b == "0" for a, b in spills), spills
+    assert registers and max(registers) <= 255, registers
+    (moved,) = re.findall(r"@@kernel_bytes ([\d.]+)", out)
+    assert 2.0 <= float(moved) <= 2.05, moved
 
 
 def _kernels(fn, *shapes):

@@ -164,7 +164,8 @@ def test_auto_runs_the_kernels_only_for_hopper_and_aligned_groups():
             return [str(c) for c in introspect.traced_kernel_calls(f, x, w, platform=platform)]
 
     h100 = targets.abstract_gpu_mesh()
-    assert calls(h100, 128) == ["fp8_gmm/mosaic_gpu"]
+    fused = ["fp8_quantize/mosaic_gpu"] if mgpu_compat.LOADS_TRANSPOSED else []
+    assert calls(h100, 128) == [*fused, "fp8_gmm/mosaic_gpu"]
     assert calls(h100, 1) == []  # unaligned groups: emulated
     assert calls(h100, 128, platform="cpu") == []  # the same program lowered for CPU
     with pytest.raises(ValueError, match="group_alignment=1"):
@@ -176,3 +177,34 @@ def test_mixed_formats_follow_the_installed_jax():
     assert mixed == mgpu_compat.WGMMA_MIXES_FP8
     assert fp8_mosaic_gpu.supports(jnp.float8_e4m3fn, jnp.float8_e4m3fn)
     assert not fp8_mosaic_gpu.supports(jnp.bfloat16, jnp.float8_e4m3fn)
+
+
+@pytest.mark.skipif(
+    not mgpu_compat.LOADS_TRANSPOSED, reason=f"jax {jax.__version__}: no transposed tile loads"
+)
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_quantize_both_is_the_xla_quantization_bit_for_bit(dtype):
+    """The fused quantizer (one read of x, interpreted) gives fp8.quantize_rows and
+    fp8.quantize_cols exactly: values, scales and layouts, across 16 binades, with an all-zero
+    tile (scale 1) and tiles that saturate the format."""
+    x = _x(256, 384).astype(jnp.bfloat16)
+    x = x.at[:128, 128:256].set(0).at[128:, :128].multiply(2.0**60)
+
+    def both(x):
+        return fp8_mosaic_gpu.quantize_both(x, dtype, interpret=True)
+
+    calls = introspect.traced_kernel_calls(both, x, platform="cpu")
+    assert [str(c) for c in calls] == ["fp8_quantize/interpret"]
+    got = jax.tree.map(np.asarray, jax.jit(both)(x))
+    want = jax.tree.map(np.asarray, (fp8.quantize_rows(x, dtype), fp8.quantize_cols(x, dtype)))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), got) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), want
+    )
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g.astype(np.float32), w.astype(np.float32))
+    assert np.all(np.asarray(got[0][1])[:128, 1] == 1.0)  # the zero tile's row scales
+
+
+def test_quantize_both_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_mosaic_gpu.quantize_both(jnp.ones((128, 200), jnp.bfloat16))
