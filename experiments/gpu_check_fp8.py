@@ -9,7 +9,8 @@ fails or the budget is spent:
   kernels (125 s): TFLOP/s of forward, dlhs and tgmm at the Mixtral, DeepSeek-V3 and
     fine-grained shapes (balanced groups): the fp8 kernels on pre-quantized operands (both
     splits: the default's column is "fp8 (quantized operands)"), the
-    forward again with its quantization (what the layer pays), our bf16 Mosaic GPU kernels, and
+    forward again with its quantization (what the layer pays), our bf16 Mosaic GPU kernels,
+    the activation quantization alone (XLA against the fused `quantize_both`, GB/s), and
     `torch._scaled_grouped_mm` (rowwise-scaled fp8, the forward) where torch has it.
   layer (30 s): moejax's MoE layer forward + backward at Mixtral sizes, fp8 vs bf16 experts.
 `--dry-run` takes every path at tiny shapes (the kernels in the Mosaic GPU interpreter).
@@ -66,15 +67,44 @@ def _quantized(x, w, dy):
     }
 
 
+def _quantize_x(x, interpret):
+    """x quantized both ways (1 x 128 for the forward, 128 x 1 kept for the weight gradient),
+    as `fp8_ops` does it: the fused kernel where it runs, else XLA."""
+    if fp8_mosaic_gpu.quantize_supports(x, jnp.float8_e4m3fn):
+        return fp8_mosaic_gpu.quantize_both(x, interpret=interpret)
+    return fp8.quantize_rows(x), fp8.quantize_cols(x)
+
+
 def _quantize_and_gmm(run: Run, align: int):
-    """The forward as the layer runs it: quantize x (1 x 128) and w (128 x 128), then fp8_gmm."""
+    """The forward as the layer runs it: quantize x both ways and w (128 x 128), then fp8_gmm."""
     kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu)
 
     def fn(x, w, s):
         wq = fp8.transpose_blocks(*fp8.quantize_blocks(w))
-        return fp8_mosaic_gpu.fp8_gmm(*fp8.quantize_rows(x), *wq, s, **kw)
+        (xq, _) = _quantize_x(x, not run.on_gpu)
+        return fp8_mosaic_gpu.fp8_gmm(*xq, *wq, s, **kw)
 
     return jax.jit(fn)
+
+
+def _quantization(run: Run, x, shape: str, out: dict) -> None:
+    """GB/s of quantizing the activation x both ways: XLA (two passes per layout) against the
+    fused kernel (one read), each counted at the bytes it must move (x once, two fp8 copies)."""
+    row = dict(shape=shape, rows=x.shape[0], cols=x.shape[1])
+    moved = x.size * (x.dtype.itemsize + 2)
+    fns = {"xla": jax.jit(lambda x: (fp8.quantize_rows(x), fp8.quantize_cols(x)))}
+    if fp8_mosaic_gpu.quantize_supports(x, jnp.float8_e4m3fn):
+        fns["fused"] = jax.jit(lambda x: fp8_mosaic_gpu.quantize_both(x, interpret=not run.on_gpu))
+    for name, fn in fns.items():
+        try:
+            row[f"{name}_gb_per_s"] = moved / run.seconds(fn, x) / 1e9
+        except Exception as err:  # noqa: BLE001
+            run.log(traceback.format_exc())
+            row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+    if fns.keys() <= {"xla"}:
+        row["fused_unavailable"] = f"quantize_both does not run this on jax {jax.__version__}"
+    out.setdefault("quantize", []).append(row)
+    run.log(f"  fp8 quantize {row}")
 
 
 def _problem(m, k, n, g, align, seed):
@@ -104,6 +134,20 @@ def _numerics(run: Run, align: int, out: dict) -> None:
             run.log(traceback.format_exc())
             rows.append(dict(kernel=name, ok=False, error=f"{type(err).__name__}: {err}"[:300]))
         run.log(f"  fp8 numerics {name}: {rows[-1]}")
+    if fp8_mosaic_gpu.quantize_supports(x, jnp.float8_e4m3fn):  # the fused quantizer: same bits
+        try:
+            got = jax.jit(lambda x: fp8_mosaic_gpu.quantize_both(x, interpret=not run.on_gpu))(x)
+            want = jax.jit(lambda x: (fp8.quantize_rows(x), fp8.quantize_cols(x)))(x)
+            pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+            diff = sum(int(np.sum(np.asarray(a, np.float32) != np.asarray(b, np.float32)))
+                       for a, b in pairs)  # fmt: skip
+            rows.append(dict(kernel="quantize_both", rel_err=float(diff), ok=diff == 0))
+        except Exception as err:  # noqa: BLE001
+            run.log(traceback.format_exc())
+            rows.append(
+                dict(kernel="quantize_both", ok=False, error=f"{type(err).__name__}: {err}"[:300])
+            )
+        run.log(f"  fp8 numerics quantize_both (elements differing from XLA's): {rows[-1]}")
     out["numerics_ok"] = all(r["ok"] for r in rows)
 
 
@@ -145,6 +189,7 @@ def _kernels(run: Run, align: int, out: dict, deadline: float) -> None:
             continue
         x, w, dy, sizes_np = _problem(m, k, n, g, align, seed=1)
         s, used = jnp.asarray(sizes_np), int(sizes_np.sum())
+        _quantization(run, x, shape, out)
         flops = 2.0 * used * k * n
         q = _quantized(x, w, dy)
         fp8_fns, bf16_fns = _fp8_fns(run, align), ours(run, "pallas_mosaic_gpu", align)
@@ -307,6 +352,10 @@ def markdown(fp8_results: dict) -> list[str]:
             cells = [f"{r['tflops'][n]:.0f}" if n in r["tflops"] else "-" for n in names]
             lines.append(f"| {r['shape']} | {r['kernel']} | " + " | ".join(cells)
                          + f" | {r['fp8_over_bf16']:.2f} |")  # fmt: skip
+    for r in fp8_results.get("quantize", []):
+        figures = ", ".join(f"{k_.removesuffix('_gb_per_s')} {v:.0f} GB/s" for k_, v in r.items()
+                            if k_.endswith("_gb_per_s"))  # fmt: skip
+        lines.append(f"- quantize x [{r['rows']}, {r['cols']}] both ways ({r['shape']}): {figures}")
     for key in ("layer", "train"):
         if key in fp8_results:
             lines += ["", f"- {key}: {fp8_results[key]}"]
