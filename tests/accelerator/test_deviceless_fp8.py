@@ -39,8 +39,9 @@ def test_h100_fp8_kernels_compile_without_spills_deepseek_v3():
 
 @needs_cuda
 @pytest.mark.slow
-def test_h100_fp8_kernels_compile_without_spills_every_shape():
-    _check(_rows(tuple(resources.fp8_cases())), len(resources.MOSAIC_GPU_SHAPES) * 2)
+@pytest.mark.parametrize("split", fp8_mosaic_gpu.SPLITS)
+def test_h100_fp8_kernels_compile_without_spills_every_shape(split):
+    _check(_rows(tuple(resources.fp8_cases(split=split))), len(resources.MOSAIC_GPU_SHAPES) * 2)
 
 
 _PTX_PROGRAM = """
