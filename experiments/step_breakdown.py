@@ -45,17 +45,18 @@ def _classify(line: str) -> str:
     )  # fmt: skip
 
 
-def _flat(ops):
-    """COMPUTE ops as the step runs them: loop bodies times their trip count (1 if unknown),
+def _flat(ops, hardware):
+    """COMPUTE ops as the step runs them: loop bodies times their trip count (0 if XLA cannot
+    prove it: the dropless dispatcher's leftover rounds, which the steady state does not run),
     the longest branch of a conditional (as the schedule model replays it)."""
     for op in ops:
         if op.kind == schedule.LOOP:
             for _ in range(op.trip_count or 0):
-                yield from _flat(op.body)
+                yield from _flat(op.body, hardware)
         elif op.kind == schedule.BRANCH:
-            costs = [sum(schedule.op_seconds(o, schedule.H100_SXM) for o in _flat(b))
+            costs = [sum(schedule.op_seconds(o, hardware) for o in _flat(b, hardware))
                      for b in op.branches]  # fmt: skip
-            yield from _flat(op.branches[costs.index(max(costs))])
+            yield from _flat(op.branches[costs.index(max(costs))], hardware)
         elif op.kind == schedule.COMPUTE:
             yield op
 
@@ -68,7 +69,7 @@ def breakdown(text: str, hardware=schedule.H100_SXM, top: int = 0):
     lines = {i.name: i.line for body in comps.values() for i in hlo.parsed(body)}
     out = dict.fromkeys(CLASSES, 0.0)
     per_op: dict[str, list] = {}
-    for op in _flat(schedule.parse(text)):
+    for op in _flat(schedule.parse(text), hardware):
         line = lines.get(op.name, "")
         seconds = schedule.op_seconds(op, hardware)
         out[_classify(line)] += seconds
