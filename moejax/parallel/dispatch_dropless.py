@@ -19,6 +19,11 @@ transposes in the backward), which the scheduler can overlap with other work: an
 expert GEMMs under staged pipelining (`DroplessStages` with `moejax.parallel.pipeline.staged`),
 another micro-batch's attention. Only the rows past the first `B` of a pair go through the loop
 (`_leftover`), which runs zero iterations in the steady state; each call keeps its own loop.
+The loop sits in a `lax.cond` taken only when there are leftover rounds: a bare loop lets XLA's
+loop-invariant code motion hoist the experts' weight preparation (casts, transposes, fp8
+quantization) out of it, into every step, for iterations that do not run. The experts pass
+through `_leftover` in front of round 0's FFN, so its backward receives round 0's weight
+gradient and adds the leftover rounds' to it, or hands it on untouched: no weight-sized zeros.
 
 Reverse-mode differentiation of `while_loop` is unsupported, so the leftover rounds are a
 `custom_vjp` whose backward runs the same rounds: it re-sends the round's rows and output
@@ -150,8 +155,8 @@ def dropless_all_to_all(
 class DroplessStages:
     """The bounded dropless all-to-all as three stages, separable for staged pipelining
     (`moejax.parallel.pipeline.staged`): `dispatch` plans the rounds and sends round 0,
-    `experts` runs round 0's rows, `combine` returns them, runs the leftover rounds (none in
-    the steady state) and forms the weighted sum per token."""
+    `experts` runs round 0's rows, `combine` returns them, adds the leftover rounds' outputs
+    (none in the steady state; run in `dispatch`) and forms the weighted sum per token."""
 
     def __init__(self, experts, config, implementation, axes, bucket, exchange="padded"):
         if exchange not in EXCHANGES:
@@ -161,8 +166,9 @@ class DroplessStages:
         self._ffn = functools.partial(_ffn, config=config, implementation=implementation)
 
     def dispatch(self, x: jax.Array, routing: Routing) -> dict:
-        """Sort, plan, exchange the sizes and send round 0. Returns the received rows
-        `[N * B, D]`, their local expert ids, and what `combine` needs."""
+        """Sort, plan, exchange the sizes, send round 0 and run the leftover rounds (none in the
+        steady state). Returns the received rows `[N * B, D]`, their local expert ids, and what
+        `combine` needs."""
         e, n, b = self.config.num_experts, self.axes.n, self.bucket
         g = e // n
         with jax.named_scope("dispatch"):
@@ -170,11 +176,14 @@ class DroplessStages:
             rows = permute(x, layout)  # [A, D]
             plan = _plan(layout, n, g, b, self.axes)
             # The experts' weight gradients inside the window of the send's transpose.
-            recv, experts = _send_tied(b, (self.axes.expert, self.ragged), rows, plan, 0,
-                                       self.experts_params)  # fmt: skip
+            wire = (self.axes.expert, self.ragged)
+            recv, experts = _send_tied(b, wire, rows, plan, 0, self.experts_params)
+            # Round 0's FFN reads the experts through the leftover rounds (module docstring).
+            rest, experts = _leftover(self._ffn, b, wire, rows, plan, experts)
         return {
             "recv": recv,
             "experts": experts,
+            "rest": rest,
             "local": _recv_local(plan, 0, b, g),
             "rows": rows,
             "plan": plan,
@@ -189,8 +198,8 @@ class DroplessStages:
 
     def combine(self, out: jax.Array, sent: dict, side=None):
         """Return round 0's outputs (`side`'s weight gradients inside the window of that
-        exchange's transpose, `moejax._wgrad.around`), run the leftover rounds, weighted sum
-        per token. Returns `(y, slots)`."""
+        exchange's transpose, `moejax._wgrad.around`), add the leftover rounds' outputs,
+        weighted sum per token. Returns `(y, slots)`."""
         axis, b, rows, plan = self.axes.expert, self.bucket, sent["rows"], sent["plan"]
         with jax.named_scope("combine"):
             if side is None:
@@ -199,9 +208,7 @@ class DroplessStages:
                 out, slots = _wgrad.collect(out, side.weights, side.templates)
                 wire = (axis, self.ragged)
                 first, slots = _return_held(b, wire, rows.shape[0], out, plan, 0, slots)
-        rest = _leftover(self._ffn, b, (axis, self.ragged), rows, plan, self.experts_params)
-        with jax.named_scope("combine"):
-            return combine_varying(first + rest, sent["weight"], sent["layout"]), slots
+            return combine_varying(first + sent["rest"], sent["weight"], sent["layout"]), slots
 
 
 def _ffn(rows, local_expert, experts, *, config, implementation):
@@ -476,8 +483,10 @@ def _take(x, idx):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _leftover(ffn, bucket, wire, rows, plan, experts):
-    """`rows [A, D]` (expert-sorted) -> the expert output of each row past round 0 (zeros on
-    round 0's rows and unused rows), `[A, D]`, in rounds `1 .. plan.rounds - 1`."""
+    """`rows [A, D]` (expert-sorted) -> `(rest, experts)`: the expert output of each row past
+    round 0 (zeros on round 0's rows and unused rows), `[A, D]`, from rounds
+    `1 .. plan.rounds - 1`, and `experts` unchanged (for round 0: the backward adds into its
+    weight gradient, module docstring)."""
     return _leftover_fwd(ffn, bucket, wire, rows, plan, experts)[0]
 
 
@@ -494,12 +503,13 @@ def _leftover_fwd(ffn, bucket, wire, rows, plan, experts):
             return r + 1, out + _return(y, plan, r, bucket, axis, rows, ragged)
 
     init = cast_varying(jnp.zeros_like(rows), varying_axes(rows, experts))
-    _, out = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (jnp.int32(1), init))
-    return out, (rows, plan, experts)
+    (out,) = _if_leftover(plan, body, (init,))
+    return (out, experts), (rows, plan, experts)
 
 
-def _leftover_bwd(ffn, bucket, wire, res, d_out):
+def _leftover_bwd(ffn, bucket, wire, res, cotangents):
     rows, plan, experts = res
+    d_out, d_experts = cotangents  # d_experts: round 0's weight gradient
     g, (axis, ragged) = _num_local(experts), wire
 
     def body(carry):
@@ -512,9 +522,18 @@ def _leftover_bwd(ffn, bucket, wire, res, d_out):
         d_rows = d_rows + _return(d_recv, plan, r, bucket, axis, rows, ragged)
         return r + 1, d_rows, jax.tree.map(jnp.add, d_experts, d_w)
 
-    init = (jnp.int32(1), jnp.zeros_like(rows), jax.tree.map(jnp.zeros_like, experts))
-    _, d_rows, d_experts = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, init)
+    d_rows, d_experts = _if_leftover(plan, body, (jnp.zeros_like(rows), d_experts))
     return d_rows, None, d_experts
+
+
+def _if_leftover(plan, body, state: tuple) -> tuple:
+    """`state` through `body((r, *state)) -> (r + 1, *state)` for `r = 1 .. plan.rounds - 1`:
+    a loop inside a conditional taken only when `plan.rounds > 1` (module docstring)."""
+
+    def loop(state):
+        return jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (jnp.int32(1), *state))[1:]
+
+    return jax.lax.cond(plan.rounds > 1, loop, lambda state: state, state)
 
 
 _leftover.defvjp(_leftover_fwd, _leftover_bwd)

@@ -16,7 +16,7 @@ import pytest
 
 import moejax
 from moejax import aot, parallel
-from moejax.aot import windows
+from moejax.aot import hlo, windows
 from pallas_kernels import targets
 
 pytestmark = [
@@ -78,6 +78,22 @@ def test_h100_exchanges_rows_with_ragged_all_to_all():
     assert ops and all(not re.search(r"(f32|bf16)\[", a2a.split(op)[0]) for op in ops)
     # The leftover rounds (none in the steady state) stay in their loops, forward and backward.
     assert text.count(" while(") == 2
+
+
+@needs_cuda
+def test_h100_steady_state_runs_nothing_for_the_leftover_rounds():
+    """Each leftover loop sits in a conditional, so XLA cannot hoist its weight preparation
+    into the step, and its backward adds into round 0's weight gradient: no weight-sized zeros."""
+    text = _compiled("cuda", 1, False, True)
+    entry = hlo.entry(text)
+    in_loops = [i.line for i in entry if "while" in hlo.op_name(i.line).split("/")]
+    assert not in_loops, in_loops[:3]  # the loops, or anything hoisted out of them
+    assert text.count(" conditional(") == 2  # one per loop, forward and backward
+    local = (CONFIG.num_experts // 8, CONFIG.d_model, CONFIG.d_ff)
+    weight_shapes = {f"[{a},{b},{c}]" for a, b, c in (local, (local[0], *local[:0:-1]))}
+    zeros = [i.line for i in entry if " fusion()," in i.line
+             and any(s in i.line.split(" fusion(")[0] for s in weight_shapes)]  # fmt: skip
+    assert not zeros, zeros[:3]
 
 
 @needs_cuda
