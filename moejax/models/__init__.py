@@ -24,6 +24,7 @@ from moejax.models._layers import rms_norm as rms_norm
 from moejax.models._layers import rope_frequencies as rope_frequencies
 from moejax.models._layers import rope_tables as rope_tables
 from moejax.models._layers import swiglu_mlp as swiglu_mlp
+from moejax.models._layers import unembed_logits as unembed_logits
 from moejax.models._lm import REMAT_POLICIES as REMAT_POLICIES
 from moejax.models._lm import LMAux as LMAux
 from moejax.models._lm import cast_floating as cast_floating
@@ -80,5 +81,6 @@ __all__ = [
     "rope_tables",
     "split_rows",
     "swiglu_mlp",
+    "unembed_logits",
     "upcycle",
 ]

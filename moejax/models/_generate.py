@@ -28,7 +28,14 @@ import numpy as np
 from moejax.models import _mla
 from moejax.models._attention import masked_attention
 from moejax.models._config import LMConfig
-from moejax.models._layers import _project, _qk_norm, apply_rope, rms_norm, rope_tables
+from moejax.models._layers import (
+    _project,
+    _qk_norm,
+    apply_rope,
+    rms_norm,
+    rope_tables,
+    unembed_logits,
+)
 from moejax.models._lm import _batch_constraint, _ffn_stage, _moe_ffn, cast_floating
 
 
@@ -158,8 +165,7 @@ def _forward_cached(
         )
     x = rms_norm(x, p["final_norm"]["scale"], cfg.norm_eps)
     unembed = p["embed"]["embedding"].T if cfg.tie_embeddings else p["unembed"]["kernel"]
-    logits = jnp.einsum("bsd,dv->bsv", x, unembed, preferred_element_type=jnp.float32)
-    return logits, new_cache
+    return unembed_logits(x, unembed), new_cache
 
 
 def sample(logits: jax.Array, key, temperature: float, top_p: float) -> jax.Array:

@@ -1,4 +1,5 @@
-"""The dense pieces of the transformer: RMSNorm, rotary embeddings, GQA causal attention, SwiGLU.
+"""The dense pieces of the transformer: RMSNorm, rotary embeddings, GQA causal attention, SwiGLU,
+the logits of the unembedding.
 
 Pure functions over parameter dicts; shapes use the letters of `moejax.models._config`.
 """
@@ -18,6 +19,7 @@ from moejax.models._attention import (
     masked_attention,
     note_xla_fallback,
 )
+from pallas_kernels.vma import match_varying
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -34,6 +36,43 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * inv).astype(x.dtype) * scale.astype(x.dtype)
+
+
+@jax.custom_vjp
+def unembed_logits(x: jax.Array, unembed: jax.Array) -> jax.Array:
+    """`[B, S, V]` fp32 logits `x @ unembed` (`x [B, S, D]`, `unembed [D, V]`), accumulated in
+    fp32 from operands in their own dtype.
+
+    With 16-bit operands the backward multiplies 16-bit operands too: the logits' fp32
+    cotangent is rounded to their dtype first (the mixed-precision recipe of PyTorch autocast
+    and MaxText), and both gradient matmuls accumulate in fp32. Differentiating the
+    fp32-output einsum instead multiplies the fp32 cotangent by fp32 copies of the weights and
+    activations: fp32 matmuls, TF32 on a GPU at half the bf16 rate, and the largest matmuls of
+    a shallow model (`experiments/step_breakdown.py`). With fp32 operands the backward is
+    autodiff's."""
+    return _logits(x, unembed)
+
+
+def _logits(x, unembed):
+    return jnp.einsum("bsd,dv->bsv", x, unembed, preferred_element_type=jnp.float32)
+
+
+def _unembed_logits_fwd(x, unembed):
+    return _logits(x, unembed), (x, unembed)
+
+
+def _unembed_logits_bwd(res, d_logits):
+    x, unembed = res
+    dtype = jnp.result_type(x, unembed)
+    if dtype == jnp.float32:
+        return jax.vjp(_logits, x, unembed)[1](d_logits)
+    g = d_logits.astype(dtype)
+    dx = jnp.einsum("bsv,dv->bsd", g, unembed, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("bsd,bsv->dv", x, g, preferred_element_type=jnp.float32)
+    return match_varying(dx.astype(x.dtype), x), match_varying(dw.astype(unembed.dtype), unembed)
+
+
+unembed_logits.defvjp(_unembed_logits_fwd, _unembed_logits_bwd)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, float]:

@@ -17,7 +17,7 @@ from moejax.models import _mtp
 from moejax.models._attention import note_xla_fallback
 from moejax.models._config import LMConfig
 from moejax.models._layer_runs import scanned_layers, unscanned_layers
-from moejax.models._layers import attention, rms_norm, rope_tables, swiglu_mlp
+from moejax.models._layers import attention, rms_norm, rope_tables, swiglu_mlp, unembed_logits
 from moejax.models._mla import mla_attention
 from moejax.models._sharding import constrain as constrain_specs
 from moejax.models._sharding import lm_compute_specs
@@ -261,7 +261,7 @@ def lm_forward(
         unembed = embed["embedding"].T
     else:
         unembed = _gathered(p["unembed"], compute and compute["unembed"], mesh)["kernel"]
-    logits = jnp.einsum("bsd,dv->bsv", x, unembed, preferred_element_type=jnp.float32)
+    logits = unembed_logits(x, unembed)
     if mtp_tokens is None:
         return logits, stats
     mtp = _gathered(p["mtp"], compute and compute["mtp"], mesh)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.models._layers import rms_norm
+from moejax.models._layers import rms_norm, unembed_logits
 
 
 def mtp_inputs(tokens: jax.Array, seq_len: int, depth: int) -> jax.Array:
@@ -57,7 +57,7 @@ def mtp_logits(p, h, tokens, embedding, unembed, cfg, block) -> jax.Array:
         z = jnp.concatenate([e, hh], axis=-1) @ layer["eh_proj"]["kernel"]
         h = block(layer["block"], z)
         x = rms_norm(h, layer["norm"]["scale"], cfg.norm_eps)
-        out.append(jnp.einsum("bsd,dv->bsv", x, unembed, preferred_element_type=jnp.float32))
+        out.append(unembed_logits(x, unembed))
     return jnp.stack(out)
 
 

@@ -4,6 +4,7 @@ compile target, not the host, puts the Mosaic GPU (H100, bf16) or Mosaic (TPU) k
 program."""
 
 import functools
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -11,6 +12,7 @@ from _targets import CACHE_WARNING, needs_cuda, needs_tpu
 
 import moejax
 from moejax import aot, parallel
+from moejax.aot import hlo
 from moejax.models import presets
 from moejax.parallel import Strategy
 from moejax.training import presets as train_presets
@@ -96,3 +98,32 @@ def test_tiny_lm_train_step_compiles_with_the_kernels(platform, kw):
     }[platform]
     assert attention == want, compiled.kernels
     assert 0 < compiled.peak_bytes < DEVICE_BYTES[platform]
+
+
+def _dot_operands(text: str) -> list[tuple[str, list[str]]]:
+    """`(jax scope, operand types)` of every `dot` of a compiled module."""
+    out = []
+    for body in hlo.computations(text)[0].values():
+        instructions = list(hlo.parsed(body))
+        types = {i.name: i.line.split("=", 1)[1].split()[0] for i in instructions}
+        for i in instructions:
+            if match := re.search(r" dot\(([^)]*)\)", i.line):
+                operands = [types.get(o.lstrip("%"), o) for o in match.group(1).split(", ")]
+                out.append((hlo.op_name(i.line), operands))
+    return out
+
+
+@needs_cuda
+def test_lm_head_backward_multiplies_in_bf16_on_h100():
+    """The logits are fp32, but their gradient matmuls take the bf16 operands
+    (`moejax.models.unembed_logits`): differentiating the fp32-output einsum would run them on
+    fp32 copies, TF32 at half the bf16 rate."""
+    model_cfg = presets.get("tiny").replace(dtype="bfloat16")
+    fn, args = aot.train_step_program(
+        model_cfg, train_presets.get("tiny"), aot.mesh("cuda", (1,), ("data",))
+    )
+    dots = _dot_operands(aot.compile_program(fn, args).text)
+    specs = ("bsd,dv->bsv", "bsv,dv->bsd", "bsd,bsv->dv")  # the logits' einsum and its two VJPs
+    head = [(scope, types) for scope, types in dots if any(s in scope for s in specs)]
+    assert len(head) >= 3, dots  # the logits and their two gradients
+    assert all(t.startswith("bf16[") for _, types in head for t in types), head

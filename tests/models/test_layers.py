@@ -1,10 +1,10 @@
-"""Attention (GQA, causal, RoPE) and RMSNorm against numpy loop references."""
+"""Attention (GQA, causal, RoPE) and RMSNorm against numpy loop references; the logits' VJP."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.models import apply_rope, attention, rms_norm, rope_tables
+from moejax.models import apply_rope, attention, rms_norm, rope_tables, unembed_logits
 from moejax.testing import assert_close
 
 
@@ -75,3 +75,38 @@ def test_rms_norm_matches_numpy():
     xn = np.asarray(x, np.float64)
     want = xn / np.sqrt((xn**2).mean(-1, keepdims=True) + 1e-5) * np.asarray(scale)
     assert_close(jax.jit(rms_norm, static_argnums=2)(x, scale, 1e-5), want, np.float32)
+
+
+def test_logits_vjp_multiplies_in_the_activations_dtype():
+    """fp32 logits; the backward rounds their cotangent to the activations' dtype and multiplies
+    there with fp32 accumulation (bf16), which is plain autodiff for fp32 activations."""
+    x, w, d = _normal((2, 8, 64), 0), _normal((64, 96), 1), _normal((2, 8, 96), 2)
+
+    def einsum(x, w):
+        return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+
+    def vjp(f, x, w):
+        out, pullback = jax.vjp(f, x, w)
+        return (out, *pullback(d))
+
+    for got, want in zip(vjp(unembed_logits, x, w), vjp(einsum, x, w), strict=True):
+        np.testing.assert_array_equal(got, want)  # fp32: autodiff's
+
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    logits, dx, dw = vjp(unembed_logits, xb, wb)
+    assert logits.dtype == jnp.float32 and dx.dtype == dw.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(logits, einsum(xb, wb))
+    # The same products in float64 from the bf16-rounded cotangent, rounded to bf16 once.
+    x64, w64 = np.asarray(xb, np.float64), np.asarray(wb, np.float64)
+    g64 = np.asarray(d.astype(jnp.bfloat16), np.float64)
+    want_dx = np.einsum("bsv,dv->bsd", g64, w64)
+    want_dw = np.einsum("bsd,bsv->dv", x64, g64)
+    for got, want in ((dx, want_dx), (dw, want_dw)):
+        got = np.asarray(got, np.float64)
+        # bf16 output rounding (unit roundoff 2^-8) of an fp32 sum (its error far below that)
+        assert np.all(np.abs(got - want) <= 2.0**-8 * np.abs(want) + 1e-6), np.max(
+            np.abs(got - want)
+        )
+    # ... and not autodiff of the einsum, whose fp32 cotangent would not be rounded first.
+    _, dx_autodiff, _ = vjp(einsum, xb, wb)
+    assert not np.array_equal(np.asarray(dx, np.float32), np.asarray(dx_autodiff, np.float32))
