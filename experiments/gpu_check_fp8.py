@@ -10,7 +10,8 @@ fails or the budget is spent:
     fine-grained shapes (balanced groups): the fp8 kernels on pre-quantized operands (both
     splits: the default's column is "fp8 (quantized operands)"), the
     forward again with its quantization (what the layer pays), our bf16 Mosaic GPU kernels,
-    the activation quantization alone (XLA against the fused `quantize_both`, GB/s), and
+    the activation and weight quantizations alone (XLA against the fused `quantize_both` and
+    `quantize_blocks_both`, GB/s), and
     `torch._scaled_grouped_mm` (rowwise-scaled fp8, the forward) where torch has it.
   layer (30 s): moejax's MoE layer forward + backward at Mixtral sizes, fp8 vs bf16 experts.
 `--dry-run` takes every path at tiny shapes (the kernels in the Mosaic GPU interpreter).
@@ -72,7 +73,31 @@ def _quantize_x(x, interpret):
     as `fp8_ops` does it: the fused kernel where it runs, else XLA."""
     if fp8_mosaic_gpu.quantize_supports(x, jnp.float8_e4m3fn):
         return fp8_mosaic_gpu.quantize_both(x, interpret=interpret)
-    return fp8.quantize_rows(x), fp8.quantize_cols(x)
+    return _XLA_QUANTIZERS["activation"](x)
+
+
+def _quantize_w(w, interpret):
+    """w block-quantized as stored and transposed (the forward's copy), as `fp8_ops` does it."""
+    if fp8_mosaic_gpu.quantize_blocks_supports(w, jnp.float8_e4m3fn):
+        return fp8_mosaic_gpu.quantize_blocks_both(w, interpret=interpret)
+    return _XLA_QUANTIZERS["weights"](w)
+
+
+def _blocks_both(w):
+    wq = fp8.quantize_blocks(w)
+    return wq, fp8.transpose_blocks(*wq)
+
+
+# operand -> XLA's quantization of both layouts; operand -> (the fused kernel's name, the
+# quantization `fp8_ops` runs, whether the fused kernel takes the operand)
+_XLA_QUANTIZERS = {
+    "activation": lambda x: (fp8.quantize_rows(x), fp8.quantize_cols(x)),
+    "weights": _blocks_both,
+}
+_FUSED_QUANTIZERS = {
+    "activation": ("quantize_both", _quantize_x, fp8_mosaic_gpu.quantize_supports),
+    "weights": ("quantize_blocks_both", _quantize_w, fp8_mosaic_gpu.quantize_blocks_supports),
+}
 
 
 def _quantize_and_gmm(run: Run, align: int):
@@ -80,21 +105,22 @@ def _quantize_and_gmm(run: Run, align: int):
     kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu)
 
     def fn(x, w, s):
-        wq = fp8.transpose_blocks(*fp8.quantize_blocks(w))
+        _, wq_t = _quantize_w(w, not run.on_gpu)
         (xq, _) = _quantize_x(x, not run.on_gpu)
-        return fp8_mosaic_gpu.fp8_gmm(*xq, *wq, s, **kw)
+        return fp8_mosaic_gpu.fp8_gmm(*xq, *wq_t, s, **kw)
 
     return jax.jit(fn)
 
 
-def _quantization(run: Run, x, shape: str, out: dict) -> None:
-    """GB/s of quantizing the activation x both ways: XLA (two passes per layout) against the
+def _quantization(run: Run, operand: str, x, shape: str, out: dict) -> None:
+    """GB/s of quantizing an activation or the weights both ways: XLA (two passes) against the
     fused kernel (one read), each counted at the bytes it must move (x once, two fp8 copies)."""
-    row = dict(shape=shape, rows=x.shape[0], cols=x.shape[1])
+    row = dict(shape=shape, operand=operand, dims=list(x.shape))
     moved = x.size * (x.dtype.itemsize + 2)
-    fns = {"xla": jax.jit(lambda x: (fp8.quantize_rows(x), fp8.quantize_cols(x)))}
-    if fp8_mosaic_gpu.quantize_supports(x, jnp.float8_e4m3fn):
-        fns["fused"] = jax.jit(lambda x: fp8_mosaic_gpu.quantize_both(x, interpret=not run.on_gpu))
+    _, fused, supported = _FUSED_QUANTIZERS[operand]
+    fns = {"xla": jax.jit(_XLA_QUANTIZERS[operand])}
+    if supported(x, jnp.float8_e4m3fn):
+        fns["fused"] = jax.jit(lambda x: fused(x, not run.on_gpu))
     for name, fn in fns.items():
         try:
             row[f"{name}_gb_per_s"] = moved / run.seconds(fn, x) / 1e9
@@ -102,7 +128,7 @@ def _quantization(run: Run, x, shape: str, out: dict) -> None:
             run.log(traceback.format_exc())
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:200]}"
     if fns.keys() <= {"xla"}:
-        row["fused_unavailable"] = f"quantize_both does not run this on jax {jax.__version__}"
+        row["fused_unavailable"] = f"no fused quantizer runs this on jax {jax.__version__}"
     out.setdefault("quantize", []).append(row)
     run.log(f"  fp8 quantize {row}")
 
@@ -134,20 +160,21 @@ def _numerics(run: Run, align: int, out: dict) -> None:
             run.log(traceback.format_exc())
             rows.append(dict(kernel=name, ok=False, error=f"{type(err).__name__}: {err}"[:300]))
         run.log(f"  fp8 numerics {name}: {rows[-1]}")
-    if fp8_mosaic_gpu.quantize_supports(x, jnp.float8_e4m3fn):  # the fused quantizer: same bits
+    for operand, arg in (("activation", x), ("weights", w)):  # the fused quantizers: same bits
+        name, fused, supported = _FUSED_QUANTIZERS[operand]
+        if not supported(arg, jnp.float8_e4m3fn):
+            continue
         try:
-            got = jax.jit(lambda x: fp8_mosaic_gpu.quantize_both(x, interpret=not run.on_gpu))(x)
-            want = jax.jit(lambda x: (fp8.quantize_rows(x), fp8.quantize_cols(x)))(x)
+            got = jax.jit(lambda a, fused=fused: fused(a, not run.on_gpu))(arg)
+            want = jax.jit(_XLA_QUANTIZERS[operand])(arg)
             pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
             diff = sum(int(np.sum(np.asarray(a, np.float32) != np.asarray(b, np.float32)))
                        for a, b in pairs)  # fmt: skip
-            rows.append(dict(kernel="quantize_both", rel_err=float(diff), ok=diff == 0))
+            rows.append(dict(kernel=name, rel_err=float(diff), ok=diff == 0))
         except Exception as err:  # noqa: BLE001
             run.log(traceback.format_exc())
-            rows.append(
-                dict(kernel="quantize_both", ok=False, error=f"{type(err).__name__}: {err}"[:300])
-            )
-        run.log(f"  fp8 numerics quantize_both (elements differing from XLA's): {rows[-1]}")
+            rows.append(dict(kernel=name, ok=False, error=f"{type(err).__name__}: {err}"[:300]))
+        run.log(f"  fp8 numerics {name} (elements differing from XLA's): {rows[-1]}")
     out["numerics_ok"] = all(r["ok"] for r in rows)
 
 
@@ -189,7 +216,8 @@ def _kernels(run: Run, align: int, out: dict, deadline: float) -> None:
             continue
         x, w, dy, sizes_np = _problem(m, k, n, g, align, seed=1)
         s, used = jnp.asarray(sizes_np), int(sizes_np.sum())
-        _quantization(run, x, shape, out)
+        _quantization(run, "activation", x, shape, out)
+        _quantization(run, "weights", w, shape, out)
         flops = 2.0 * used * k * n
         q = _quantized(x, w, dy)
         fp8_fns, bf16_fns = _fp8_fns(run, align), ours(run, "pallas_mosaic_gpu", align)
@@ -355,7 +383,7 @@ def markdown(fp8_results: dict) -> list[str]:
     for r in fp8_results.get("quantize", []):
         figures = ", ".join(f"{k_.removesuffix('_gb_per_s')} {v:.0f} GB/s" for k_, v in r.items()
                             if k_.endswith("_gb_per_s"))  # fmt: skip
-        lines.append(f"- quantize x [{r['rows']}, {r['cols']}] both ways ({r['shape']}): {figures}")
+        lines.append(f"- quantize {r['operand']} {r['dims']} both ways ({r['shape']}): {figures}")
     for key in ("layer", "train"):
         if key in fp8_results:
             lines += ["", f"- {key}: {fp8_results[key]}"]

@@ -19,8 +19,10 @@ producer warpgroup, two wgmma consumer warpgroups), changed where fp8 needs it:
 The per-row scales travel with their tiles by TMA (stored transposed, `[K / 128, M]`, so a
 tile's scales are contiguous); the weight block's scale is one scalar load per step.
 
-`quantize_both` is the quantization these kernels read, fused: one read of a 16-bit `x` gives
-`fp8.quantize_rows(x)` and `fp8.quantize_cols(x)` bit for bit (XLA needs two passes per layout).
+`quantize_both` and `quantize_blocks_both` are the quantizations these kernels read, fused:
+one read of a 16-bit activation `x` gives `fp8.quantize_rows(x)` and `fp8.quantize_cols(x)`,
+one read of the weights `w` gives `fp8.quantize_blocks(w)` and its transpose, bit for bit (XLA
+needs two passes).
 
 Groups must be aligned to 128 rows (`group_alignment`): the 128 x 1 scale tiles of the weight
 gradient's operands must not straddle groups, and rows are never moved (that would need a
@@ -298,23 +300,81 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
 def quantize_supports(x, dtype) -> bool:
     """Whether `quantize_both` runs for `x` on the installed jax: a 16-bit float `[M, K]`, both
     multiples of 128, an fp8 format, and a Mosaic GPU that loads tiles transposed (jax 0.11+)."""
+    return x.ndim == 2 and _quantizes(x, dtype)
+
+
+def quantize_blocks_supports(w, dtype) -> bool:
+    """Whether `quantize_blocks_both` runs for `w`: as `quantize_supports`, for `[G, K, N]`."""
+    return w.ndim == 3 and _quantizes(w, dtype)
+
+
+def _quantizes(x, dtype) -> bool:
     return (
         mgpu_compat.LOADS_TRANSPOSED
-        and x.ndim == 2
-        and x.shape[0] % TILE == 0
-        and x.shape[1] % TILE == 0
+        and x.shape[-2] % TILE == 0
+        and x.shape[-1] % TILE == 0
         and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and jnp.dtype(dtype) in (_E4M3, _E5M2)
     )
 
 
-def _quantized_tile(x, big, dtype):
-    """One warpgroup's `[128, 128]` fp32 tile quantized along its rows: `(q, scale)`, the
-    arithmetic of `fp8._quantize` (so the bits match)."""
-    amax = jnp.max(jnp.abs(x), axis=1)
-    scale = jnp.where(amax > 0, amax * jnp.float32(1 / big), 1.0).astype(jnp.float32)
-    y = x / lax.broadcast_in_dim(scale, x.shape, [0])
-    return jnp.clip(y, -big, big).astype(dtype), scale
+def _quantized_tile(x, scale, big, dtype):
+    """An fp32 tile over its scale (`[128]`, one per row, or one for the tile), clipped and
+    cast: the arithmetic of `fp8._quantize` (so the bits match)."""
+    y = x / (scale if scale.ndim == 0 else lax.broadcast_in_dim(scale, x.shape, [0]))
+    return jnp.clip(y, -big, big).astype(dtype)
+
+
+def _scale(amax, big):
+    """`fp8._quantize`'s scale of a tile whose largest magnitude is `amax`."""
+    return jnp.where(amax > 0, amax * jnp.float32(1 / big), 1.0).astype(jnp.float32)
+
+
+def _load_f32(src, interpret):
+    return mgpu_compat.load(src, layout=plgpu.Layout.WGMMA, interpret=interpret).astype(jnp.float32)
+
+
+def _quantizer(body, x, dtype, *, out_type, grid, grid_names, name, interpret):
+    """`plgpu.kernel` of a quantizer: one warpgroup per CTA, one 128 x 128 tile of `x` each,
+    `body(x_gmem, *out_gmems, x_smem, q_smem, qt_smem, s_smem, st_smem, barrier)`."""
+    tile = functools.partial(plgpu.SMEM, (TILE, TILE))
+
+    def kernel_body(x_gmem, *out_gmems):
+        pl.run_scoped(
+            functools.partial(body, x_gmem, *out_gmems),
+            tile(x.dtype, transforms=_transforms(TILE, x.dtype)),
+            tile(dtype, transforms=_transforms(TILE, dtype)),
+            tile(dtype, transforms=_transforms(TILE, dtype)),
+            plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.float32),
+            plgpu.Barrier(num_arrivals=1),
+        )  # fmt: skip
+
+    interpret = _interpret(interpret)
+    if interpret is True:
+        interpret = mgpu_compat.interpret_params()
+    out_bytes = sum(o.size * jnp.dtype(o.dtype).itemsize for o in out_type)
+    kernel = mgpu_compat.kernel(
+        kernel_body,
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=x.size * x.dtype.itemsize + out_bytes
+        ),
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        kernel_name=name,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret or None,
+    )
+    axes = vma.varying_axes(x)
+    return tuple(vma.cast_varying(a, axes) for a in kernel(x))
+
+
+def _check_quantizable(x, dtype, supported: bool, name: str, shape: str) -> None:
+    if not supported:
+        raise ValueError(
+            f"{name} takes a 16-bit {shape} with its last two dims multiples of {TILE} on jax "
+            f">= 0.11, got {x.dtype}{list(x.shape)} to {dtype} on jax {jax.__version__}"
+        )
 
 
 def quantize_both(x, dtype="e4m3", *, interpret=False):
@@ -335,63 +395,95 @@ def quantize_both(x, dtype="e4m3", *, interpret=False):
       `((q [M, K], scale [M, K / 128]), (q_t [K, M], scale_t [K, M / 128]))`.
     """
     dtype = fp8.fp8_dtype(dtype)
-    if not quantize_supports(x, dtype):
-        raise ValueError(
-            f"quantize_both takes a 16-bit [M, K] with M and K multiples of {TILE} on jax >= "
-            f"0.11, got {x.dtype}{list(x.shape)} on jax {jax.__version__}"
-        )
+    _check_quantizable(x, dtype, quantize_supports(x, dtype), "quantize_both", "[M, K]")
     m, k = x.shape
     big = fp8.fmax(dtype)
-    tile = functools.partial(plgpu.SMEM, (TILE, TILE))
 
-    def body(x_gmem, q_gmem, s_gmem, qt_gmem, st_gmem):
-        def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, barrier):
-            i, j = lax.axis_index("m"), lax.axis_index("k")
-            rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
-            plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, barrier)
-            plgpu.barrier_wait(barrier)
-            for src, q_ref, s_ref in ((x_smem, q_smem, s_smem), (x_smem.T, qt_smem, st_smem)):
-                tile_ = mgpu_compat.load(src, layout=plgpu.Layout.WGMMA, interpret=interpret)
-                q_ref[...], s_ref[...] = _quantized_tile(tile_.astype(jnp.float32), big, dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
-            plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[j, rows])
-            plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
-            plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[i, cols])
-            plgpu.wait_smem_to_gmem(0)
+    def body(x_gmem, q_gmem, s_gmem, qt_gmem, st_gmem, x_smem, q_smem, qt_smem, s_smem, st_smem,
+             barrier):  # fmt: skip
+        i, j = lax.axis_index("m"), lax.axis_index("k")
+        rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        for src, q_ref, s_ref in ((x_smem, q_smem, s_smem), (x_smem.T, qt_smem, st_smem)):
+            tile = _load_f32(src, interpret)
+            scale = _scale(jnp.max(jnp.abs(tile), axis=1), big)
+            q_ref[...], s_ref[...] = _quantized_tile(tile, scale, big, dtype), scale
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
+        plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[j, rows])
+        plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
+        plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[i, cols])
+        plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(
-            scoped, tile(x.dtype, transforms=_transforms(TILE, x.dtype)),
-            tile(dtype, transforms=_transforms(TILE, dtype)),
-            tile(dtype, transforms=_transforms(TILE, dtype)),
-            plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.float32),
-            plgpu.Barrier(num_arrivals=1),
-        )  # fmt: skip
-
-    interpret = _interpret(interpret)
-    if interpret is True:
-        interpret = mgpu_compat.interpret_params()
-    kernel = mgpu_compat.kernel(
-        body,
-        cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=x.size * (x.dtype.itemsize + 2)
-        ),
+    q, s_t, q_t, st_t = _quantizer(
+        body, x, dtype,
         out_type=(
             jax.ShapeDtypeStruct((m, k), dtype),
             jax.ShapeDtypeStruct((k // TILE, m), jnp.float32),
             jax.ShapeDtypeStruct((k, m), dtype),
             jax.ShapeDtypeStruct((m // TILE, k), jnp.float32),
         ),
-        grid=(m // TILE, k // TILE),
-        grid_names=("m", "k"),
-        kernel_name="fp8_quantize",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=interpret or None,
-    )
-    q, s_t, q_t, st_t = kernel(x)
-    axes = vma.varying_axes(x)
-    q, s_t, q_t, st_t = (vma.cast_varying(a, axes) for a in (q, s_t, q_t, st_t))
+        grid=(m // TILE, k // TILE), grid_names=("m", "k"), name="fp8_quantize",
+        interpret=interpret,
+    )  # fmt: skip
     return (q, s_t.T), (q_t, st_t.T)
+
+
+def quantize_blocks_both(w, dtype="e4m3", *, interpret=False):
+    """`(fp8.quantize_blocks(w, dtype), fp8.transpose_blocks(*fp8.quantize_blocks(w, dtype)))`
+    from one read of `w`: the weights as the lhs gradient reads them and transposed, as the
+    forward does, bit for bit (XLA reads `w` twice: its block maxima, then the two copies).
+
+    One CTA per 128 x 128 block: TMA brings it to shared memory; the warpgroup loads it into
+    registers, takes its maximum (the rows' maxima, then theirs: one value per block), and
+    quantizes it as it is and, loaded again transposed, as `w^T`. The scale goes out as a row of
+    128 equal values per block (`[G, K / 128, N / 128, 128]`: TMA stores whole vectors), of
+    which the first is kept.
+
+    Args:
+      w: `[G, K, N]` bf16 or fp16, K and N multiples of 128 (`quantize_blocks_supports`).
+      dtype: "e4m3" or "e5m2" (or the jnp dtype).
+      interpret: run in the Mosaic GPU interpreter.
+
+    Returns:
+      `((q [G, K, N], scale [G, K / 128, N / 128]),
+      (q_t [G, N, K], scale_t [G, N / 128, K / 128]))`.
+    """
+    dtype = fp8.fp8_dtype(dtype)
+    supported = quantize_blocks_supports(w, dtype)
+    _check_quantizable(w, dtype, supported, "quantize_blocks_both", "[G, K, N]")
+    g, k, n = w.shape
+    big = fp8.fmax(dtype)
+
+    def body(w_gmem, q_gmem, qt_gmem, s_gmem, w_smem, q_smem, qt_smem, s_smem, _, barrier):
+        e, i, j = lax.axis_index("g"), lax.axis_index("k"), lax.axis_index("n")
+        rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
+        plgpu.copy_gmem_to_smem(w_gmem.at[e, rows, cols], w_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        block = _load_f32(w_smem, interpret)
+        scale = _scale(jnp.max(jnp.max(jnp.abs(block), axis=1)), big)
+        q_smem[...] = _quantized_tile(block, scale, big, dtype)
+        qt_smem[...] = _quantized_tile(_load_f32(w_smem.T, interpret), scale, big, dtype)
+        s_smem[...] = jnp.broadcast_to(scale, (TILE,))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[e, rows, cols])
+        plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[e, cols, rows])
+        plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[e, i, j])
+        plgpu.wait_smem_to_gmem(0)
+
+    q, q_t, scale = _quantizer(
+        body, w, dtype,
+        out_type=(
+            jax.ShapeDtypeStruct((g, k, n), dtype),
+            jax.ShapeDtypeStruct((g, n, k), dtype),
+            jax.ShapeDtypeStruct((g, k // TILE, n // TILE, TILE), jnp.float32),
+        ),
+        grid=(g, k // TILE, n // TILE), grid_names=("g", "k", "n"),
+        name="fp8_quantize_blocks", interpret=interpret,
+    )  # fmt: skip
+    scale = scale[..., 0]
+    return (q, scale), (q_t, jnp.swapaxes(scale, 1, 2))
 
 
 def _pad_to(x, multiples, value=0):

@@ -18,7 +18,8 @@ Two ways to run the three products, same numerics up to fp32 summation order:
     times the two tiles' scales.
 Where the kernels run, each activation (x in the forward, dy in the backward) is quantized both
 ways in one read (`fp8_mosaic_gpu.quantize_both`: the bits of the XLA quantization, which reads
-x twice per layout).
+x twice per layout), and so are the weights (`fp8_mosaic_gpu.quantize_blocks_both`: `w` and
+`w^T` from one read, where XLA reads w twice).
 "auto" picks the kernels when compiled for a Hopper GPU with 128-aligned groups and operand
 formats the installed jax's wgmma takes (`kernel_supports`), and emulates elsewhere (decided at
 lowering, like `ops`).
@@ -121,23 +122,45 @@ def kernel_supports(lhs_dtype, rhs_dtype, group_alignment: int) -> bool:
     )
 
 
-def _quantize_both(x, dtype, *, backend, alignment, interpret, **_):
+def _quantize_both(x, dtype, **kw):
     """`(fp8.quantize_rows(x), fp8.quantize_cols(x))`: where the kernels run, one read of x
     (`fp8_mosaic_gpu.quantize_both`, the same bits), else XLA's two passes per layout."""
+    from pallas_kernels import fp8_mosaic_gpu
 
     def xla():
         return fp8.quantize_rows(x, dtype), fp8.quantize_cols(x, dtype)
 
+    def kernel():
+        return fp8_mosaic_gpu.quantize_both(x, dtype, interpret=kw["interpret"])
+
+    supported = fp8_mosaic_gpu.quantize_supports(x, fp8.fp8_dtype(dtype))
+    return _fused_where_kernels_run(xla, kernel, supported, **kw)
+
+
+def _quantize_weights(w, **kw):
+    """`(wq, wq^T)`: the e4m3 block quantization of `w [G, K, N]` as stored (the lhs gradient
+    reads it) and transposed (the forward's K-major copy). Where the kernels run, one read of w
+    (`fp8_mosaic_gpu.quantize_blocks_both`, the same bits), else XLA's two passes."""
     from pallas_kernels import fp8_mosaic_gpu
 
-    if backend == "emulated" or alignment % fp8_mosaic_gpu.TILE:
-        return xla()
-    if not fp8_mosaic_gpu.quantize_supports(x, fp8.fp8_dtype(dtype)):
-        return xla()
+    def xla():
+        wq = fp8.quantize_blocks(w, "e4m3")
+        return wq, fp8.transpose_blocks(*wq)
 
     def kernel():
-        return fp8_mosaic_gpu.quantize_both(x, dtype, interpret=interpret)
+        return fp8_mosaic_gpu.quantize_blocks_both(w, "e4m3", interpret=kw["interpret"])
 
+    supported = fp8_mosaic_gpu.quantize_blocks_supports(w, fp8.fp8_dtype("e4m3"))
+    return _fused_where_kernels_run(xla, kernel, supported, **kw)
+
+
+def _fused_where_kernels_run(xla, kernel, supported, *, backend, alignment, **_):
+    """A fused quantizer's `kernel()` where the fp8 kernels run and it takes the operand
+    (`supported`), else the `xla()` quantization (the same bits)."""
+    from pallas_kernels import fp8_mosaic_gpu
+
+    if backend == "emulated" or alignment % fp8_mosaic_gpu.TILE or not supported:
+        return xla()
     if backend == "pallas_mosaic_gpu":
         return kernel()
     kind = targets.gpu_kind()
@@ -177,11 +200,11 @@ def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
     kw = dict(
         backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret, split=split
     )
-    wq = fp8.quantize_blocks(rhs, "e4m3")
+    wq, wq_t = _quantize_weights(rhs, **kw)
     # Rows past the groups are zeroed first: they then set no scale of the 128 x 1 tiles, and
     # the forward's products leave them out either way.
     x, x_t = _quantize_both(_mask_rows(lhs, group_sizes), "e4m3", **kw)
-    out = _gmm_q(x, fp8.transpose_blocks(*wq), group_sizes, out_dtype=out_dtype, **kw)
+    out = _gmm_q(x, wq_t, group_sizes, out_dtype=out_dtype, **kw)
     # Kept for the backward, in fp8: x^T along the rows and the block-quantized weights.
     return out, (x_t, wq, group_sizes, lhs, rhs)
 

@@ -98,19 +98,23 @@ from pallas_kernels import fp8_mosaic_gpu, targets
 mesh = targets.mesh_for("cuda", (1,), ("x",))
 m, k = 2048, 1024
 x = targets.shapes_on(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), mesh)
-with targets.lowering(mesh):
-    text = jax.jit(fp8_mosaic_gpu.quantize_both).lower(x).compile().as_text()
-ops = [op for op in schedule.parse(text) if op.kind == schedule.COMPUTE]
-print("@@kernel_bytes", max(op.bytes for op in ops) / (2 * m * k))
+w = targets.shapes_on(jax.ShapeDtypeStruct((4, k, m), jnp.bfloat16), mesh)
+for name, fn, arg in (("activations", fp8_mosaic_gpu.quantize_both, x),
+                      ("weights", fp8_mosaic_gpu.quantize_blocks_both, w)):
+    with targets.lowering(mesh):
+        text = jax.jit(fn).lower(arg).compile().as_text()
+    ops = [op for op in schedule.parse(text) if op.kind == schedule.COMPUTE]
+    print(f"@@kernel_bytes {name}", max(op.bytes for op in ops) / (2 * arg.size))
 """
 
 
 @needs_cuda
 @pytest.mark.skipif(not mgpu_compat.LOADS_TRANSPOSED, reason="jax 0.10: no transposed tile loads")
-def test_h100_fused_quantizer_reads_x_once_without_spills():
-    """fp8_mosaic_gpu.quantize_both compiled for H100: ptxas reports no spills, and its call
-    moves 2 x the bytes of x (x once, its two fp8 copies, the scales): XLA's quantization of
-    the same two layouts moves 5 x (test_h100_quantization_traffic_is_two_passes)."""
+def test_h100_fused_quantizers_read_their_operand_once_without_spills():
+    """fp8_mosaic_gpu.quantize_both and quantize_blocks_both compiled for H100: ptxas reports
+    no spills, and each call moves 2 x the bytes of its operand (read once, its two fp8 copies,
+    the scales): XLA's quantization of the same two layouts moves 5 x for activations and 3 x
+    for weights (test_h100_quantization_traffic_is_two_passes)."""
     import re
 
     out = _compile_output(_QUANTIZE_PROGRAM, "MOSAIC_GPU_DUMP_PTXAS")
@@ -118,8 +122,9 @@ def test_h100_fused_quantizer_reads_x_once_without_spills():
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", out)]
     assert spills and all(a == b == "0" for a, b in spills), spills
     assert registers and max(registers) <= 255, registers
-    (moved,) = re.findall(r"@@kernel_bytes ([\d.]+)", out)
-    assert 2.0 <= float(moved) <= 2.05, moved
+    moved = dict(re.findall(r"@@kernel_bytes (\w+) ([\d.]+)", out))
+    assert moved.keys() == {"activations", "weights"}, out[-2000:]
+    assert all(2.0 <= float(v) <= 2.05 for v in moved.values()), moved
 
 
 def _kernels(fn, *shapes):

@@ -87,9 +87,12 @@ def test_dry_run_fp8_part(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     fp8 = json.loads((tmp_path / "results.json").read_text())["fp8"]
     assert "errors" not in fp8
-    assert fp8["numerics_ok"] and {r["kernel"] for r in fp8["numerics"]} == {
-        "gmm", "gmm_t", "tgmm"
-    }  # fmt: skip
+    from pallas_kernels import fp8_mosaic_gpu, mgpu_compat
+
+    kernels = {f"{k} {split}" for k in ("gmm", "gmm_t", "tgmm") for split in fp8_mosaic_gpu.SPLITS}
+    if mgpu_compat.LOADS_TRANSPOSED:  # the fused quantizers, compared with XLA's bits
+        kernels |= {"quantize_both", "quantize_blocks_both"}
+    assert fp8["numerics_ok"] and {r["kernel"] for r in fp8["numerics"]} == kernels
     for r in fp8["kernels"]:
         assert {"fp8 (quantized operands)", "bf16 Mosaic GPU"} <= set(r["tflops"]), r
         if r["kernel"] == "gmm":

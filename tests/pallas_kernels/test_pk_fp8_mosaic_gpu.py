@@ -164,7 +164,8 @@ def test_auto_runs_the_kernels_only_for_hopper_and_aligned_groups():
             return [str(c) for c in introspect.traced_kernel_calls(f, x, w, platform=platform)]
 
     h100 = targets.abstract_gpu_mesh()
-    fused = ["fp8_quantize/mosaic_gpu"] if mgpu_compat.LOADS_TRANSPOSED else []
+    fused = ["fp8_quantize_blocks/mosaic_gpu", "fp8_quantize/mosaic_gpu"]
+    fused = fused if mgpu_compat.LOADS_TRANSPOSED else []
     assert calls(h100, 128) == [*fused, "fp8_gmm/mosaic_gpu"]
     assert calls(h100, 1) == []  # unaligned groups: emulated
     assert calls(h100, 128, platform="cpu") == []  # the same program lowered for CPU
@@ -205,6 +206,41 @@ def test_quantize_both_is_the_xla_quantization_bit_for_bit(dtype):
     assert np.all(np.asarray(got[0][1])[:128, 1] == 1.0)  # the zero tile's row scales
 
 
+@pytest.mark.skipif(
+    not mgpu_compat.LOADS_TRANSPOSED, reason=f"jax {jax.__version__}: no transposed tile loads"
+)
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_quantize_blocks_both_is_the_xla_quantization_bit_for_bit(dtype):
+    """The fused weight quantizer (one read of w, interpreted) gives fp8.quantize_blocks and its
+    transpose_blocks exactly: values, scales and layouts, across 16 binades, with an all-zero
+    block (scale 1), a block that saturates the format and one of a single nonzero element."""
+    w = jnp.stack([_x(256, 384, seed=1), _x(384, 256, seed=2).T]).astype(jnp.bfloat16)
+    w = w.at[0, :128, 128:256].set(0).at[1, 128:, :128].multiply(2.0**60)
+    w = w.at[1, :128, 256:].set(0).at[1, 5, 300].set(-3.0)
+
+    def both(w):
+        return fp8_mosaic_gpu.quantize_blocks_both(w, dtype, interpret=True)
+
+    calls = introspect.traced_kernel_calls(both, w, platform="cpu")
+    assert [str(c) for c in calls] == ["fp8_quantize_blocks/interpret"]
+    got = jax.tree.map(np.asarray, jax.jit(both)(w))
+    blocks = fp8.quantize_blocks(w, dtype)
+    want = jax.tree.map(np.asarray, (blocks, fp8.transpose_blocks(*blocks)))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), got) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), want
+    )
+    for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g.astype(np.float32), w_.astype(np.float32))
+    scale = got[0][1]
+    assert scale[0, 0, 1] == 1.0  # the zero block
+    assert scale[1, 0, 2] == np.float32(3.0) * np.float32(1 / fp8.fmax(dtype))
+    assert got[0][0][1, 5, 300].astype(np.float32) == -fp8.fmax(dtype)
+
+
 def test_quantize_both_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="multiples of 128"):
         fp8_mosaic_gpu.quantize_both(jnp.ones((128, 200), jnp.bfloat16))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_mosaic_gpu.quantize_blocks_both(jnp.ones((2, 128, 200), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"\[G, K, N\]"):
+        fp8_mosaic_gpu.quantize_blocks_both(jnp.ones((128, 128), jnp.bfloat16))
