@@ -334,9 +334,10 @@ def _load_f32(src, interpret):
     return mgpu_compat.load(src, layout=plgpu.Layout.WGMMA, interpret=interpret).astype(jnp.float32)
 
 
-def _quantizer(body, x, dtype, *, out_type, grid, grid_names, name, interpret):
+def _quantizer(body, x, dtype, *, scales, out_type, grid, grid_names, name, interpret):
     """`plgpu.kernel` of a quantizer: one warpgroup per CTA, one 128 x 128 tile of `x` each,
-    `body(x_gmem, *out_gmems, x_smem, q_smem, qt_smem, s_smem, st_smem, barrier)`."""
+    `body(x_gmem, *out_gmems, x_smem, q_smem, qt_smem, *scale_smems, barrier)` with `scales`
+    fp32 `[128]` vectors."""
     tile = functools.partial(plgpu.SMEM, (TILE, TILE))
 
     def kernel_body(x_gmem, *out_gmems):
@@ -345,7 +346,7 @@ def _quantizer(body, x, dtype, *, out_type, grid, grid_names, name, interpret):
             tile(x.dtype, transforms=_transforms(TILE, x.dtype)),
             tile(dtype, transforms=_transforms(TILE, dtype)),
             tile(dtype, transforms=_transforms(TILE, dtype)),
-            plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.float32),
+            *[plgpu.SMEM((TILE,), jnp.float32)] * scales,
             plgpu.Barrier(num_arrivals=1),
         )  # fmt: skip
 
@@ -424,7 +425,7 @@ def quantize_both(x, dtype="e4m3", *, interpret=False):
             jax.ShapeDtypeStruct((k, m), dtype),
             jax.ShapeDtypeStruct((m // TILE, k), jnp.float32),
         ),
-        grid=(m // TILE, k // TILE), grid_names=("m", "k"), name="fp8_quantize",
+        scales=2, grid=(m // TILE, k // TILE), grid_names=("m", "k"), name="fp8_quantize",
         interpret=interpret,
     )  # fmt: skip
     return (q, s_t.T), (q_t, st_t.T)
@@ -456,7 +457,7 @@ def quantize_blocks_both(w, dtype="e4m3", *, interpret=False):
     g, k, n = w.shape
     big = fp8.fmax(dtype)
 
-    def body(w_gmem, q_gmem, qt_gmem, s_gmem, w_smem, q_smem, qt_smem, s_smem, _, barrier):
+    def body(w_gmem, q_gmem, qt_gmem, s_gmem, w_smem, q_smem, qt_smem, s_smem, barrier):
         e, i, j = lax.axis_index("g"), lax.axis_index("k"), lax.axis_index("n")
         rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
         plgpu.copy_gmem_to_smem(w_gmem.at[e, rows, cols], w_smem, barrier)
@@ -479,7 +480,7 @@ def quantize_blocks_both(w, dtype="e4m3", *, interpret=False):
             jax.ShapeDtypeStruct((g, n, k), dtype),
             jax.ShapeDtypeStruct((g, k // TILE, n // TILE, TILE), jnp.float32),
         ),
-        grid=(g, k // TILE, n // TILE), grid_names=("g", "k", "n"),
+        scales=1, grid=(g, k // TILE, n // TILE), grid_names=("g", "k", "n"),
         name="fp8_quantize_blocks", interpret=interpret,
     )  # fmt: skip
     scale = scale[..., 0]
