@@ -325,11 +325,6 @@ def _quantized_tile(x, scale, big, dtype):
     return jnp.clip(y, -big, big).astype(dtype)
 
 
-def _scale(amax, big):
-    """`fp8._quantize`'s scale of a tile whose largest magnitude is `amax`."""
-    return jnp.where(amax > 0, amax * jnp.float32(1 / big), 1.0).astype(jnp.float32)
-
-
 def _load_f32(src, interpret):
     return mgpu_compat.load(src, layout=plgpu.Layout.WGMMA, interpret=interpret).astype(jnp.float32)
 
@@ -408,7 +403,7 @@ def quantize_both(x, dtype="e4m3", *, interpret=False):
         plgpu.barrier_wait(barrier)
         for src, q_ref, s_ref in ((x_smem, q_smem, s_smem), (x_smem.T, qt_smem, st_smem)):
             tile = _load_f32(src, interpret)
-            scale = _scale(jnp.max(jnp.abs(tile), axis=1), big)
+            scale = fp8.tile_scale(jnp.max(jnp.abs(tile), axis=1), dtype)
             q_ref[...], s_ref[...] = _quantized_tile(tile, scale, big, dtype), scale
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
@@ -463,7 +458,7 @@ def quantize_blocks_both(w, dtype="e4m3", *, interpret=False):
         plgpu.copy_gmem_to_smem(w_gmem.at[e, rows, cols], w_smem, barrier)
         plgpu.barrier_wait(barrier)
         block = _load_f32(w_smem, interpret)
-        scale = _scale(jnp.max(jnp.max(jnp.abs(block), axis=1)), big)
+        scale = fp8.tile_scale(jnp.max(jnp.max(jnp.abs(block), axis=1)), dtype)
         q_smem[...] = _quantized_tile(block, scale, big, dtype)
         qt_smem[...] = _quantized_tile(_load_f32(w_smem.T, interpret), scale, big, dtype)
         s_smem[...] = jnp.broadcast_to(scale, (TILE,))
