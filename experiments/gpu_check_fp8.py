@@ -8,7 +8,7 @@ fails or the budget is spent:
   train (85 s): gpu_check's OLMoE-shaped ~1B train step, fp8 vs bf16 experts (moejax only).
   kernels (125 s): TFLOP/s of forward, dlhs and tgmm at the Mixtral, DeepSeek-V3 and
     fine-grained shapes (balanced groups): the fp8 kernels on pre-quantized operands (both
-    splits: the default's column is "fp8 (quantized operands)"), the
+    splits: each kernel's default is "fp8 (quantized operands)"), the
     forward again with its quantization (what the layer pays), our bf16 Mosaic GPU kernels,
     the activation and weight quantizations alone (XLA against the fused `quantize_both` and
     `quantize_blocks_both`, GB/s), and
@@ -37,9 +37,9 @@ SHAPES = ("mixtral_8x7b", "deepseek_v3", "fine_grained")
 TOL = 2 * float(jnp.finfo(jnp.bfloat16).eps)  # the bf16 rounding of the same fp32 sums
 
 
-def _fp8_fns(run: Run, align: int, split: str = fp8_mosaic_gpu.SPLIT) -> dict:
+def _fp8_fns(run: Run, align: int, split: str | None = None) -> dict:
     """kernel -> jitted fn on pre-quantized operands (the fp8 kernels, consumers halving each
-    tile by `split`)."""
+    tile by `split`; None: each kernel's default)."""
     kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu, split=split)
     return {
         "gmm": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_gmm(*a, *b, s, **kw)),
@@ -221,15 +221,21 @@ def _kernels(run: Run, align: int, out: dict, deadline: float) -> None:
         flops = 2.0 * used * k * n
         q = _quantized(x, w, dy)
         fp8_fns, bf16_fns = _fp8_fns(run, align), ours(run, "pallas_mosaic_gpu", align)
-        other = next(s for s in fp8_mosaic_gpu.SPLITS if s != fp8_mosaic_gpu.SPLIT)
-        other_fns = _fp8_fns(run, align, other)
+        other = {}  # kernel -> the split its fp8 kernel does not default to
+        for kernel, fp8_kernel in (("gmm", "fp8_gmm"), ("gmm_t", "fp8_gmm"), ("tgmm", "fp8_tgmm")):
+            default = fp8_mosaic_gpu.DEFAULT_SPLIT[fp8_kernel]
+            other[kernel] = next(s for s in fp8_mosaic_gpu.SPLITS if s != default)
+        other_fns = {split: _fp8_fns(run, align, split) for split in set(other.values())}
         args16 = {"gmm": (x, w), "gmm_t": (dy, w), "tgmm": (x, dy)}
         for kernel in ("gmm", "gmm_t", "tgmm"):
             row = dict(shape=shape, kernel=kernel, m=m, k=k, n=n, g=g, tflops={}, unavailable={})
             timed = {
                 "fp8 (quantized operands)": (fp8_fns[kernel], (*q[kernel], s)),
                 "bf16 Mosaic GPU": (bf16_fns[kernel], (*args16[kernel], s)),
-                f"fp8 split by {other}": (other_fns[kernel], (*q[kernel], s)),
+                f"fp8 split by {other[kernel]}": (
+                    other_fns[other[kernel]][kernel],
+                    (*q[kernel], s),
+                ),
             }
             if kernel == "gmm":
                 timed["fp8 incl. quantization"] = (_quantize_and_gmm(run, align), (x, w, s))

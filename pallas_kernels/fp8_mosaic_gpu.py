@@ -12,10 +12,10 @@ producer warpgroup, two wgmma consumer warpgroups), changed where fp8 needs it:
     register accumulator carried through the pipeline (DeepGEMM's promotion: Hopper's fp8
     tensor-core accumulation is too narrow to run over all of K).
   * CTA tile 128 x 128, halved between the two consumers (`SPLITS`): by columns (each owns
-    128 x 64: `"cols"`, the default, measured on an H100) or by rows (64 x 128, DeepGEMM's
-    layout: every wgmma is 128 columns wide, so it reads a quarter fewer shared-memory bytes
-    per FLOP than at 64). Either way the carried and the scoped accumulators take 64
-    registers each per thread.
+    128 x 64: `"cols"`) or by rows (64 x 128, DeepGEMM's layout: every wgmma is 128 columns
+    wide, so it reads a quarter fewer shared-memory bytes per FLOP than at 64). Either way the
+    carried and the scoped accumulators take 64 registers each per thread. `DEFAULT_SPLIT`
+    holds the faster on an H200 for each kernel.
 The per-row scales travel with their tiles by TMA (stored transposed, `[K / 128, M]`, so a
 tile's scales are contiguous); the weight block's scale is one scalar load per step.
 
@@ -53,7 +53,10 @@ from pallas_kernels.mosaic_gpu import (
 TILE = 128  # tm = tk = tn: one scale block deep
 HALF = TILE // 2  # a consumer warpgroup's rows ("rows") or columns ("cols") of the tile
 SPLITS = ("cols", "rows")  # how the two consumers halve the CTA tile (module docstring)
-SPLIT = "cols"  # the default: the split measured on an H100 (BENCHMARKS.md)
+# Each kernel's default split, the faster one on an H200 at all three shapes of
+# `pallas_kernels.shapes` but one (BENCHMARKS.md): rows for fp8_gmm (forward and lhs gradient),
+# columns for fp8_tgmm.
+DEFAULT_SPLIT = {"fp8_gmm": "rows", "fp8_tgmm": "cols"}
 STAGES = 4  # shared memory ring: 4 x (16 + 16 KiB of fp8 + scales)
 RASTER = 8
 _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -95,7 +98,9 @@ def _halves(split: str, wg):
     return slice(None), pl.ds(wg * HALF, HALF), (TILE, HALF)
 
 
-def _check_split(split: str) -> str:
+def _check_split(split: str | None, kernel: str) -> str:
+    """`split`, or `kernel`'s default where it is None."""
+    split = DEFAULT_SPLIT[kernel] if split is None else split
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     return split
@@ -107,7 +112,7 @@ def _zeros(shape, interpret):
 
 
 def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, interpret,
-               split=SPLIT):  # fmt: skip
+               split):  # fmt: skip
     """out[rows of g] = (lhs * scales)[rows of g] @ (rhs[g] * scales)^T, groups 128-aligned.
 
     Args:
@@ -201,7 +206,7 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
 
 
 def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, interpret,
-                split=SPLIT):  # fmt: skip
+                split):  # fmt: skip
     """out[g] = (lhs_t * scales)[:, rows of g] @ ((rhs_t * scales)[:, rows of g])^T.
 
     Args:
@@ -502,7 +507,7 @@ def _interpret(interpret):
 
 
 def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_alignment,
-            interpret=False, split=SPLIT):  # fmt: skip
+            interpret=False, split=None):  # fmt: skip
     """`lhs @ rhs[g]^T` per group from `fp8.quantize_rows` / `quantize_blocks` operands.
 
     Args:
@@ -512,13 +517,14 @@ def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_ali
       out_dtype: output dtype.
       group_alignment: the callers' static promise on the group sizes.
       interpret: run in the Mosaic GPU interpreter.
-      split: how the two consumer warpgroups halve the 128 x 128 tile (`SPLITS`).
+      split: how the two consumer warpgroups halve the 128 x 128 tile (`SPLITS`; None:
+        `DEFAULT_SPLIT`).
 
     Returns:
       `[M, N]` out_dtype; rows past the groups are zero.
     """
     _check_aligned(group_alignment)
-    _check_split(split)
+    split = _check_split(split, "fp8_gmm")
     m, n = lhs.shape[0], rhs.shape[1]
     lhs_p = _pad_to(lhs, (TILE, TILE))
     scale_t = _pad_to(lhs_scale, (TILE, 1), 1.0).T
@@ -532,7 +538,7 @@ def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_ali
 
 
 def fp8_tgmm(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, group_alignment,
-             interpret=False, split=SPLIT):  # fmt: skip
+             interpret=False, split=None):  # fmt: skip
     """Per group `lhs_t[:, rows] @ rhs_t[:, rows]^T` from `fp8.quantize_cols` operands.
 
     Args:
@@ -545,7 +551,7 @@ def fp8_tgmm(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, grou
       `[G, K, N]` out_dtype.
     """
     _check_aligned(group_alignment)
-    _check_split(split)
+    split = _check_split(split, "fp8_tgmm")
     k, n = lhs_t.shape[0], rhs_t.shape[0]
     a = _pad_to(lhs_t, (TILE, TILE))
     b = _pad_to(rhs_t, (TILE, TILE))

@@ -259,7 +259,7 @@ def fp8_grouped_matmul(
       group_alignment: every group size is a multiple of this (the kernels' row alignment).
       interpret: run the Mosaic GPU kernels in their interpreter.
       split: how the kernels' two consumer warpgroups halve a tile
-        (`fp8_mosaic_gpu.SPLITS`; None: `fp8_mosaic_gpu.SPLIT`).
+        (`fp8_mosaic_gpu.SPLITS`; None: each kernel's `fp8_mosaic_gpu.DEFAULT_SPLIT`).
 
     Returns:
       `[M, N]`; rows past sum(group_sizes) are zero.
@@ -273,7 +273,6 @@ def fp8_grouped_matmul(
 
     if split is not None and split not in fp8_mosaic_gpu.SPLITS:
         raise ValueError(f"split must be one of {fp8_mosaic_gpu.SPLITS}, got {split!r}")
-    split = split or fp8_mosaic_gpu.SPLIT
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     lhs, rhs, group_sizes = same_varying_axes(lhs, rhs, group_sizes)

@@ -129,7 +129,11 @@ def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
         t = f.TILE
         return {
             kernel: dict(
-                config=dict(num_stages=f.STAGES, raster=f.RASTER, split=case.split or f.SPLIT),
+                config=dict(
+                    num_stages=f.STAGES,
+                    raster=f.RASTER,
+                    split=case.split or f.DEFAULT_SPLIT[kernel],
+                ),
                 tiles=[t, t, t],
                 backend=FP8_BACKEND,
                 smem_model=f.smem_bytes(kernel, case.dtype),
