@@ -16,12 +16,11 @@ Run: python -m pallas_kernels.targets --install      (once: the compilers)
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 
-# Deviceless: compiled for H100 from the CPU backend, whatever JAX_PLATFORMS says.
-os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -105,6 +104,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--top", type=int, default=0, help="list the fp8 step's costliest kernels")
     args = parser.parse_args(argv)
+    # Deviceless: compiled for H100 from the CPU backend, whatever JAX_PLATFORMS says.
+    jax.config.update("jax_platforms", "cpu")
     base = model_config(args.model, args.layers, args.seq)
     train_cfg = TrainConfig(steps=100, batch_size=args.batch, seq_len=args.seq, warmup_steps=1)
     mesh = programs.mesh("cuda", (1,), ("data",))
