@@ -16,13 +16,16 @@ script writes what it has, marked aborted, and exits with status 3), so a lent m
     then moejax (`make_train_step`, bf16 compute, fp32 Adam), in tokens/s and MFU. It runs
     second: jax's allocator keeps the memory it grew to, so torch's step must come before the
     kernel timings (at their end it had 2 GiB of 80 left and ran out of memory).
-  kernels (230 s): TFLOP/s of forward (gmm), dlhs (gmm_t) and tgmm at the Mixtral, fine-grained
+  kernels (200 s): TFLOP/s of forward (gmm), dlhs (gmm_t) and tgmm at the Mixtral, fine-grained
     and DeepSeek-V3 shapes (`pallas_kernels.shapes`), balanced and Zipf-skewed groups: ours
     (Mosaic GPU, Triton) against a dense jnp matmul of the same FLOPs, `jax.lax.ragged_dot`
     (not at G=256: seconds per call), jax's `ragged_dot_mgpu` (`transposed_ragged_dot_mgpu` for
     tgmm) and `torch._grouped_mm` (its output checked against ours on a sample).
   layer (60 s): moejax's MoE layer (`implementation="pallas"`), forward and backward, against
     a dense SwiGLU FFN of the same FLOPs (top_k x d_ff wide), Mixtral and fine-grained sizes.
+  attention (30 s): the attention core forward + backward, bf16, at the Mixtral and OLMoE
+    shapes (`bench_attention.part_attention`): "xla", "pallas" (jax's Triton kernel) and
+    "auto" (cuDNN's flash attention), each checked against "xla", in ms and TFLOP/s.
   fp8 (270 s, only when named: `--parts fp8` alone fits a 5-minute slot): the fp8 expert
     matmuls (`gpu_check_fp8.py`): fp8 kernels' numerics, TFLOP/s beside our bf16 kernels and
     `torch._scaled_grouped_mm`, the layer and the train step with fp8 vs bf16 experts.
@@ -70,6 +73,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_attention import part_attention
 from gpu_check_fp8 import part_fp8
 from gpu_check_lib import (
     Run,
@@ -89,7 +93,7 @@ from pallas_kernels import targets
 
 BF16_TOL = 2 * float(jnp.finfo(jnp.bfloat16).eps)  # one bf16 rounding of the output, with margin
 PEAK_BF16 = {"H100": hardware.H100_SXM.peak("bf16"), "H200": hardware.H200_SXM.peak("bf16")}
-BUDGET_S = {"numerics": 40, "train": 100, "kernels": 230, "layer": 60, "fp8": 270}
+BUDGET_S = {"numerics": 40, "train": 100, "kernels": 200, "layer": 60, "attention": 30, "fp8": 270}
 TIME_LIMIT_S = 450
 DRY_TILES = pk.Config(tm=64, tk=64, tn=128, num_stages=2, raster=2)  # interpreters: few tiles
 SAMPLE_ROWS = 2048  # rows (gmm, gmm_t) of torch's output checked against ours; tgmm: 1 group
@@ -521,8 +525,8 @@ def hf_train_step(run: Run, hf: dict, batch: int, seq: int, flops: float, peak) 
 
 # ------------------------------------------------------------------------------------ main
 PARTS = {"numerics": part_numerics, "train": part_train, "kernels": part_kernels,
-         "layer": part_layer, "fp8": part_fp8}  # fmt: skip
-DEFAULT_PARTS = ["numerics", "train", "kernels", "layer"]  # fp8 only when asked for
+         "layer": part_layer, "attention": part_attention, "fp8": part_fp8}  # fmt: skip
+DEFAULT_PARTS = ["numerics", "train", "kernels", "layer", "attention"]  # fp8 when asked for
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -271,6 +271,10 @@ def markdown(results: dict) -> str:
         lines += _layer_md(results["layer"])
     if results.get("train", {}).get("params_total"):
         lines += _train_md(results["train"])
+    if results.get("attention"):
+        from bench_attention import markdown as attention_markdown
+
+        lines += attention_markdown(results["attention"])
     if results.get("fp8"):
         from gpu_check_fp8 import markdown as fp8_markdown
 

@@ -8,8 +8,9 @@ memory analysis are real.
 
 What it needs (`python -m pallas_kernels.targets --install` installs it, pinned to the installed
 jax; `install_command()` is the same as text):
-  * GPU: the CUDA plugin (`jax-cuda13-plugin`, `jax-cuda13-pjrt`, no NVIDIA libraries needed) and
-    ptxas and libdevice (`nvidia-cuda-nvcc`, `nvidia-nvvm`), all installed with `--no-deps`;
+  * GPU: the CUDA plugin (`jax-cuda13-plugin`, `jax-cuda13-pjrt`, no NVIDIA libraries needed),
+    ptxas and libdevice (`nvidia-cuda-nvcc`, `nvidia-nvvm`), and cuDNN (`nvidia-cudnn-cu13`:
+    jax lowers its flash attention only where it finds cuDNN), all installed with `--no-deps`;
   * TPU: `libtpu` at the version jax's `[tpu]` extra pins.
 Run with `JAX_PLATFORMS=cpu` so jax initialises no GPU or TPU backend. `missing(platform)` says
 what is absent (tests skip on it).
@@ -64,7 +65,7 @@ TPU_TOPOLOGIES = {
 # workers) may load it at once.
 LIBTPU_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 CUDA_WHEELS = ("jax-cuda13-plugin", "jax-cuda13-pjrt")
-NVIDIA_WHEELS = ("nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88")
+NVIDIA_WHEELS = ("nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88", "nvidia-cudnn-cu13==9.28.1.4")
 
 
 def libtpu_requirement() -> str:
@@ -113,6 +114,8 @@ def missing(platform: str) -> str | None:
             return f"no CUDA plugin (jax_plugins.xla_cuda13); run: {install_command()}"
         if _ptxas() is None:
             return f"no ptxas (nvidia-cuda-nvcc); run: {install_command()}"
+        if not _importable("nvidia.cudnn"):
+            return f"no cuDNN (nvidia-cudnn-cu13); run: {install_command()}"
         return None
     if platform == "tpu":
         if not _importable("libtpu"):

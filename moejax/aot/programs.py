@@ -10,6 +10,7 @@ The compiled program says which kernels run (`kernel_counts`), what the schedule
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import jax
@@ -78,13 +79,23 @@ def platform_of(mesh_) -> str:
     return "cuda" if platform == "gpu" else platform
 
 
+_CUSTOM_CALL_TARGET = re.compile(r'custom-call\(.*custom_call_target="([^"]+)"')
+
+
 def kernel_counts(hlo_text: str) -> dict[str, int]:
     """`"name/backend"` -> count of every Pallas kernel in a compiled program
     (`pallas_kernels.introspect.compiled_kernel_calls`): the grouped matmuls (`KERNEL_NAMES`)
-    and the attention kernels alike."""
+    and the attention kernels alike; and cuDNN's flash attention, as
+    `"dot_product_attention_fwd/cudnn"` and `"..._bwd/cudnn"`."""
+    from moejax.models._attention import CUDNN_CALLS
+
     counts: dict[str, int] = {}
     for call in introspect.compiled_kernel_calls(hlo_text):
         counts[str(call)] = counts.get(str(call), 0) + 1
+    for target in _CUSTOM_CALL_TARGET.findall(hlo_text):
+        if target in CUDNN_CALLS:
+            name = f"{CUDNN_CALLS[target]}/cudnn"
+            counts[name] = counts.get(name, 0) + 1
     return counts
 
 

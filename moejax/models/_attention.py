@@ -1,11 +1,16 @@
 """The causal attention core, chosen by compile target: flash-attention kernels on GPU and TPU.
 
 `causal_attention(q, k, v)` is `softmax(q k^T * Dh**-0.5, causal) v` with grouped query heads,
-scores and softmax in fp32. Three implementations:
+scores and softmax in fp32. Four implementations:
 
 - `"xla"`: the reference, the math of `moejax.models._layers.attention`: a grouped einsum with
   fp32 scores `[B, Hkv, R, S, S]`, the causal mask, an fp32 softmax, probabilities cast back to
   the input dtype. Memory grows as `S^2`; this is the oracle the kernels are tested against.
+- `"cudnn"`: cuDNN's flash attention, forward and backward
+  (`jax.nn.dot_product_attention(implementation="cudnn")`; custom calls `CUDNN_CALLS`), kv heads
+  grouped as they are. NVIDIA GPUs only, and only where jax finds cuDNN (`jax[cuda]` installs
+  it; for deviceless compiles `python -m pallas_kernels.targets --install` does) and cuDNN
+  takes the shapes (`cudnn_fits`); a clear error otherwise.
 - `"pallas"`: jax's shipped Pallas flash-attention kernels, forward and backward (each has a
   custom VJP with backward kernels), which hold one tile of scores at a time:
 
@@ -24,21 +29,28 @@ scores and softmax in fp32. Three implementations:
   reference; autodiff sums the copies' gradients). Kernel bodies multiply at `DEFAULT`
   precision whatever `jax_default_matmul_precision` says (`_KernelPallas`).
 - `"auto"`: by the platform the program is *compiled* for (`jax.lax.platform_dependent`, decided
-  at lowering, never from the host): the Triton kernel on cuda/rocm, the Mosaic kernel on TPU,
-  `"xla"` on CPU. A deviceless compile for an H100 or TPU mesh on a CPU host holds the kernels.
+  at lowering, never from the host): on cuda cuDNN's kernels where `cudnn_fits`, else the
+  Triton kernel; the Triton kernel on rocm, the Mosaic kernel on TPU, `"xla"` on CPU. A
+  deviceless compile for an H100 or TPU mesh on a CPU host holds the kernels. On an H200, at
+  the Mixtral-8x7B shape (4 x 4096 tokens, 32 query and 8 kv heads of 128, bf16), forward and
+  backward took 4.2 ms on cuDNN, 7.0 ms on the Triton kernel and 52 ms on `"xla"`
+  (`experiments/bench_attention.py`).
 
 Shapes a kernel cannot tile compute `"xla"` inside that platform's branch instead (decided from
 static shapes when tracing; `kernel_fits`, `triton_blocks`, `mosaic_blocks`):
 
-- Triton: `Dh` a power of two from 16 to 256; forward blocks of 128 rows (fewer where a row of
-  `Dh` elements is over 256 bytes, to fit shared memory), backward blocks of 32; each block
+- Triton: `Dh` a power of two from 16 to 256; blocks of 128 rows, forward and backward (fewer
+  where a row of `Dh` elements is over 256 bytes, to fit shared memory; the backward's then
+  32); each block
   `min(block, S)`, a power of two >= 16 dividing `S` (in bf16 at `Dh <= 128`: `S` a multiple of
   128, or a power of two from 16 to 128).
 - Mosaic: blocks of 128 rows everywhere (jax's defaults); `S` a multiple of 128, `Dh` below 128
   or a multiple of 128.
 
-Block sizes are jax's defaults (except the Triton forward's shrinking), not tuned on hardware.
-At `S = 4096, Dh = 128` in bf16 both compile for their targets (H100: ptxas reports no spills).
+The Triton backward's blocks are the forward's where those are 128 rows (`triton_blocks`: jax's
+default of 32 rows took 2.1x as long on an H200 at the Mixtral shape,
+`experiments/bench_attention.py`); the Mosaic kernel's are jax's defaults. At `S = 4096,
+Dh = 128` in bf16 both compile for their targets.
 
 Variants the kernels lack (attention sinks, sliding windows, MLA's value head width differing
 from the query/key one) compute `masked_attention` under a named scope (`XLA_SCOPES`), which
@@ -70,7 +82,13 @@ from jax.sharding import PartitionSpec
 
 from pallas_kernels import vma as _vma
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
+# cuDNN's flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) in compiled
+# programs: custom-call target -> the jax primitive that lowers to it (forward, backward).
+CUDNN_CALLS = {
+    "__cudnn$fmhaSoftmax": "dot_product_attention_fwd",
+    "__cudnn$fmhaSoftmaxBackward": "dot_product_attention_bwd",
+}
 # jax's kernels: Triton pallas_call names; Mosaic kernel function names (their calls are unnamed).
 TRITON_KERNELS = ("mha_forward", "mha_preprocess_backward", "mha_backward")
 MOSAIC_KERNELS = (
@@ -87,8 +105,8 @@ _WHY = {
     "mla": "multi-head latent attention (value heads narrower than query/key heads)",
 }
 _TRITON_BLOCK = 128  # forward q and kv blocks
-_TRITON_BWD_BLOCK = 32  # backward blocks (jax's default)
 _TRITON_TILE_BYTES = 32 * 1024  # the most bytes of one forward tile (triton_blocks)
+_TRITON_BWD_BLOCK = 32  # backward blocks where the forward's are narrower than 128 rows
 _MOSAIC_BLOCK = 128
 
 
@@ -161,7 +179,8 @@ def note_xla_fallback(kind: str, implementation: str) -> None:
         return
     _NOTED.add(kind)
     print(
-        f"moejax: {_WHY[kind]}: jax's flash-attention kernels (Triton on GPU, Mosaic on TPU) "
+        f"moejax: {_WHY[kind]}: the flash-attention kernels (cuDNN's or Triton on GPU, Mosaic "
+        "on TPU) "
         f"lack them; those layers use the XLA attention core (named scope {XLA_SCOPES[kind]!r} "
         "in the compiled program)",
         file=sys.stderr,
@@ -179,7 +198,10 @@ def triton_blocks(seq_len: int, head_dim: int, dtype) -> tuple[int, int] | None:
     Forward blocks hold `rows x Dh` tiles of q, and of k and v in `num_stages=2` pipeline
     stages: 128 rows, fewer where a row is over 256 bytes (`rows * Dh * itemsize <= 32 KiB`),
     which keeps every tile set within H100's 232,448 bytes of shared memory per block (fp32 at
-    `Dh = 128` with 128 rows asks for 262,144). Backward blocks: 32 rows (jax's default). Every
+    `Dh = 128` with 128 rows asks for 262,144). Backward blocks: the forward's where those are
+    128 rows (jax then picks 8 warps; at the Mixtral shape on an H200 2.1x as fast as jax's
+    default of 32 rows, though ptxas reports 252 bytes of spill stores), else jax's 32 (64-row
+    backward blocks of fp32 or of `Dh = 256` spill kilobytes, and were not measured). Every
     block must be a power of two >= 16 dividing `S` (`tl.dot` wants dimensions >= 16), and `Dh`
     a power of two from 16 to 256.
     """
@@ -187,7 +209,7 @@ def triton_blocks(seq_len: int, head_dim: int, dtype) -> tuple[int, int] | None:
     if not (_pow2(dh) and 16 <= dh <= 256):
         return None
     fwd = min(_TRITON_BLOCK, _TRITON_TILE_BYTES // (dh * jnp.dtype(dtype).itemsize), s)
-    bwd = min(_TRITON_BWD_BLOCK, s)
+    bwd = fwd if fwd == min(_TRITON_BLOCK, s) else min(_TRITON_BWD_BLOCK, s)
     if all(_pow2(x) and x >= 16 and s % x == 0 for x in (fwd, bwd)):
         return fwd, bwd
     return None
@@ -338,15 +360,60 @@ def _mosaic(q, k, v):
     return bhsd(out)
 
 
+def _cudnn_call(q, k, v):
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=True, implementation="cudnn"
+    )
+
+
+@functools.cache
+def _cudnn_takes(q_struct, kv_struct) -> str | None:
+    """Why cuDNN's flash attention cannot run this forward and backward where jax traces it
+    (no cuDNN installed, a head width or dtype it lacks), or None where it can."""
+
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(_cudnn_call, q, k, v)
+        return vjp(out)
+
+    try:
+        jax.eval_shape(fwd_bwd, q_struct, kv_struct, kv_struct)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def cudnn_fits(q, k) -> bool:
+    """Whether cuDNN's flash attention runs this core, forward and backward, here: jax finds
+    cuDNN (jax[cuda] installs it) and takes the shapes (`jax.nn.dot_product_attention`); where
+    not, `"auto"` runs the Triton kernel on GPU."""
+    return _cudnn_takes(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k))) is None
+
+
+def _cudnn(q, k, v):
+    why = _cudnn_takes(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k)))
+    if why is not None:
+        raise ValueError(
+            f"implementation='cudnn' cannot run q {q.shape} {q.dtype}, k/v {k.shape} here: {why}"
+        )
+    return _cudnn_call(q, k.astype(q.dtype), v.astype(q.dtype))
+
+
+def _gpu(q, k, v):
+    """`"auto"` on cuda: cuDNN's flash attention where it runs (`cudnn_fits`), else Triton."""
+    return _cudnn(q, k, v) if cudnn_fits(q, k) else _triton(q, k, v)
+
+
 def _core(q, k, v, implementation: str):
     if implementation == "xla":
         return xla_attention(q, k, v)
+    if implementation == "cudnn":
+        return _cudnn(q, k, v)
     if implementation == "auto":
-        default = xla_attention
+        default, cuda = xla_attention, _gpu
     else:  # "pallas": the Triton kernel, interpreted, where neither compiled kernel runs
-        default = functools.partial(_triton, interpret=True)
+        default, cuda = functools.partial(_triton, interpret=True), _triton
     return jax.lax.platform_dependent(
-        q, k, v, cuda=_triton, rocm=_triton, tpu=_mosaic, default=default
+        q, k, v, cuda=cuda, rocm=_triton, tpu=_mosaic, default=default
     )
 
 
@@ -381,7 +448,7 @@ def causal_attention(q, k, v, *, mesh=None, implementation: str = "auto") -> jax
       mesh: optional `jax.sharding.Mesh` (axes among "data", "fsdp", "expert", "model"); the
         core then runs under `shard_map`, batch over the token axes, heads over "model" (which
         must divide `Hkv`).
-      implementation: "auto", "xla" or "pallas" (module docstring).
+      implementation: "auto", "xla", "pallas" or "cudnn" (module docstring).
 
     Returns:
       `[B, S, H, Dh]` in `q.dtype`: `softmax(q k^T * Dh**-0.5, causal) v`, scores and softmax

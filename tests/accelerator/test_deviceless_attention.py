@@ -1,7 +1,8 @@
 """The attention core at the Mixtral shape (2 sequences of 4096 per device, 32 query / 8 kv heads
-of 128, bf16), forward and backward with `implementation="auto"`, compiled for 8 x H100 and a
-TPU v5e slice on this CPU machine: the compile target puts jax's flash-attention kernels in the
-program, and no device holds anything like the `[B, H, S, S]` fp32 scores the XLA core needs.
+of 128, bf16), forward and backward, compiled for 8 x H100 and a TPU v5e slice on this CPU
+machine: with `implementation="auto"` the compile target puts flash-attention kernels in the
+program (cuDNN's on H100, jax's Mosaic kernels on TPU; `"pallas"` on H100: jax's Triton
+kernels), and no device holds anything like the `[B, H, S, S]` fp32 scores the XLA core needs.
 """
 
 import functools
@@ -14,7 +15,8 @@ from _targets import CACHE_WARNING, needs_cuda, needs_tpu
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moejax import aot
-from moejax.models._attention import TRITON_KERNELS, causal_attention
+from moejax.aot import schedule
+from moejax.models._attention import CUDNN_CALLS, TRITON_KERNELS, causal_attention
 from pallas_kernels import introspect
 
 pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
@@ -69,12 +71,35 @@ def _compile(platform, implementation):
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_flash_attention_compiles_with_its_kernels_in_bounded_memory(platform):
     compiled = _compile(platform, "auto")
-    assert _compiled_kernels(compiled.text) == COMPILED[platform]
-    if platform == "cuda":  # Triton's calls are named: introspect reads them too
-        assert introspect.compiled_kernel_calls(compiled.text) == [
-            introspect.KernelCall(name, "triton") for name in TRITON_KERNELS
-        ]
+    if platform == "cuda":  # cuDNN's flash attention, forward and backward; no Pallas kernel
+        assert compiled.kernels == {f"{name}/cudnn": 1 for name in CUDNN_CALLS.values()}
+        assert introspect.compiled_kernel_calls(compiled.text) == []
+    else:
+        assert _compiled_kernels(compiled.text) == COMPILED[platform]
     assert 0 < compiled.memory["temp"] < SCORES_BYTES / 4
+
+
+@needs_cuda
+def test_pallas_on_h100_compiles_jax_triton_flash_attention_in_bounded_memory():
+    compiled = _compile("cuda", "pallas")
+    assert _compiled_kernels(compiled.text) == COMPILED["cuda"]
+    assert introspect.compiled_kernel_calls(compiled.text) == [  # Triton's calls are named
+        introspect.KernelCall(name, "triton") for name in TRITON_KERNELS
+    ]
+    assert 0 < compiled.memory["temp"] < SCORES_BYTES / 4
+
+
+@needs_cuda
+def test_the_schedule_model_costs_cudnn_attention_as_its_causal_products():
+    """Forward: `Q K^T` and `P V`; backward: five products; each over the causal half of one
+    device's `[B, H, S, S]` scores, `Dh` deep, at the bf16 rate."""
+    ops = [o for o in schedule.parse(_compile("cuda", "auto").text) if o.flops]
+    half_scores = B * H * S * S * DH / 2
+    assert {o.name.split(".")[0]: o.flops for o in ops} == {
+        "dot_product_attention_fwd": 2 * 2 * half_scores,
+        "dot_product_attention_bwd": 2 * 5 * half_scores,
+    }
+    assert {o.dtype for o in ops} == {"bf16"}
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -1,4 +1,4 @@
-"""Which attention core a compiled H100 (TPU v5e) program holds: jax's Triton (Mosaic)
+"""Which attention core a compiled H100 (TPU v5e) program holds: cuDNN's (jax's Mosaic)
 flash-attention kernel for plain causal layers, the XLA fallback for layers with attention sinks
 or a sliding window, which the kernels lack (named scope `xla_attention_sinks_window` in the
 compiled HLO's op metadata, no kernel call); and the one-line note saying so."""
@@ -16,7 +16,7 @@ from moejax.models import _attention, attention, init_lm_params, presets, rope_t
 pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
 S, DH = 128, 64  # shapes both kernels tile (triton_blocks, mosaic_blocks)
 CFG = presets.get("micro").replace(num_heads=4, num_kv_heads=2, head_dim=DH, max_seq_len=S)
-KERNEL = {"cuda": "mha_forward/triton", "tpu": "flash_attention/mosaic"}
+KERNEL = {"cuda": "dot_product_attention_fwd/cudnn", "tpu": "flash_attention/mosaic"}
 
 
 def _compiled(platform, window, sinks):

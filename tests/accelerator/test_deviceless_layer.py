@@ -90,10 +90,11 @@ def test_tiny_lm_train_step_compiles_with_the_kernels(platform, kw):
     # Three expert weight gradients per MoE layer, twice: round 0 of the dropless exchange
     # (straight-line code) and the leftover rounds' loop (`moejax.parallel.dispatch_dropless`).
     assert compiled.kernels[f"tgmm/{BACKEND[platform]}"] == 2 * 3 * len(model_cfg.moe_layers)
-    # Attention is a flash kernel too: jax's Triton mha or Mosaic flash_attention, fwd and bwd.
+    # Attention is a flash kernel too: cuDNN's (bf16 on H100) or jax's Mosaic flash_attention,
+    # forward and backward.
     attention = {k for k in compiled.kernels if k.split("/")[0] not in aot.KERNEL_NAMES}
     want = {
-        "cuda": {"mha_forward/triton", "mha_preprocess_backward/triton", "mha_backward/triton"},
+        "cuda": {"dot_product_attention_fwd/cudnn", "dot_product_attention_bwd/cudnn"},
         "tpu": {"flash_attention/mosaic", "flash_mha_bwd_dkv/mosaic", "flash_mha_bwd_dq/mosaic"},
     }[platform]
     assert attention == want, compiled.kernels

@@ -47,7 +47,12 @@ def test_dry_run_takes_every_path(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert "errors" not in results and "aborted" not in results
-    assert set(results["part_seconds"]) == {"numerics", "kernels", "layer", "train"}
+    assert set(results["part_seconds"]) == {"numerics", "kernels", "layer", "train", "attention"}
+    # The attention cores against "xla": the Triton kernel interpreted, "auto" = "xla" on a CPU.
+    attention = {r["impl"]: r for r in results["attention"]}
+    assert set(attention) == {"xla", "pallas", "auto"}
+    assert max(attention["pallas"]["rel_err"].values()) < 2e-2  # bf16 outputs
+    assert max(attention["auto"]["rel_err"].values()) == 0
 
     # Numerics: every kernel on both backends, every case, against a non-zero reference.
     rows = results["numerics"]

@@ -177,10 +177,12 @@ def test_model_axis_must_divide_kv_heads():
         causal_attention(q, k, v, mesh=mesh)
 
 
-def test_each_compile_target_keeps_its_kernel():
-    """With "auto" CPU keeps no kernel, GPU Triton's and TPU Mosaic's; with "pallas" CPU runs the
-    Triton kernel interpreted. Mosaic's calls are unnamed: `kernel_calls` lists them as
-    "kernel", their kernel functions are `MOSAIC_KERNELS`."""
+def test_each_compile_target_keeps_its_kernel(monkeypatch):
+    """With "auto" CPU keeps no kernel, GPU Triton's where cuDNN's does not run (here: made so;
+    where it runs, tests/accelerator/test_deviceless_attention.py) and TPU Mosaic's; with
+    "pallas" CPU runs the Triton kernel interpreted. Mosaic's calls are unnamed: `kernel_calls`
+    lists them as "kernel", their kernel functions are `MOSAIC_KERNELS`."""
+    monkeypatch.setattr(_attention, "cudnn_fits", lambda q, k: False)
     shapes = [(4, 128, 4, 128), (4, 128, 2, 128), (4, 128, 2, 128)]
     triton = [introspect.KernelCall(n, "triton") for n in TRITON_KERNELS]
     for mesh in (None, make_mesh((2, 2, 2), ("data", "expert", "model"))):
@@ -206,7 +208,7 @@ def test_shapes_a_kernel_cannot_tile_fall_back_to_xla():
     for s, dh in [(8, 16), (96, 16), (128, 192)]:
         jaxpr = _grad_jaxpr("auto", [(1, s, 2, dh), (1, s, 1, dh), (1, s, 1, dh)])
         assert _pallas_names(jaxpr) == set(), (s, dh)
-    assert triton_blocks(4096, 128, jnp.bfloat16) == (128, 32)
+    assert triton_blocks(4096, 128, jnp.bfloat16) == (128, 128)  # backward as wide (measured)
     assert triton_blocks(4096, 128, jnp.float32) == (64, 32)  # shared memory: 64 fp32 rows
     assert triton_blocks(32, 16, jnp.float32) == (32, 32)
     assert triton_blocks(8, 16, jnp.float32) is None
@@ -223,3 +225,12 @@ def test_rejects_bad_arguments():
         causal_attention(q, jnp.zeros((1, 8, 3, 8)), jnp.zeros((1, 8, 3, 8)))
     with pytest.raises(ValueError, match="batch 1 is not divisible by the 8 devices"):
         causal_attention(q, k, v, mesh=make_mesh((8,), ("data",)))
+
+
+def test_cudnn_says_why_it_cannot_run_a_core():
+    """cuDNN's flash attention takes 16-bit inputs only (and runs on NVIDIA GPUs only): fp32
+    asks for it in vain, with the reason, on any machine."""
+    q, k, v = _qkv(1, 128, 4, 2, 64)
+    assert q.dtype == jnp.float32 and not _attention.cudnn_fits(q, k)
+    with pytest.raises(ValueError, match=r"implementation='cudnn' cannot run q \(1, 128, 4, 64\)"):
+        causal_attention(q, k, v, implementation="cudnn")

@@ -35,7 +35,9 @@ Per instruction (`parse`):
   kernels (the `cost_estimate` their backend config carries) and this package's Triton kernels
   from their shapes (`gmm`, `gmm_t`, `gather_gmm`, `tgmm`: every row multiplied, padding
   included; jax's flash attention `mha_forward` / `mha_backward`: the full `S x S` scores, no
-  causal skipping, so up to 2x high for causal attention). Other custom calls cost their bytes.
+  causal skipping, so up to 2x high for causal attention), and cuDNN's flash attention
+  (`__cudnn$fmhaSoftmax` and its backward: the scores' shape from its backend config, the
+  causal half where its mask is causal). Other custom calls cost their bytes.
 - Bytes are the operands plus the result of each top-level kernel (what a fusion reads and
   writes in HBM); in-place updates count their whole buffer.
 - FLOP rates are chosen by the product's operand dtype: `f32` at `DEFAULT` precision runs at the

@@ -372,7 +372,8 @@ def _highest(text: str) -> bool:
 
 
 def _product_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
-    """`(FLOPs, rate key)` of a `dot`, `convolution` or cuBLAS custom call; (0, "bf16") else."""
+    """`(FLOPs, rate key)` of a `dot`, `convolution`, cuBLAS or cuDNN attention custom call;
+    (0, "bf16") else."""
     result = _arrays(ins.shape)
     if not result or not ins.operands:
         return 0.0, "bf16"
@@ -392,6 +393,8 @@ def _product_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
         kernel = rhs[0][1]
         per_output = math.prod(kernel) / max(kernel[m[1].index("o")], 1)
         return 2.0 * out * per_output, _rate_key(lhs_dtype, _highest(ins.attrs))
+    elif ins.opcode == "custom-call" and "__cudnn$fmha" in ins.attrs:
+        return _cudnn_attention_flops(ins, shapes)
     elif ins.opcode == "custom-call" and "__cublas$" in ins.attrs:
         dims = _backend_json(ins.attrs).get("gemm_backend_config", {})
         dims = dims.get("dot_dimension_numbers", {})
@@ -400,6 +403,21 @@ def _product_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
         return 0.0, "bf16"
     k = math.prod(lhs_dims[d] for d in contracted if d < len(lhs_dims))
     return 2.0 * out * k, _rate_key(lhs_dtype, _highest(ins.attrs))
+
+
+def _cudnn_attention_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
+    """cuDNN's flash attention (`__cudnn$fmhaSoftmax`, `...Backward`): `Q K^T` and `P V` (five
+    products backward) over the scores `[B, H, S, T]` its backend config names, `Dh` deep (q's
+    last axis); the causal half where its mask is causal (cuDNN skips the masked tiles)."""
+    config = _backend_json(ins.attrs).get("cudnn_fmha_backend_config", {})
+    scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
+    operands = _operand_arrays(ins, shapes)
+    if len(scores) != 4 or not operands or len(operands[0][1]) != 4:
+        return 0.0, "bf16"
+    products = 5 if "fmhaSoftmaxBackward" in ins.attrs else 2
+    causal = 0.5 if config.get("mask_type") == "CAUSAL" else 1.0
+    flops = 2.0 * products * math.prod(scores) * operands[0][1][-1] * causal
+    return flops, _rate_key(operands[0][0], False)
 
 
 def _operand_arrays(ins: Instr, shapes: dict[str, str]) -> list[tuple[str, tuple[int, ...]]]:
