@@ -382,15 +382,22 @@ def _cudnn_takes(q_struct, kv_struct) -> str | None:
     return None
 
 
+def _cudnn_why(q, k) -> str | None:
+    """`_cudnn_takes` for this core: k and v in q's dtype, as `_cudnn` passes them."""
+    return _cudnn_takes(
+        jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, q.dtype)
+    )
+
+
 def cudnn_fits(q, k) -> bool:
     """Whether cuDNN's flash attention runs this core, forward and backward, here: jax finds
     cuDNN (jax[cuda] installs it) and takes the shapes (`jax.nn.dot_product_attention`); where
     not, `"auto"` runs the Triton kernel on GPU."""
-    return _cudnn_takes(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k))) is None
+    return _cudnn_why(q, k) is None
 
 
 def _cudnn(q, k, v):
-    why = _cudnn_takes(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k)))
+    why = _cudnn_why(q, k)
     if why is not None:
         raise ValueError(
             f"implementation='cudnn' cannot run q {q.shape} {q.dtype}, k/v {k.shape} here: {why}"
