@@ -1,5 +1,5 @@
 """The causal attention core, forward + backward, on one GPU: each implementation moejax can run
-(`moejax.models._attention`) and the Triton kernel's backward block sizes, in TFLOP/s at the
+(`moejax.models.causal_attention`) and the Triton kernel's backward block sizes, in TFLOP/s at the
 Mixtral-8x7B and OLMoE shapes, each checked against the XLA core (`implementation="xla"`).
 
   xla            the reference core (fp32 scores in memory)
@@ -27,6 +27,7 @@ import pathlib
 import sys
 import time
 import traceback
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,15 +38,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from gpu_check_lib import median_seconds, rel_err, versions  # noqa: E402
 
-from moejax.models import _attention  # noqa: E402
+from moejax.models import causal_attention  # noqa: E402
 
 SHAPES = {  # name -> (B, S, H, Hkv, Dh)
     "mixtral_8x7b": (4, 4096, 32, 8, 128),
     "olmoe": (8, 2048, 16, 16, 128),
 }
 DRY_SHAPES = {"tiny": (1, 128, 4, 2, 64)}
-# Triton backward blocks (q_dkv, kv_dkv, q_dq, kv_dq) and warps (None: jax's choice); the first
-# is what `_attention` runs. q_dq must equal kv_dkv (the fused backward walks both at once).
+# Triton backward blocks (q_dkv, kv_dkv, q_dq, kv_dq) and warps (None: jax's choice): jax's
+# default first, moejax's `"pallas"` last. q_dq must equal kv_dkv (the fused backward walks both
+# at once). Forward blocks: 128 rows (moejax's at these shapes).
 TRITON_BWD = [
     ((32, 32, 32, 32), None),
     ((32, 128, 128, 32), 4),
@@ -60,12 +62,22 @@ def flops(b, s, h, dh) -> float:
     return 0.5 * 4.0 * b * s * s * h * dh * (1 + 2.5)
 
 
+def _jax_triton_attention():
+    """jax's Triton flash-attention module (deprecated in jax 0.11, still shipped)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention
+
+    return attention
+
+
 def triton_core(blocks, warps, interpret):
-    gpu_attention, _ = _attention._kernels()
+    """jax's Triton kernel with these backward blocks, kv heads repeated (as moejax does)."""
+    gpu_attention = _jax_triton_attention()
 
     def core(q, k, v):
         s, h, dh = q.shape[1], q.shape[2], q.shape[3]
-        fwd, _ = _attention.triton_blocks(s, dh, q.dtype)
+        fwd = min(128, s)
         qdkv, kvdkv, qdq, kvdq = (min(x, s) for x in blocks)
         bs = gpu_attention.BlockSizes(
             block_q=fwd,
@@ -75,18 +87,20 @@ def triton_core(blocks, warps, interpret):
             block_q_dq=qdq,
             block_kv_dq=kvdq,
         )
-        k, v = _attention._repeat_kv(k, h), _attention._repeat_kv(v, h)
-        return gpu_attention.mha(
-            q,
-            k,
-            v,
-            None,
-            sm_scale=dh**-0.5,
-            causal=True,
-            block_sizes=bs,
-            num_warps=warps,
-            interpret=interpret,
-        )
+        k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+        with warnings.catch_warnings():  # the Pallas-Triton lowering's deprecation
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return gpu_attention.mha(
+                q,
+                k,
+                v,
+                None,
+                sm_scale=dh**-0.5,
+                causal=True,
+                block_sizes=bs,
+                num_warps=warps,
+                interpret=interpret,
+            )
 
     return core
 
@@ -154,8 +168,7 @@ def part_attention(run) -> None:
     reference), "pallas" (Triton on a GPU) and "auto" (cuDNN's where jax finds it), forward +
     backward at both shapes (`run.dry`: tiny), checked against "xla"; under results["attention"]."""
     impls = {
-        i: functools.partial(_attention.causal_attention, implementation=i)
-        for i in ("xla", "pallas", "auto")
+        i: functools.partial(causal_attention, implementation=i) for i in ("xla", "pallas", "auto")
     }
     run.results["attention"] = measure(
         DRY_SHAPES if run.dry else SHAPES, impls, run.seconds, run.log, run.left
@@ -196,7 +209,7 @@ def main(argv=None) -> int:
         f"# bench_attention: {results['device']}, jax {results['jax']}, commit {results['commit']}",
         flush=True,
     )
-    impls = {"xla": lambda q, k, v: _attention.xla_attention(q, k, v)}
+    impls = {"xla": functools.partial(causal_attention, implementation="xla")}
     for blocks, warps in TRITON_BWD[: 1 if dry else None]:
         impls[f"triton b={','.join(map(str, blocks))} w={warps or '-'}"] = triton_core(
             blocks, warps, interpret=not on_gpu

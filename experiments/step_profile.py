@@ -30,7 +30,6 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse
-import gzip
 import json
 import pathlib
 import shutil
@@ -49,7 +48,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from gpu_check_lib import median_seconds, versions  # noqa: E402
 from step_breakdown import CLASSES, _classify, _flat, model_config  # noqa: E402
 
-from moejax.aot import hlo, schedule  # noqa: E402
+from moejax.aot import hlo, schedule, trace  # noqa: E402
 
 CONFIGS = {  # name -> (model, layers, batch, seq)
     "mixtral_2l": ("mixtral_8x7b", 2, 4, 4096),
@@ -65,40 +64,6 @@ def modelled(text: str, hardware) -> dict[str, float]:
     for op in _flat(schedule.parse(text), hardware):
         out[op.name] = out.get(op.name, 0.0) + schedule.op_seconds(op, hardware)
     return out
-
-
-def trace_file(log_dir: pathlib.Path) -> pathlib.Path:
-    """The trace-viewer JSON that `jax.profiler.trace` exported into log_dir."""
-    found = sorted(log_dir.glob("plugins/profile/*/*.trace.json.gz"))
-    if not found:
-        raise FileNotFoundError(f"no *.trace.json.gz under {log_dir}")
-    return found[-1]
-
-
-def kernel_seconds(path: pathlib.Path, module: str) -> tuple[dict[str, float], str]:
-    """`({instruction: seconds in all}, where)`: device time per XLA instruction of `module`
-    in a trace: the GPU's kernel events where there is a GPU, else the host's XLA ops (CPU)."""
-    with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
-    names = {
-        e["pid"]: e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name"
-    }
-    gpus = {pid for pid, name in names.items() if "/device:GPU" in name}
-    per_op: dict[str, float] = {}
-    modules: dict[str, float] = {}
-    for e in events:
-        args = e.get("args") or {}
-        if e.get("ph") != "X" or "hlo_op" not in args or (gpus and e["pid"] not in gpus):
-            continue
-        modules[args.get("hlo_module", "")] = modules.get(args.get("hlo_module", ""), 0) + e["dur"]
-        if args.get("hlo_module", "").split("(")[0] == module:
-            per_op[args["hlo_op"]] = per_op.get(args["hlo_op"], 0.0) + e["dur"] * 1e-6
-    where = "GPU kernels" if gpus else "host XLA ops"
-    if not per_op:
-        raise ValueError(f"no {where} of module {module!r} in the trace; modules: {modules}")
-    return per_op, where
 
 
 def profile_step(cfg, batch: int, seq: int, steps: int, hardware, log, trace_dir) -> dict:
@@ -126,8 +91,8 @@ def profile_step(cfg, batch: int, seq: int, steps: int, hardware, log, trace_dir
         for _ in range(steps):
             loss = one()
         jax.block_until_ready(loss)
-    path = trace_file(trace_dir)
-    measured, row["measured_on"] = kernel_seconds(path, module)
+    path = trace.trace_file(trace_dir)
+    measured, row["measured_on"] = trace.kernel_seconds(path, module)
     model = modelled(text, hardware)
     comps, _, _ = hlo.computations(text)
     lines = {i.name: i.line for body in comps.values() for i in hlo.parsed(body)}

@@ -240,6 +240,7 @@ COMMAND_LINE_TESTS = {
     "training/test_readme_job.py",
     "training/test_notebook.py",
     "accelerator/test_gpu_check.py",
+    "accelerator/test_step_profile.py",
 }
 
 

@@ -11,7 +11,9 @@ Everything moejax reads from a compile for hardware this machine does not have l
 - `moejax.aot.schedule`: the schedule replayed on a model of the device (exposed
   communication, a modelled step time);
 - `moejax.aot.fit`: will a model's train step fit a slice (memory, FLOPs, roofline);
-- `moejax.aot.ranking`: the training strategy for a target, ranked by the schedule model.
+- `moejax.aot.ranking`: the training strategy for a target, ranked by the schedule model;
+- `moejax.aot.trace`: what a step measured on real hardware, per instruction of its compiled
+  program (a jax profiler trace), beside the schedule model.
 
 The compilers come from `python -m pallas_kernels.targets --install` (CUDA plugin, ptxas,
 libtpu, pinned to the installed jax); run with `JAX_PLATFORMS=cpu`. Device figures (FLOP/s,
@@ -27,6 +29,7 @@ HBM, links) come from `moejax.hardware`.
 
 from moejax.aot import hlo as hlo
 from moejax.aot import schedule as schedule
+from moejax.aot import trace as trace
 from moejax.aot import windows as windows
 from moejax.aot.programs import KERNEL_NAMES as KERNEL_NAMES
 from moejax.aot.programs import Compiled as Compiled
@@ -49,6 +52,7 @@ __all__ = [
     "mesh",
     "platform_of",
     "schedule",
+    "trace",
     "train_step_program",
     "windows",
 ]

@@ -1,7 +1,7 @@
-"""`experiments/step_profile.py` (a train step's measured time by kernel class, from a jax trace)
-and `experiments/bench_attention.py` (the attention cores forward + backward) on this CPU
-machine: the trace reading on a trace shaped as an H200's, and `--dry-run` of both scripts.
-What they measure needs a GPU (BENCHMARKS.md)."""
+"""`experiments/step_profile.py` (a train step's measured time by kernel class, from a jax trace
+read by `moejax.aot.trace`) and `experiments/bench_attention.py` (the attention cores forward +
+backward) on this CPU machine: the trace reader on a trace shaped as an H200's, and
+`--dry-run` of both scripts. What they measure needs a GPU (BENCHMARKS.md)."""
 
 import gzip
 import json
@@ -12,10 +12,9 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
+from moejax.aot import trace
 
-import step_profile  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _event(pid, op, dur, module="jit_train_step"):
@@ -49,12 +48,12 @@ def test_kernel_seconds_sums_the_gpu_kernels_of_the_step_per_instruction(tmp_pat
             {"ph": "X", "pid": 1, "tid": 14, "ts": 0.0, "dur": 5.0, "name": "memcpy", "args": {}},
         ],
     )
-    assert step_profile.trace_file(tmp_path) == path
-    seconds, where = step_profile.kernel_seconds(path, "jit_train_step")
+    assert trace.trace_file(tmp_path) == path
+    seconds, where = trace.kernel_seconds(path, "jit_train_step")
     assert where == "GPU kernels"
     assert seconds == pytest.approx({"fusion.1": 150e-6, "custom-call.3": 7e-6})
     with pytest.raises(ValueError, match="no GPU kernels of module 'jit_step'.*jit_other"):
-        step_profile.kernel_seconds(path, "jit_step")
+        trace.kernel_seconds(path, "jit_step")
 
 
 def _run(script, *args, timeout=900):
