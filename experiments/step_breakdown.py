@@ -33,7 +33,8 @@ EXPERT_KERNELS = frozenset({"gmm", "gmm_t", "tgmm", "gather_gmm", "fp8_gmm", "fp
 CLASSES = ("expert matmuls", "rest of the MoE layer", "attention", "everything else")
 
 
-def _classify(line: str) -> str:
+def classify(line: str) -> str:
+    """The class (`CLASSES`) of a compiled instruction's line."""
     if any(c.name in EXPERT_KERNELS for c in introspect.compiled_kernel_calls(line)):
         return "expert matmuls"
     scope = hlo.op_name(line)
@@ -60,23 +61,34 @@ def _flat(ops, hardware):
             yield op
 
 
+def instruction_lines(text: str) -> dict[str, str]:
+    """Every instruction's line of a compiled program, by name (all computations)."""
+    comps, _, _ = hlo.computations(text)
+    return {i.name: i.line for body in comps.values() for i in hlo.parsed(body)}
+
+
+def modelled_ops(text: str, hardware) -> dict[str, tuple[float, float]]:
+    """`{instruction: (seconds, bytes)}` of one step on the schedule model, repeats summed."""
+    out: dict[str, tuple[float, float]] = {}
+    for op in _flat(schedule.parse(text), hardware):
+        seconds, nbytes = out.get(op.name, (0.0, 0.0))
+        out[op.name] = (seconds + schedule.op_seconds(op, hardware), nbytes + op.bytes)
+    return out
+
+
 def breakdown(text: str, hardware=schedule.H100_SXM, top: int = 0):
     """`(seconds, costliest)`: modelled seconds per class of `CLASSES` (and "step": the
     replayed step) of a compiled train step, and its `top` costliest kernels as
     `(seconds, GB moved, class, scope)`, repeats of one instruction summed."""
-    comps, _, _ = hlo.computations(text)
-    lines = {i.name: i.line for body in comps.values() for i in hlo.parsed(body)}
+    lines = instruction_lines(text)
     out = dict.fromkeys(CLASSES, 0.0)
-    per_op: dict[str, list] = {}
-    for op in _flat(schedule.parse(text), hardware):
-        line = lines.get(op.name, "")
-        seconds = schedule.op_seconds(op, hardware)
-        out[_classify(line)] += seconds
-        row = per_op.setdefault(op.name, [0.0, 0.0, _classify(line), hlo.op_name(line)])
-        row[0] += seconds
-        row[1] += op.bytes / 1e9
+    rows = []
+    for name, (seconds, nbytes) in modelled_ops(text, hardware).items():
+        line = lines.get(name, "")
+        out[classify(line)] += seconds
+        rows.append((seconds, nbytes / 1e9, classify(line), hlo.op_name(line)))
     out["step"] = schedule.estimate(text, hardware, default_trip_count=0).step_s
-    return out, sorted(per_op.values(), key=lambda r: -r[0])[:top]
+    return out, sorted(rows, key=lambda r: -r[0])[:top]
 
 
 def model_config(name: str, layers: int | None, seq: int):

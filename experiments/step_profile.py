@@ -46,7 +46,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from gpu_check_lib import median_seconds, versions  # noqa: E402
-from step_breakdown import CLASSES, _classify, _flat, model_config  # noqa: E402
+from step_breakdown import (  # noqa: E402
+    CLASSES,
+    classify,
+    instruction_lines,
+    model_config,
+    modelled_ops,
+)
 
 from moejax.aot import hlo, schedule, trace  # noqa: E402
 
@@ -56,14 +62,6 @@ CONFIGS = {  # name -> (model, layers, batch, seq)
 }
 DRY = ("tiny", None, 2, 64)
 MAX_TRACES = 4  # of the 8 files a lent machine returns: results.json, .md, log.txt, traces
-
-
-def modelled(text: str, hardware) -> dict[str, float]:
-    """Seconds per instruction name of one step on the schedule model (`step_breakdown`)."""
-    out: dict[str, float] = {}
-    for op in _flat(schedule.parse(text), hardware):
-        out[op.name] = out.get(op.name, 0.0) + schedule.op_seconds(op, hardware)
-    return out
 
 
 def profile_step(cfg, batch: int, seq: int, steps: int, hardware, log, trace_dir) -> dict:
@@ -93,13 +91,12 @@ def profile_step(cfg, batch: int, seq: int, steps: int, hardware, log, trace_dir
         jax.block_until_ready(loss)
     path = trace.trace_file(trace_dir)
     measured, row["measured_on"] = trace.kernel_seconds(path, module)
-    model = modelled(text, hardware)
-    comps, _, _ = hlo.computations(text)
-    lines = {i.name: i.line for body in comps.values() for i in hlo.parsed(body)}
+    model = {name: seconds for name, (seconds, _) in modelled_ops(text, hardware).items()}
+    lines = instruction_lines(text)
     classes = {c: {"measured_ms": 0.0, "modelled_ms": 0.0} for c in (*CLASSES, "unmatched")}
     ops = []
     for name in set(measured) | set(model):
-        kind = _classify(lines[name]) if name in lines else "unmatched"
+        kind = classify(lines[name]) if name in lines else "unmatched"
         ms = measured.get(name, 0.0) / steps * 1e3
         classes[kind]["measured_ms"] += ms
         classes[kind]["modelled_ms"] += model.get(name, 0.0) * 1e3
