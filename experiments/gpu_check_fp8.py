@@ -1,14 +1,15 @@
 """`gpu_check.py --parts fp8`: the fp8 expert matmuls (DeepSeek-V3 recipe) on a lent Hopper GPU.
 
-In about 4.5 minutes on one H100 (budget `BUDGET_S`), each step skipped with its reason when it
+In about 5 minutes on one H100 (budget `BUDGET_S`), each step skipped with its reason when it
 fails or the budget is spent:
   numerics (25 s): the fp8 kernels (fp8_gmm forward and lhs gradient, fp8_tgmm), with the
-    consumers halving each tile by columns and by rows (`fp8_mosaic_gpu.SPLITS`), compiled on
-    the device against the dequantize-then-matmul reference (XLA, fp32), bf16 outputs.
+    consumers halving each tile by columns and by rows (`fp8_mosaic_gpu.SPLITS`), and on the
+    pipeline each kernel does not default to (`fp8_mosaic_gpu.PIPELINES`), compiled on the
+    device against the dequantize-then-matmul reference (XLA, fp32), bf16 outputs.
   train (85 s): gpu_check's OLMoE-shaped ~1B train step, fp8 vs bf16 experts (moejax only).
-  kernels (125 s): TFLOP/s of forward, dlhs and tgmm at the Mixtral, DeepSeek-V3 and
+  kernels (150 s): TFLOP/s of forward, dlhs and tgmm at the Mixtral, DeepSeek-V3 and
     fine-grained shapes (balanced groups): the fp8 kernels on pre-quantized operands (both
-    splits: each kernel's default is "fp8 (quantized operands)"), the
+    splits and both pipelines: each kernel's defaults are "fp8 (quantized operands)"), the
     forward again with its quantization (what the layer pays), our bf16 Mosaic GPU kernels,
     the activation and weight quantizations alone (XLA against the fused `quantize_both` and
     `quantize_blocks_both`, GB/s), and
@@ -32,20 +33,36 @@ import pallas_kernels as pk
 from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops, targets
 from pallas_kernels import shapes as pk_shapes
 
-BUDGET_S = {"numerics": 25, "train": 85, "kernels": 125, "layer": 30}
+BUDGET_S = {"numerics": 25, "train": 85, "kernels": 150, "layer": 30}
 SHAPES = ("mixtral_8x7b", "deepseek_v3", "fine_grained")
 TOL = 2 * float(jnp.finfo(jnp.bfloat16).eps)  # the bf16 rounding of the same fp32 sums
 
 
-def _fp8_fns(run: Run, align: int, split: str | None = None) -> dict:
+def _fp8_fns(run: Run, align: int, split: str | None = None, pipeline: str | None = None) -> dict:
     """kernel -> jitted fn on pre-quantized operands (the fp8 kernels, consumers halving each
-    tile by `split`; None: each kernel's default)."""
-    kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu, split=split)
+    tile by `split`, K blocks on `pipeline`; None: each kernel's default)."""
+    kw = dict(out_dtype=jnp.bfloat16, group_alignment=align, interpret=not run.on_gpu,
+              split=split, pipeline=pipeline)  # fmt: skip
     return {
         "gmm": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_gmm(*a, *b, s, **kw)),
         "gmm_t": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_gmm(*a, *b, s, **kw)),
         "tgmm": jax.jit(lambda a, b, s: fp8_mosaic_gpu.fp8_tgmm(*a, *b, s, **kw)),
     }
+
+
+_FP8_KERNEL = {"gmm": "fp8_gmm", "gmm_t": "fp8_gmm", "tgmm": "fp8_tgmm"}
+
+
+def _other_pipeline(kernel: str) -> str:
+    """The pipeline `kernel`'s fp8 kernel does not default to."""
+    default = fp8_mosaic_gpu.DEFAULT_PIPELINE[_FP8_KERNEL[kernel]]
+    return next(p for p in fp8_mosaic_gpu.PIPELINES if p != default)
+
+
+def _other_pipeline_fns(run: Run, align: int) -> dict:
+    """kernel -> jitted fn as `_fp8_fns`, on the pipeline the kernel does not default to."""
+    return {kernel: _fp8_fns(run, align, pipeline=_other_pipeline(kernel))[kernel]
+            for kernel in _FP8_KERNEL}  # fmt: skip
 
 
 def _emulated(kernel: str, a, b, s):
@@ -149,6 +166,8 @@ def _numerics(run: Run, align: int, out: dict) -> None:
     rows = out["numerics"] = []
     fns = [(f"{kernel} {split}", kernel, fn) for split in fp8_mosaic_gpu.SPLITS
            for kernel, fn in _fp8_fns(run, align, split).items()]  # fmt: skip
+    fns += [(f"{kernel} {_other_pipeline(kernel)} pipeline", kernel, fn)
+            for kernel, fn in _other_pipeline_fns(run, align).items()]  # fmt: skip
     for name, kernel, fn in fns:
         try:
             got = fn(*q[kernel], s)
@@ -222,10 +241,11 @@ def _kernels(run: Run, align: int, out: dict, deadline: float) -> None:
         q = _quantized(x, w, dy)
         fp8_fns, bf16_fns = _fp8_fns(run, align), ours(run, "pallas_mosaic_gpu", align)
         other = {}  # kernel -> the split its fp8 kernel does not default to
-        for kernel, fp8_kernel in (("gmm", "fp8_gmm"), ("gmm_t", "fp8_gmm"), ("tgmm", "fp8_tgmm")):
+        for kernel, fp8_kernel in _FP8_KERNEL.items():
             default = fp8_mosaic_gpu.DEFAULT_SPLIT[fp8_kernel]
             other[kernel] = next(s for s in fp8_mosaic_gpu.SPLITS if s != default)
         other_fns = {split: _fp8_fns(run, align, split) for split in set(other.values())}
+        pipeline_fns = _other_pipeline_fns(run, align)
         args16 = {"gmm": (x, w), "gmm_t": (dy, w), "tgmm": (x, dy)}
         for kernel in ("gmm", "gmm_t", "tgmm"):
             row = dict(shape=shape, kernel=kernel, m=m, k=k, n=n, g=g, tflops={}, unavailable={})
@@ -236,6 +256,7 @@ def _kernels(run: Run, align: int, out: dict, deadline: float) -> None:
                     other_fns[other[kernel]][kernel],
                     (*q[kernel], s),
                 ),
+                f"fp8 {_other_pipeline(kernel)} pipeline": (pipeline_fns[kernel], (*q[kernel], s)),
             }
             if kernel == "gmm":
                 timed["fp8 incl. quantization"] = (_quantize_and_gmm(run, align), (x, w, s))

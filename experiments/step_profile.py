@@ -19,6 +19,10 @@ Run on a lent GPU from the repository root (jax with CUDA; ~5 min on an H200):
 
     python3 experiments/step_profile.py --out $OUT/step_profile
 
+`--fp8-pipelines per_tile,stream` adds an fp8 step per named pipeline of the fp8 kernels
+(`fp8_mosaic_gpu.PIPELINES`; the precision column is then `fp8_<pipeline>`), to compare them in
+one run; by default fp8 runs each kernel's default pipeline.
+
 `--dry-run`: a tiny model on whatever is there (the CPU's XLA ops stand in for kernels), e.g.
 `JAX_PLATFORMS=cpu python experiments/step_profile.py --dry-run --out /tmp/sp`.
 """
@@ -30,6 +34,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse
+import contextlib
 import json
 import pathlib
 import shutil
@@ -55,6 +60,7 @@ from step_breakdown import (  # noqa: E402
 )
 
 from moejax.aot import hlo, schedule, trace  # noqa: E402
+from pallas_kernels import fp8_mosaic_gpu  # noqa: E402
 
 CONFIGS = {  # name -> (model, layers, batch, seq)
     "mixtral_2l": ("mixtral_8x7b", 2, 4, 4096),
@@ -158,8 +164,10 @@ def markdown(results: dict) -> str:
             f"{ok[p]['step_ms']:.1f} | {ok[p]['modelled_step_ms']:.1f}" for p in precisions
         )
         lines.append(f"| step (wall) | {cells} |")
-        if "bf16" in ok and "fp8" in ok:
-            lines.append(f"\nfp8 / bf16 step: {ok['bf16']['step_ms'] / ok['fp8']['step_ms']:.3f}x")
+        for p in precisions:
+            if p.startswith("fp8") and "bf16" in ok:
+                ratio = ok["bf16"]["step_ms"] / ok[p]["step_ms"]
+                lines.append(f"\n{p} / bf16 step: {ratio:.3f}x")
         for p in precisions:
             lines += [
                 "",
@@ -176,6 +184,29 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@contextlib.contextmanager
+def fp8_pipeline(pipeline: str | None):
+    """The fp8 kernels on `pipeline` while tracing (None: their defaults)."""
+    saved = dict(fp8_mosaic_gpu.DEFAULT_PIPELINE)
+    if pipeline is not None:
+        fp8_mosaic_gpu.DEFAULT_PIPELINE.update(dict.fromkeys(saved, pipeline))
+    try:
+        yield
+    finally:
+        fp8_mosaic_gpu.DEFAULT_PIPELINE.update(saved)
+
+
+def precisions(fp8_pipelines: str | None) -> dict:
+    """Column name -> (expert precision, fp8 pipeline or None)."""
+    if not fp8_pipelines:
+        return {"bf16": ("bf16", None), "fp8": ("fp8", None)}
+    names = fp8_pipelines.split(",")
+    for name in names:
+        if name not in fp8_mosaic_gpu.PIPELINES:
+            raise SystemExit(f"--fp8-pipelines: {name!r} is not one of {fp8_mosaic_gpu.PIPELINES}")
+    return {"bf16": ("bf16", None), **{f"fp8_{n}": ("fp8", n) for n in names}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -183,7 +214,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps traced per configuration")
     parser.add_argument("--time-limit", type=float, default=420.0, help="seconds in all")
     parser.add_argument("--dry-run", action="store_true", help="a tiny model, any machine")
+    parser.add_argument(
+        "--fp8-pipelines", default=None,
+        help="comma-separated fp8 kernel pipelines to run, each its own column "
+        f"(of {', '.join(fp8_mosaic_gpu.PIPELINES)}; default: the kernels' defaults)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    columns = precisions(args.fp8_pipelines)
     # No CUDA graphs: each kernel is then traced as launched, with its XLA instruction (what the
     # attribution needs); the wall times are of the step launched kernel by kernel. (Read when
     # the backend starts, below.)
@@ -216,14 +253,14 @@ def main(argv=None) -> int:
         model, layers, batch, seq = DRY if args.dry_run else CONFIGS[name]
         base = model_config(model, layers, seq)
         rows = results["configs"][name] = {}
-        for precision in ("bf16", "fp8"):
+        for precision, (expert_precision, pipeline) in columns.items():
             if time.perf_counter() > deadline - (0 if args.dry_run else 60):
                 rows[precision] = {"skipped": "the time limit"}
                 log(f"## {name} {precision}: skipped (the time limit)")
                 continue
             log(f"## {name} {precision}: {batch} x {seq} tokens")
-            cfg = base.replace(moe=base.moe.replace(expert_precision=precision))
-            with tempfile.TemporaryDirectory() as tmp:
+            cfg = base.replace(moe=base.moe.replace(expert_precision=expert_precision))
+            with tempfile.TemporaryDirectory() as tmp, fp8_pipeline(pipeline):
                 try:
                     rows[precision] = profile_step(
                         cfg,

@@ -17,7 +17,14 @@ producer warpgroup, two wgmma consumer warpgroups), changed where fp8 needs it:
     carried and the scoped accumulators take 64 registers each per thread. `DEFAULT_SPLIT`
     holds the faster on an H200 for each kernel.
 The per-row scales travel with their tiles by TMA (stored transposed, `[K / 128, M]`, so a
-tile's scales are contiguous); the weight block's scale is one scalar load per step.
+tile's scales are contiguous); the weight block's scale is one scalar load per step. The
+K blocks reach shared memory on one of two pipelines (`PIPELINES`): jax's
+`emit_pipeline_warp_specialized` once per tile, which fills its ring at the start of each tile
+and drains it at the end ("per_tile"), or `mosaic_gpu.tile_stream`, one ring for all of the
+CTA's tiles ("stream": the producer loads the next tile's first blocks while the consumers
+finish a tile). At 128-deep fp8 steps a tile is short (32 steps at K = 4096; 4 in a weight
+gradient over 512-row groups), so the refill is paid often. `DEFAULT_PIPELINE` holds what is
+measured.
 
 `quantize_both` and `quantize_blocks_both` are the quantizations these kernels read, fused:
 one read of a 16-bit activation `x` gives `fp8.quantize_rows(x)` and `fp8.quantize_cols(x)`,
@@ -48,6 +55,7 @@ from pallas_kernels.mosaic_gpu import (
     _out_smem,
     _transforms,
     num_sms,
+    tile_stream,
 )
 
 TILE = 128  # tm = tk = tn: one scale block deep
@@ -57,6 +65,11 @@ SPLITS = ("cols", "rows")  # how the two consumers halve the CTA tile (module do
 # `pallas_kernels.shapes` but one (BENCHMARKS.md): rows for fp8_gmm (forward and lhs gradient),
 # columns for fp8_tgmm.
 DEFAULT_SPLIT = {"fp8_gmm": "rows", "fp8_tgmm": "cols"}
+# How K blocks reach shared memory (module docstring). Each kernel's default is the pipeline
+# measured on an H200 (BENCHMARKS.md); "stream" is compiled for H100 and interpreted on CPU,
+# and waits for a GPU to be timed.
+PIPELINES = ("per_tile", "stream")
+DEFAULT_PIPELINE = {"fp8_gmm": "per_tile", "fp8_tgmm": "per_tile"}
 STAGES = 4  # shared memory ring: 4 x (16 + 16 KiB of fp8 + scales)
 RASTER = 8
 _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -106,13 +119,21 @@ def _check_split(split: str | None, kernel: str) -> str:
     return split
 
 
+def _check_pipeline(pipeline: str | None, kernel: str) -> str:
+    """`pipeline`, or `kernel`'s default where it is None."""
+    pipeline = DEFAULT_PIPELINE[kernel] if pipeline is None else pipeline
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    return pipeline
+
+
 def _zeros(shape, interpret):
     zeros = jnp.zeros(shape, jnp.float32)
     return mgpu_compat.layout_cast(zeros, plgpu.Layout.WGMMA, interpret=bool(interpret))
 
 
 def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, interpret,
-               split):  # fmt: skip
+               split, pipeline):  # fmt: skip
     """out[rows of g] = (lhs * scales)[rows of g] @ (rhs[g] * scales)^T, groups 128-aligned.
 
     Args:
@@ -124,6 +145,7 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
       out_dtype: output dtype.
       interpret: False, or Mosaic GPU interpreter params.
       split: how the consumers halve the tile (`SPLITS`).
+      pipeline: how the K blocks reach shared memory (`PIPELINES`).
 
     Returns:
       `[M, N]` out_dtype; tiles past the groups are zero.
@@ -132,63 +154,55 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
     num_groups, n, _ = rhs.shape
     load = functools.partial(mgpu_compat.load, interpret=bool(interpret))
     m_iters, n_iters, k_iters = m // TILE, n // TILE, k // TILE
-    stages = min(STAGES, k_iters)
-    operand = _transforms(TILE, lhs.dtype)
-    in_specs = [
-        plgpu.BlockSpec((TILE, TILE), lambda kk: (0, kk), transforms=operand),
-        plgpu.BlockSpec((TILE, TILE), lambda kk: (0, kk), transforms=_transforms(TILE, rhs.dtype)),
-        plgpu.BlockSpec((1, TILE), lambda kk: (kk, 0)),
+    rings = [
+        ((TILE, TILE), lhs.dtype, _transforms(TILE, lhs.dtype)),
+        ((TILE, TILE), rhs.dtype, _transforms(TILE, rhs.dtype)),
+        ((1, TILE), jnp.float32, ()),
     ]
 
-    def pipeline(step, context, steps):
-        return plgpu.emit_pipeline_warp_specialized(
-            step, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs,
-            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
-            compute_context=context,
-        )  # fmt: skip
-
     def body(tile_group_gmem, lhs_gmem, scale_gmem, rhs_gmem, rhs_scale_gmem, out_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-        allocations = pipeline(ignore, ignore, k_iters).get_allocations(
-            lhs_gmem, rhs_gmem.at[0], scale_gmem
-        )
+        def tile(info):
+            mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 0, RASTER)
+            group = tile_group_gmem[mi]
+            return mi, ni, jnp.minimum(group, num_groups - 1), group < num_groups
 
-        @functools.partial(
-            pl.run_scoped, allocations=allocations,
-            out_smem=_out_smem(*_halves(split, 0)[2], out_dtype), collective_axes="wg",
-        )  # fmt: skip
-        def _scope(allocations, out_smem):
+        def steps(t):
+            return jnp.where(t[3], k_iters, 0)  # a tile past the groups stores zeros
+
+        def views(t):  # the tile's operands along K, in the rings' order
+            mi, ni, g, _ = t
+            rows = pl.ds(mi * TILE, TILE)
+            return [lhs_gmem.at[rows, :], rhs_gmem.at[g, pl.ds(ni * TILE, TILE), :],
+                    scale_gmem.at[:, rows]]  # fmt: skip
+
+        def blocks(_, kk):  # step kk's block of each view
+            return [(0, kk), (0, kk), (kk, 0)]
+
+        def scope(out_smem):
             wg = lax.axis_index("wg")
             wg_rows, wg_cols, acc_shape = _halves(split, wg)
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-            def _tile(info):
-                mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 0, RASTER)
-                group = tile_group_gmem[mi]
-                steps = jnp.where(group < num_groups, k_iters, 0)
-                g = jnp.minimum(group, num_groups - 1)
-                rows = pl.ds(mi * TILE, TILE)
+            def step(t, kk, slots, carry):
+                _, ni, g, _ = t
+                lhs_smem, rhs_smem, scale_smem = slots
+                row_scale = load(scale_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                block_scale = rhs_scale_gmem[g, ni, kk]
+                scale = lax.broadcast_in_dim(row_scale * block_scale, carry.shape, [0])
+                return _scaled_step(carry, lhs_smem.at[wg_rows, :], rhs_smem.at[wg_cols, :], scale)
 
-                def context(run):
-                    acc = run(_zeros(acc_shape, interpret))
-                    out = out_gmem.at[rows, pl.ds(ni * TILE, TILE)].at[wg_rows, wg_cols]
-                    _epilogue(acc, out_smem, out, wg, out_dtype)
+            def finish(t, acc):
+                mi, ni, _, _ = t
+                out = out_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)]
+                _epilogue(acc, out_smem, out.at[wg_rows, wg_cols], wg, out_dtype)
 
-                def step(idx, lhs_smem, rhs_smem, scale_smem, carry):
-                    row_scale = load(scale_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    block_scale = rhs_scale_gmem[g, ni, idx[0]]
-                    scale = lax.broadcast_in_dim(row_scale * block_scale, carry.shape, [0])
-                    return _scaled_step(
-                        carry, lhs_smem.at[wg_rows, :], rhs_smem.at[wg_cols, :], scale
-                    )
+            _tiles(
+                pipeline, (m_iters * n_iters,), rings, [lhs_gmem, rhs_gmem.at[0], scale_gmem],
+                tile=tile, steps=steps, views=views, blocks=blocks,
+                init=lambda _: _zeros(acc_shape, interpret), step=step, finish=finish,
+                stages=min(STAGES, k_iters),
+            )  # fmt: skip
 
-                pipeline(step, context, steps)(
-                    lhs_gmem.at[rows, :],
-                    rhs_gmem.at[g, pl.ds(ni * TILE, TILE), :],
-                    scale_gmem.at[:, rows],
-                    allocations=allocations,
-                )
-
+        pl.run_scoped(scope, _out_smem(*_halves(split, 0)[2], out_dtype), collective_axes="wg")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     cost = pl.CostEstimate(
@@ -205,8 +219,65 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
     return vma.cast_varying(out, vma.varying_axes(lhs))
 
 
+def _tiles(pipeline, grid, rings, operands, *, tile, steps, views, blocks, init, step, finish,
+           stages):  # fmt: skip
+    """Each CTA's tiles of `grid`: the consumers run `step` on each K block of a tile and
+    `finish` after the last, on `pipeline` (`PIPELINES`).
+
+    A tile `t = tile(info)` has `steps(t)` K blocks; block `r` of ring i is block
+    `blocks(t, r)[i]` (in units of the ring's block shape) of `views(t)[i]`, a view of
+    `operands[i]`. "stream" runs `mosaic_gpu.tile_stream` (one ring for all the tiles);
+    "per_tile", jax's `emit_pipeline_warp_specialized` on each tile with `stages` slots (at
+    most the steps of a tile) and allocations shared between the tiles.
+    """
+    if pipeline == "stream":
+
+        def copies(t, r):
+            return [
+                view.at[tuple(pl.ds(b * size, size) for b, size in zip(block, shape, strict=True))]
+                for view, block, (shape, _, _) in zip(views(t), blocks(t, r), rings, strict=True)
+            ]  # fmt: skip
+
+        tile_stream(grid, rings=rings, stages=STAGES, tile=tile, steps=steps, copies=copies,
+                    init=init, step=step, finish=finish)  # fmt: skip
+        return
+
+    def pipe(t, body, context, num_steps):
+        def index_map(i, r):  # (allocations need only that each block moves with r)
+            return (r,) * len(rings[i][0]) if t is None else blocks(t, r)[i]
+
+        specs = [
+            plgpu.BlockSpec(shape, functools.partial(index_map, i), transforms=transforms)
+            for i, (shape, _, transforms) in enumerate(rings)
+        ]
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(num_steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+            compute_context=context,
+        )  # fmt: skip
+
+    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+    allocs = pipe(None, ignore, ignore, stages).get_allocations(*operands)
+
+    def scope(allocations):
+        @plgpu.nd_loop(grid, collective_axes="sm")
+        def _(info):
+            t = tile(info)
+
+            def context(run):
+                finish(t, run(init(t)))
+
+            def body(idx, *refs):
+                *slots, carry = refs
+                return step(t, idx[0], slots, carry)
+
+            pipe(t, body, context, steps(t))(*views(t), allocations=allocations)
+
+    pl.run_scoped(scope, allocs, collective_axes="wg")
+
+
 def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, interpret,
-                split):  # fmt: skip
+                split, pipeline):  # fmt: skip
     """out[g] = (lhs_t * scales)[:, rows of g] @ ((rhs_t * scales)[:, rows of g])^T.
 
     Args:
@@ -218,6 +289,7 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
       out_dtype: output dtype.
       interpret: False, or Mosaic GPU interpreter params.
       split: how the consumers halve the output tile (`SPLITS`).
+      pipeline: how the row blocks reach shared memory (`PIPELINES`).
 
     Returns:
       `[G, K, N]` out_dtype; empty groups are zero.
@@ -227,65 +299,57 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
     load = functools.partial(mgpu_compat.load, interpret=bool(interpret))
     num_groups = group_sizes.shape[0]
     k_iters, n_iters = k // TILE, n // TILE
+    per_group = k_iters * n_iters
     order, first_block, steps = md.largest_first(group_sizes, tm=TILE)
-
-    def pipeline(step, context, num_steps, first):
-        return plgpu.emit_pipeline_warp_specialized(
-            step, grid=(num_steps,), memory_registers=MEMORY_REGISTERS,
-            in_specs=[  # 128-row blocks r of the group, from its first on
-                plgpu.BlockSpec((TILE, TILE), lambda r: (0, first + r),
-                                transforms=_transforms(TILE, lhs_t.dtype)),
-                plgpu.BlockSpec((TILE, TILE), lambda r: (0, first + r),
-                                transforms=_transforms(TILE, rhs_t.dtype)),
-                plgpu.BlockSpec((1, TILE), lambda r: (first + r, 0)),
-                plgpu.BlockSpec((1, TILE), lambda r: (first + r, 0)),
-            ],
-            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=STAGES,
-            compute_context=context,
-        )  # fmt: skip
+    rings = [
+        ((TILE, TILE), lhs_t.dtype, _transforms(TILE, lhs_t.dtype)),
+        ((TILE, TILE), rhs_t.dtype, _transforms(TILE, rhs_t.dtype)),
+        ((1, TILE), jnp.float32, ()),
+        ((1, TILE), jnp.float32, ()),
+    ]
 
     def body(order_gmem, first_gmem, steps_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, out_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731
-        allocations = pipeline(ignore, ignore, STAGES, 0).get_allocations(
-            a_gmem, b_gmem, sa_gmem, sb_gmem
-        )
+        def tile(info):
+            (lin,) = info.index
+            g = order_gmem[lax.div(lin, per_group)]  # largest groups first
+            ki, ni = plgpu.planar_snake(lax.rem(lin, per_group), (k_iters, n_iters), 0, RASTER)
+            return g, ki, ni, first_gmem[g]
 
-        @functools.partial(
-            pl.run_scoped, allocations=allocations,
-            out_smem=_out_smem(*_halves(split, 0)[2], out_dtype), collective_axes="wg",
-        )  # fmt: skip
-        def _scope(allocations, out_smem):
+        def views(t):  # the tile's operands along M, in the rings' order
+            _, ki, ni, _ = t
+            ks, ns = pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)
+            return [a_gmem.at[ks, :], b_gmem.at[ns, :], sa_gmem.at[:, ks], sb_gmem.at[:, ns]]
+
+        def blocks(t, r):  # 128-row block r of the group, from its first on
+            r = t[3] + r
+            return [(0, r), (0, r), (r, 0), (r, 0)]
+
+        def scope(out_smem):
             wg = lax.axis_index("wg")
             wg_rows, wg_cols, acc_shape = _halves(split, wg)
-            per_group = k_iters * n_iters
 
-            @plgpu.nd_loop((num_groups * per_group,), collective_axes="sm")
-            def _tile(info):
-                (lin,) = info.index
-                g = order_gmem[lax.div(lin, per_group)]  # largest groups first
-                ki, ni = plgpu.planar_snake(lax.rem(lin, per_group), (k_iters, n_iters), 0, RASTER)
-
-                def context(run):
-                    acc = run(_zeros(acc_shape, interpret))  # zero steps for an empty group
-                    out = out_gmem.at[g, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)]
-                    _epilogue(acc, out_smem, out.at[wg_rows, wg_cols], wg, out_dtype)
-
-                def step(_, a_smem, b_smem, sa_smem, sb_smem, carry):
-                    row = load(sa_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    col = load(sb_smem.at[0, wg_cols], layout=plgpu.Layout.WGMMA.reduce(0))
-                    scale = lax.broadcast_in_dim(row, carry.shape, [0]) * lax.broadcast_in_dim(
-                        col, carry.shape, [1]
-                    )
-                    return _scaled_step(carry, a_smem.at[wg_rows, :], b_smem.at[wg_cols, :], scale)
-
-                pipeline(step, context, steps_gmem[g], first_gmem[g])(
-                    a_gmem.at[pl.ds(ki * TILE, TILE), :],
-                    b_gmem.at[pl.ds(ni * TILE, TILE), :],
-                    sa_gmem.at[:, pl.ds(ki * TILE, TILE)],
-                    sb_gmem.at[:, pl.ds(ni * TILE, TILE)],
-                    allocations=allocations,
+            def step(_, r, slots, carry):
+                a_smem, b_smem, sa_smem, sb_smem = slots
+                row = load(sa_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                col = load(sb_smem.at[0, wg_cols], layout=plgpu.Layout.WGMMA.reduce(0))
+                scale = lax.broadcast_in_dim(row, carry.shape, [0]) * lax.broadcast_in_dim(
+                    col, carry.shape, [1]
                 )
+                return _scaled_step(carry, a_smem.at[wg_rows, :], b_smem.at[wg_cols, :], scale)
 
+            def finish(t, acc):  # zeros for an empty group
+                g, ki, ni, _ = t
+                out = out_gmem.at[g, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)]
+                _epilogue(acc, out_smem, out.at[wg_rows, wg_cols], wg, out_dtype)
+
+            _tiles(
+                pipeline, (num_groups * per_group,), rings, [a_gmem, b_gmem, sa_gmem, sb_gmem],
+                tile=tile, steps=lambda t: steps_gmem[t[0]], views=views, blocks=blocks,
+                init=lambda _: _zeros(acc_shape, interpret), step=step, finish=finish,
+                stages=STAGES,
+            )  # fmt: skip
+
+        pl.run_scoped(scope, _out_smem(*_halves(split, 0)[2], out_dtype), collective_axes="wg")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     cost = pl.CostEstimate(
@@ -507,7 +571,7 @@ def _interpret(interpret):
 
 
 def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_alignment,
-            interpret=False, split=None):  # fmt: skip
+            interpret=False, split=None, pipeline=None):  # fmt: skip
     """`lhs @ rhs[g]^T` per group from `fp8.quantize_rows` / `quantize_blocks` operands.
 
     Args:
@@ -519,12 +583,14 @@ def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_ali
       interpret: run in the Mosaic GPU interpreter.
       split: how the two consumer warpgroups halve the 128 x 128 tile (`SPLITS`; None:
         `DEFAULT_SPLIT`).
+      pipeline: how K blocks reach shared memory (`PIPELINES`; None: `DEFAULT_PIPELINE`).
 
     Returns:
       `[M, N]` out_dtype; rows past the groups are zero.
     """
     _check_aligned(group_alignment)
     split = _check_split(split, "fp8_gmm")
+    pipeline = _check_pipeline(pipeline, "fp8_gmm")
     m, n = lhs.shape[0], rhs.shape[1]
     lhs_p = _pad_to(lhs, (TILE, TILE))
     scale_t = _pad_to(lhs_scale, (TILE, 1), 1.0).T
@@ -532,26 +598,27 @@ def fp8_gmm(lhs, lhs_scale, rhs, rhs_scale, group_sizes, *, out_dtype, group_ali
     tile_group = md.aligned_tile_groups(group_sizes, m=lhs_p.shape[0], tm=TILE)
     out = gmm_kernel(
         lhs_p, scale_t, rhs_p, rhs_scale, tile_group, out_dtype=jnp.dtype(out_dtype),
-        interpret=_interpret(interpret), split=split,
+        interpret=_interpret(interpret), split=split, pipeline=pipeline,
     )  # fmt: skip
     return out[:m, :n]
 
 
 def fp8_tgmm(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, group_alignment,
-             interpret=False, split=None):  # fmt: skip
+             interpret=False, split=None, pipeline=None):  # fmt: skip
     """Per group `lhs_t[:, rows] @ rhs_t[:, rows]^T` from `fp8.quantize_cols` operands.
 
     Args:
       lhs_t: `[K, M]` fp8; lhs_scale `[K, ceil(M / 128)]`.
       rhs_t: `[N, M]` fp8; rhs_scale `[N, ceil(M / 128)]`.
       group_sizes: `[G]` int32, multiples of `group_alignment` (a multiple of 128).
-      out_dtype, group_alignment, interpret, split: as for `fp8_gmm`.
+      out_dtype, group_alignment, interpret, split, pipeline: as for `fp8_gmm`.
 
     Returns:
       `[G, K, N]` out_dtype.
     """
     _check_aligned(group_alignment)
     split = _check_split(split, "fp8_tgmm")
+    pipeline = _check_pipeline(pipeline, "fp8_tgmm")
     k, n = lhs_t.shape[0], rhs_t.shape[0]
     a = _pad_to(lhs_t, (TILE, TILE))
     b = _pad_to(rhs_t, (TILE, TILE))
@@ -559,6 +626,6 @@ def fp8_tgmm(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, grou
     sb = _pad_to(rhs_scale, (TILE, 1), 1.0).T
     out = tgmm_kernel(
         a, sa, b, sb, group_sizes, out_dtype=jnp.dtype(out_dtype),
-        interpret=_interpret(interpret), split=split,
+        interpret=_interpret(interpret), split=split, pipeline=pipeline,
     )  # fmt: skip
     return out[:, :k, :n]

@@ -75,7 +75,7 @@ def _mask_rows(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
 # The three products on quantized operands. `lhs`: (q [M, Kc], scale [M, Kc/128]) rowwise;
 # `rhs_kmajor`: (q [G, Nout, Kc], scale [G, Nout/128, Kc/128]) blocks, contracted on its last axis.
 def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret,
-           split):  # fmt: skip
+           split, pipeline):  # fmt: skip
     def emulated():
         x = fp8.dequantize_rows(*lhs)
         w = fp8.dequantize_blocks(*rhs_kmajor)
@@ -86,7 +86,7 @@ def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignme
 
         return fp8_mosaic_gpu.fp8_gmm(
             *lhs, *rhs_kmajor, group_sizes, out_dtype=out_dtype, group_alignment=alignment,
-            interpret=interpret, split=split,
+            interpret=interpret, split=split, pipeline=pipeline,
         )  # fmt: skip
 
     return _on_target(backend, emulated, kernel, lhs[0].dtype, rhs_kmajor[0].dtype, alignment)
@@ -94,7 +94,7 @@ def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignme
 
 # lhs_t: (q [K, M], scale [K, M/128]), rhs_t: (q [N, M], scale [N, M/128]): both along the rows.
 def _tgmm_q(lhs_t, rhs_t, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret,
-            split):  # fmt: skip
+            split, pipeline):  # fmt: skip
     def emulated():
         x = fp8.dequantize_rows(*lhs_t).T
         dy = fp8.dequantize_rows(*rhs_t).T
@@ -105,7 +105,7 @@ def _tgmm_q(lhs_t, rhs_t, group_sizes, *, backend, matmuls, out_dtype, alignment
 
         return fp8_mosaic_gpu.fp8_tgmm(
             *lhs_t, *rhs_t, group_sizes, out_dtype=out_dtype, group_alignment=alignment,
-            interpret=interpret, split=split,
+            interpret=interpret, split=split, pipeline=pipeline,
         )  # fmt: skip
 
     return _on_target(backend, emulated, kernel, lhs_t[0].dtype, rhs_t[0].dtype, alignment)
@@ -189,6 +189,15 @@ def _on_target(backend, emulated, kernel, lhs_dtype, rhs_dtype, alignment):
     return jax.lax.platform_dependent(cuda=kernel, default=emulated)
 
 
+def _options(backend, matmuls, opts) -> dict:
+    """The products' keywords from `_fp8_gmm`'s static arguments."""
+    alignment, interpret, split, pipeline = opts
+    return dict(
+        backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret, split=split,
+        pipeline=pipeline,
+    )  # fmt: skip
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _fp8_gmm(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
     out, _ = _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts)
@@ -196,10 +205,7 @@ def _fp8_gmm(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, op
 
 
 def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
-    alignment, interpret, split = opts
-    kw = dict(
-        backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret, split=split
-    )
+    kw = _options(backend, matmuls, opts)
     wq, wq_t = _quantize_weights(rhs, **kw)
     # Rows past the groups are zeroed first: they then set no scale of the 128 x 1 tiles, and
     # the forward's products leave them out either way.
@@ -211,10 +217,7 @@ def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
 
 def _bwd(grad_format, out_dtype, backend, matmuls, opts, residuals, dout):
     x_t, wq, group_sizes, lhs, rhs = residuals
-    alignment, interpret, split = opts
-    kw = dict(
-        backend=backend, matmuls=matmuls, alignment=alignment, interpret=interpret, split=split
-    )
+    kw = _options(backend, matmuls, opts)
     dout, dout_t = _quantize_both(_mask_rows(dout, group_sizes), grad_format, **kw)
     dlhs = _gmm_q(dout, wq, group_sizes, out_dtype=lhs.dtype, **kw)
     drhs = _tgmm_q(x_t, dout_t, group_sizes, out_dtype=rhs.dtype, **kw)
@@ -244,6 +247,7 @@ def fp8_grouped_matmul(
     group_alignment: int = 1,
     interpret=False,
     split: str | None = None,
+    pipeline: str | None = None,
 ) -> jax.Array:
     """Differentiable grouped matmul `lhs[rows of g] @ rhs[g]` in block-scaled fp8 (module
     docstring), safe inside `shard_map(check_vma=True)` (as `ops.grouped_matmul`).
@@ -260,6 +264,8 @@ def fp8_grouped_matmul(
       interpret: run the Mosaic GPU kernels in their interpreter.
       split: how the kernels' two consumer warpgroups halve a tile
         (`fp8_mosaic_gpu.SPLITS`; None: each kernel's `fp8_mosaic_gpu.DEFAULT_SPLIT`).
+      pipeline: how the kernels bring K blocks to shared memory (`fp8_mosaic_gpu.PIPELINES`;
+        None: each kernel's `fp8_mosaic_gpu.DEFAULT_PIPELINE`).
 
     Returns:
       `[M, N]`; rows past sum(group_sizes) are zero.
@@ -273,10 +279,12 @@ def fp8_grouped_matmul(
 
     if split is not None and split not in fp8_mosaic_gpu.SPLITS:
         raise ValueError(f"split must be one of {fp8_mosaic_gpu.SPLITS}, got {split!r}")
+    if pipeline is not None and pipeline not in fp8_mosaic_gpu.PIPELINES:
+        raise ValueError(f"pipeline must be one of {fp8_mosaic_gpu.PIPELINES}, got {pipeline!r}")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     lhs, rhs, group_sizes = same_varying_axes(lhs, rhs, group_sizes)
     return _fp8_gmm(
         lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls,
-        (group_alignment, interpret, split),
+        (group_alignment, interpret, split, pipeline),
     )  # fmt: skip

@@ -111,6 +111,102 @@ def _out_smem(rows: int, cols: int, out_dtype):
     return plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype, transforms=_transforms(epi_n, out_dtype))
 
 
+def _compute_registers() -> int:
+    """Each consumer warpgroup's registers per thread: the SM's 64K over one warpgroup's 128
+    threads (512), less the producer's, halved, rounded down to a multiple of 8 (what
+    `emit_pipeline_warp_specialized` gives)."""
+    return min(256, (512 - MEMORY_REGISTERS) // 2) // 8 * 8
+
+
+def tile_stream(grid, *, rings, stages: int, tile, steps, copies, init, step, finish) -> None:
+    """A persistent, warp-specialized loop over the CTA's output tiles with one shared-memory
+    ring for all of them: the producer warpgroup (`wg` 2) runs into the next tile's K blocks
+    while the consumers (0 and 1) finish the last and store it.
+
+    `emit_pipeline_warp_specialized`, called once per tile, fills its ring at the start of the
+    tile and drains it at the end, so every tile waits for its first TMA loads with the tensor
+    cores idle; tiles of few K blocks (fp8's 128-deep steps, a weight gradient over small
+    groups) pay that latency often. Here the step counter runs on across tiles, and a slot
+    waits for its consumers only once it is reused.
+
+    A slot is refilled once both consumers have arrived on its "consumed" barrier, after their
+    last read of it (wgmma waited for, plain loads done), as in jax's pipeline, CUTLASS's and
+    DeepGEMM's. The Mosaic GPU interpreter's race detector reports a plain load of a slot and
+    the slot's next TMA write as a race in both pipelines (it asks for a proxy fence between a
+    generic-proxy read and an async-proxy write, which these pipelines do not issue).
+
+    Args:
+      grid: the tiles, walked by `plgpu.nd_loop` over the "sm" axis.
+      rings: `[(block shape, dtype, transforms)]`, one shared-memory ring per operand, `stages`
+        slots each.
+      stages: slots per ring.
+      tile: `tile(info) -> t`, the tile's scalars (a pytree) from its `plgpu.NDLoopInfo`; every
+        warpgroup computes it.
+      steps: `steps(t) -> int32`, the tile's K blocks (0: it stores `init(t)`).
+      copies: `copies(t, r) -> [gmem view]`, step `r`'s source for each ring.
+      init: `init(t) -> carry`, the consumer's accumulator before step 0.
+      step: `step(t, r, slots, carry) -> carry`, with `slots` the rings' views at step `r`'s slot;
+        it must be done reading them when it returns (wgmma waited for).
+      finish: `finish(t, carry)`, the consumer's epilogue.
+    """
+
+    def run(produced, consumed, *smem):
+        def producer():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
+            def issued(info, carry):  # carry: the steps issued so far
+                t = tile(info)
+
+                def copy(r, count):
+                    slot = lax.rem(count, stages)
+
+                    @pl.when(count >= stages)  # the slot's previous step has been consumed
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
+
+                    for src, ring in zip(copies(t, r), smem, strict=True):
+                        plgpu.copy_gmem_to_smem(src, ring.at[slot], produced.at[slot])
+                    return count + 1
+
+                return lax.fori_loop(0, steps(t), copy, carry)
+
+            # Wait for the last steps' consumers, so no copy outlives the kernel's barriers.
+            def drain(count, _):
+                plgpu.barrier_wait(consumed.at[lax.rem(count, stages)])
+
+            lax.fori_loop(jnp.maximum(issued - stages, 0), issued, drain, None)
+
+        def consumer():
+            plgpu.set_max_registers(_compute_registers(), action="increase")
+
+            @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
+            def _(info, carry):  # carry: the steps consumed so far
+                t = tile(info)
+
+                def consume(r, carry):
+                    count, acc = carry
+                    slot = lax.rem(count, stages)
+                    plgpu.barrier_wait(produced.at[slot])
+                    acc = step(t, r, [ring.at[slot] for ring in smem], acc)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return count + 1, acc
+
+                count, acc = lax.fori_loop(0, steps(t), consume, (carry, init(t)))
+                finish(t, acc)
+                return count
+
+        lax.cond(lax.axis_index("wg") == 2, producer, consumer)
+
+    pl.run_scoped(
+        run,
+        plgpu.Barrier(num_arrivals=len(rings), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        *[plgpu.SMEM((stages, *shape), dtype, transforms=t) for shape, dtype, t in rings],
+        collective_axes="wg",
+    )
+
+
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,

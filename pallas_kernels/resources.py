@@ -55,6 +55,8 @@ class Case:
         fp8 Mosaic GPU kernels (fp8_gmm for the forward and the lhs gradient, fp8_tgmm).
       split: for `FP8_BACKEND`, how the kernels' consumers halve a tile
         (`fp8_mosaic_gpu.SPLITS`; None: the default).
+      pipeline: for `FP8_BACKEND`, how the kernels bring K blocks to shared memory
+        (`fp8_mosaic_gpu.PIPELINES`; None: the default).
     """
 
     shape: str
@@ -63,6 +65,7 @@ class Case:
     kernel: str = "vjp"
     backend: str = "pallas"
     split: str | None = None
+    pipeline: str | None = None
 
     def dims(self) -> tuple[int, int, int, int]:
         """(M, K, N, G) of the forward gmm."""
@@ -77,7 +80,7 @@ class Case:
 
     def name(self) -> str:
         name = f"{self.kernel}_{self.shape}_{self.projection}_{self.dtype}_{self.backend}"
-        return name + (f"_{self.split}" if self.split else "")
+        return name + "".join(f"_{v}" for v in (self.split, self.pipeline) if v)
 
     def concrete_backend(self, platform: str) -> str:
         """The backend the kernels run on when compiled for `platform` ("cuda": an H100)."""
@@ -112,10 +115,13 @@ def default_cases(platform: str) -> list[Case]:
     return cases
 
 
-def fp8_cases(shapes_: tuple[str, ...] = MOSAIC_GPU_SHAPES, split: str | None = None) -> list[Case]:
+def fp8_cases(
+    shapes_: tuple[str, ...] = MOSAIC_GPU_SHAPES, split: str | None = None,
+    pipeline: str | None = None,
+) -> list[Case]:  # fmt: skip
     """The fp8 kernels (H100 only) at `shapes_`, both projections, from bf16 operands."""
     return [
-        Case(s, "bfloat16", p, backend=FP8_BACKEND, split=split)
+        Case(s, "bfloat16", p, backend=FP8_BACKEND, split=split, pipeline=pipeline)
         for s in shapes_
         for p in ("in", "out")
     ]
@@ -133,6 +139,7 @@ def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
                     num_stages=f.STAGES,
                     raster=f.RASTER,
                     split=case.split or f.DEFAULT_SPLIT[kernel],
+                    pipeline=case.pipeline or f.DEFAULT_PIPELINE[kernel],
                 ),
                 tiles=[t, t, t],
                 backend=FP8_BACKEND,
@@ -192,7 +199,7 @@ def _program(case: Case):
 
                 return fp8_ops.fp8_grouped_matmul(
                     a, b, sizes, backend="pallas_mosaic_gpu", group_alignment=pk.GROUP_ALIGNMENT,
-                    split=case.split,
+                    split=case.split, pipeline=case.pipeline,
                 )  # fmt: skip
             return pk.grouped_matmul(
                 a, b, sizes, backend=case.backend, group_alignment=pk.GROUP_ALIGNMENT

@@ -1,7 +1,8 @@
 """The fp8 Mosaic GPU kernels (forward and lhs gradient: fp8_gmm; weight gradient: fp8_tgmm),
 compiled for H100 on this CPU machine: in the program, zero spills, registers within the
 three-warpgroup launch budget, shared memory within the limit. The default run compiles one
-case (DeepSeek-V3's expert shape, the up projection); the other shapes and projections are slow.
+case (DeepSeek-V3's expert shape, the up projection) on each pipeline; the other shapes and
+projections are slow.
 """
 
 import functools
@@ -32,9 +33,14 @@ def _check(rows, cases):
 
 
 @needs_cuda
-def test_h100_fp8_kernels_compile_without_spills_deepseek_v3():
-    case = resources.Case("deepseek_v3", "bfloat16", "in", backend=resources.FP8_BACKEND)
-    _check(_rows((case,)), 1)
+@pytest.mark.parametrize("pipeline", fp8_mosaic_gpu.PIPELINES)
+def test_h100_fp8_kernels_compile_without_spills_deepseek_v3(pipeline):
+    case = resources.Case(
+        "deepseek_v3", "bfloat16", "in", backend=resources.FP8_BACKEND, pipeline=pipeline
+    )
+    rows = _rows((case,))
+    _check(rows, 1)
+    assert {r["config"]["pipeline"] for r in rows} == {pipeline}
 
 
 @needs_cuda

@@ -85,9 +85,10 @@ def test_dry_run_takes_every_path(tmp_path):
 
 @pytest.mark.slow  # ~2 min of CPU (the fp8 kernels interpreted, two tiny train steps compiled)
 def test_dry_run_fp8_part(tmp_path):
-    """`--parts fp8` (what the lead runs alone on an H100): the fp8 kernels against the
-    dequantize-then-matmul reference, timed beside our bf16 kernels, torch's scaled grouped
-    matmul named when missing, the layer and the train step with both precisions."""
+    """`--parts fp8` (what the lead runs alone on an H100): the fp8 kernels (both splits, both
+    pipelines) against the dequantize-then-matmul reference, timed beside our bf16 kernels,
+    torch's scaled grouped matmul named when missing, the layer and the train step with both
+    precisions."""
     out = _run("--dry-run", "--parts", "fp8", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     fp8 = json.loads((tmp_path / "results.json").read_text())["fp8"]
@@ -95,11 +96,20 @@ def test_dry_run_fp8_part(tmp_path):
     from pallas_kernels import fp8_mosaic_gpu, mgpu_compat
 
     kernels = {f"{k} {split}" for k in ("gmm", "gmm_t", "tgmm") for split in fp8_mosaic_gpu.SPLITS}
+    # and each kernel on the pipeline it does not default to
+    fp8_kernel = {"gmm": "fp8_gmm", "gmm_t": "fp8_gmm", "tgmm": "fp8_tgmm"}
+    other = {
+        k: next(p for p in fp8_mosaic_gpu.PIPELINES if p != fp8_mosaic_gpu.DEFAULT_PIPELINE[f])
+        for k, f in fp8_kernel.items()
+    }
+    kernels |= {f"{k} {other[k]} pipeline" for k in fp8_kernel}
     if mgpu_compat.LOADS_TRANSPOSED:  # the fused quantizers, compared with XLA's bits
         kernels |= {"quantize_both", "quantize_blocks_both"}
     assert fp8["numerics_ok"] and {r["kernel"] for r in fp8["numerics"]} == kernels
     for r in fp8["kernels"]:
-        assert {"fp8 (quantized operands)", "bf16 Mosaic GPU"} <= set(r["tflops"]), r
+        pipeline = f"fp8 {other[r['kernel']]} pipeline"
+        timed = {"fp8 (quantized operands)", "bf16 Mosaic GPU", pipeline}
+        assert timed <= set(r["tflops"]), r
         if r["kernel"] == "gmm":
             assert "fp8 incl. quantization" in r["tflops"], r
             assert "torch._scaled_grouped_mm" in {*r["tflops"], *r["unavailable"]}, r

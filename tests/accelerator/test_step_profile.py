@@ -69,20 +69,28 @@ def _run(script, *args, timeout=900):
     )
 
 
-@pytest.mark.slow  # ~1 min on 2 cores
+@pytest.mark.slow  # ~1.5 min on 2 cores
 def test_step_profile_dry_run_measures_and_models_each_class(tmp_path):
-    out = _run("step_profile.py", "--out", str(tmp_path))
+    out = _run("step_profile.py", "--out", str(tmp_path), "--fp8-pipelines", "per_tile,stream")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["configs"]["dry"]
-    for precision in ("bf16", "fp8"):
+    assert list(rows) == ["bf16", "fp8_per_tile", "fp8_stream"]
+    for precision in rows:
         row = rows[precision]
         assert row["step_ms"] > 0 and row["measured_on"] == "host XLA ops"
         measured = {k: c["measured_ms"] for k, c in row["classes"].items()}
         assert measured["unmatched"] == 0  # every traced op found in the compiled program
         assert measured["rest of the MoE layer"] > 0 and measured["everything else"] > 0
         assert row["top_ops"] and row["modelled_step_ms"] > 0
-    assert (tmp_path / "dry_fp8.trace.json.gz").exists()
-    assert "| step (wall) |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "dry_fp8_stream.trace.json.gz").exists()
+    text = (tmp_path / "results.md").read_text()
+    assert "| step (wall) |" in text and "fp8_stream / bf16 step:" in text
+
+
+def test_step_profile_refuses_an_unknown_fp8_pipeline(tmp_path):
+    out = _run("step_profile.py", "--out", str(tmp_path), "--fp8-pipelines", "stream,ring")
+    assert out.returncode != 0
+    assert "'ring' is not one of ('per_tile', 'stream')" in out.stderr
 
 
 def test_bench_attention_dry_run_checks_each_core_against_xla(tmp_path):

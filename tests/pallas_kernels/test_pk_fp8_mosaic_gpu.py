@@ -11,6 +11,8 @@ rounding (2^-4) would be far outside it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,29 +38,30 @@ def _fp32_close(got, a, b, depth, product):
     assert np.all(err <= bound + 1e-30), float(np.max(err - bound))
 
 
-def _group_rows(m):
+def _group_rows(m, sizes=SIZES):
     g = np.full(m, -1)
     start = 0
-    for i, s in enumerate(SIZES):
+    for i, s in enumerate(sizes):
         g[start : start + s] = i
         start += s
     return g
 
 
-def _gmm_t(a, b):  # rows of group i times b[i]^T
-    g, out = _group_rows(a.shape[0]), np.zeros((a.shape[0], b.shape[1]))
+def _gmm_t(a, b, sizes=SIZES):  # rows of group i times b[i]^T
+    g, out = _group_rows(a.shape[0], sizes), np.zeros((a.shape[0], b.shape[1]))
     for i in range(b.shape[0]):
         out[g == i] = a[g == i] @ b[i].T
     return out
 
 
-def _tgmm(a_t, b_t):  # per group a_t[:, rows] @ b_t[:, rows]^T
-    g = _group_rows(a_t.shape[1])
-    return np.stack([a_t[:, g == i] @ b_t[:, g == i].T for i in range(len(SIZES))])
+def _tgmm(a_t, b_t, sizes=SIZES):  # per group a_t[:, rows] @ b_t[:, rows]^T
+    g = _group_rows(a_t.shape[1], sizes)
+    return np.stack([a_t[:, g == i] @ b_t[:, g == i].T for i in range(len(sizes))])
 
 
+@pytest.mark.parametrize("pipeline", fp8_mosaic_gpu.PIPELINES)
 @pytest.mark.parametrize("split", fp8_mosaic_gpu.SPLITS)
-def test_fp8_gmm_matches_dequantized_reference(split):
+def test_fp8_gmm_matches_dequantized_reference(split, pipeline):
     m, k, n = 512, 256, 128  # two K blocks with different scales, a tile past the groups
     sizes = jnp.array(SIZES, jnp.int32)
     xq = fp8.quantize_rows(_x(m, k))
@@ -66,8 +69,9 @@ def test_fp8_gmm_matches_dequantized_reference(split):
 
     def run(*args):
         return fp8_mosaic_gpu.fp8_gmm(
-            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True, split=split
-        )
+            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True, split=split,
+            pipeline=pipeline,
+        )  # fmt: skip
 
     calls = introspect.traced_kernel_calls(run, *xq, *wq, platform="cpu")
     assert [str(c) for c in calls] == ["fp8_gmm/interpret"]
@@ -76,8 +80,9 @@ def test_fp8_gmm_matches_dequantized_reference(split):
     _fp32_close(out, fp8.dequantize_rows(*xq), fp8.dequantize_blocks(*wq), k, _gmm_t)
 
 
+@pytest.mark.parametrize("pipeline", fp8_mosaic_gpu.PIPELINES)
 @pytest.mark.parametrize("split", fp8_mosaic_gpu.SPLITS)
-def test_fp8_tgmm_matches_dequantized_reference(split):
+def test_fp8_tgmm_matches_dequantized_reference(split, pipeline):
     m, k, n = 512, 128, 128
     sizes = jnp.array(SIZES, jnp.int32)
     live = (_group_rows(m) >= 0)[:, None]
@@ -86,14 +91,43 @@ def test_fp8_tgmm_matches_dequantized_reference(split):
 
     def run(*args):
         return fp8_mosaic_gpu.fp8_tgmm(
-            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True, split=split
-        )
+            *args, sizes, out_dtype=jnp.float32, group_alignment=128, interpret=True, split=split,
+            pipeline=pipeline,
+        )  # fmt: skip
 
     calls = introspect.traced_kernel_calls(run, *xt, *dyt, platform="cpu")
     assert [str(c) for c in calls] == ["fp8_tgmm/interpret"]
     out = np.asarray(run(*xt, *dyt))
     assert out.shape == (3, k, n) and not out[1].any()  # the empty group
     _fp32_close(out, fp8.dequantize_rows(*xt), fp8.dequantize_rows(*dyt), 256, _tgmm)
+
+
+@pytest.mark.parametrize("pipeline", fp8_mosaic_gpu.PIPELINES)
+@pytest.mark.parametrize("kernel", ["fp8_gmm", "fp8_tgmm"])
+def test_kernels_reuse_their_ring_across_tiles(kernel, pipeline):
+    """Each of the interpreter's 2 CTAs walks several tiles, so the 4-slot shared-memory ring is
+    refilled many times, across tiles ("stream": 8 K blocks a CTA in one ring; "per_tile": a
+    ring filled and drained per tile), with groups of 1 and 2 row blocks: every block's fp8
+    tile and scales reach the right step."""
+    groups = [128, 128, 256]
+    sizes = jnp.array(groups, jnp.int32)
+    kw = dict(out_dtype=jnp.float32, group_alignment=128, interpret=True, pipeline=pipeline)
+    if kernel == "fp8_gmm":
+        m, k, n = 512, 256, 256  # 8 tiles of 2 K blocks
+        xq = fp8.quantize_rows(_x(m, k))
+        w = jax.random.normal(jax.random.key(1), (3, k, n))
+        wq = fp8.transpose_blocks(*fp8.quantize_blocks(w))
+        out = fp8_mosaic_gpu.fp8_gmm(*xq, *wq, sizes, **kw)
+        operands = fp8.dequantize_rows(*xq), fp8.dequantize_blocks(*wq)
+        product, depth = functools.partial(_gmm_t, sizes=groups), k
+    else:
+        m, k, n = 512, 384, 256  # 6 tiles a group, of 1 or 2 row blocks
+        xt = fp8.quantize_cols(_x(m, k))
+        dyt = fp8.quantize_cols(_x(m, n, seed=2))
+        out = fp8_mosaic_gpu.fp8_tgmm(*xt, *dyt, sizes, **kw)
+        operands = fp8.dequantize_rows(*xt), fp8.dequantize_rows(*dyt)
+        product, depth = functools.partial(_tgmm, sizes=groups), 256
+    _fp32_close(np.asarray(out), *operands, depth, product)
 
 
 FORMATS = ["e4m3", "e5m2"]
