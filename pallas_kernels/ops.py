@@ -404,6 +404,10 @@ def _bwd(transpose_rhs, out_dtype, backend, config, interpret, alignment, residu
     opts = dict(
         backend=backend, config=_configs(config), interpret=interpret, group_alignment=alignment
     )
+    if backend == "pallas_mosaic_gpu" and dout.dtype != lhs.dtype:
+        # A wider cotangent (an fp32 output's) in the operands' 16-bit dtype: the Mosaic GPU
+        # kernels multiply 16-bit operands only.
+        dout = dout.astype(lhs.dtype)
     # dlhs[rows of g] = dout[rows of g] @ rhs[g]^T: the same gmm with the other rhs layout.
     dlhs = gmm(
         dout, rhs, group_sizes, transpose_rhs=not transpose_rhs,
