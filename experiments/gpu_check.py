@@ -7,9 +7,10 @@ Parts (`--parts`; all but fp8 by default), in this order, each within its own ti
 script writes what it has, marked aborted, and exits with status 3), so a lent machine's
 8-minute slot holds it:
   numerics (budget 40 s): every kernel compiled on the device (Mosaic GPU gmm, gmm_t, tgmm, on
-    aligned and on realigned groups; the Triton ones; `grouped_matmul(backend="pallas")`
-    forward and VJP) against `jax.lax.ragged_dot` / `ragged_dot_general`, bf16: balanced, Zipf,
-    empty and unaligned groups, rows past the groups.
+    aligned and on realigned groups, on both pipelines; the Triton ones;
+    `grouped_matmul(backend="pallas")` forward and VJP) against `jax.lax.ragged_dot` /
+    `ragged_dot_general`, bf16: balanced, Zipf, empty and unaligned groups, rows past the
+    groups.
   train (100 s): one training step of an OLMoE-shaped LM cut to 2 layers (~1.05 B parameters,
     8 x 2048 tokens): Hugging Face transformers' `OlmoeForCausalLM` on torch first (bf16
     weights, fused AdamW, `experts_implementation="grouped_mm"`, i.e. `torch._grouped_mm`),
@@ -18,7 +19,8 @@ script writes what it has, marked aborted, and exits with status 3), so a lent m
     kernel timings (at their end it had 2 GiB of 80 left and ran out of memory).
   kernels (200 s): TFLOP/s of forward (gmm), dlhs (gmm_t) and tgmm at the Mixtral, fine-grained
     and DeepSeek-V3 shapes (`pallas_kernels.shapes`), balanced and Zipf-skewed groups: ours
-    (Mosaic GPU, Triton) against a dense jnp matmul of the same FLOPs, `jax.lax.ragged_dot`
+    (Mosaic GPU on its default per-tile pipeline and on `Config(pipeline="stream")`, Triton)
+    against a dense jnp matmul of the same FLOPs, `jax.lax.ragged_dot`
     (not at G=256: seconds per call), jax's `ragged_dot_mgpu` (`transposed_ragged_dot_mgpu` for
     tgmm) and `torch._grouped_mm` (its output checked against ours on a sample).
   layer (60 s): moejax's MoE layer (`implementation="pallas"`), forward and backward, against
@@ -58,6 +60,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import importlib
@@ -88,6 +91,7 @@ from gpu_check_lib import (
 
 import pallas_kernels as pk
 from moejax import hardware
+from pallas_kernels import config as pk_config
 from pallas_kernels import shapes as pk_shapes
 from pallas_kernels import targets
 
@@ -128,14 +132,28 @@ def operands(m: int, k: int, n: int, g: int, seed: int):
     return x, w, dy
 
 
-def ours(run: Run, backend: str, align: int) -> dict:
-    """kernel -> jitted fn(a, b, sizes) of our kernels on `backend`."""
+def ours(run: Run, backend: str, align: int, pipeline: str | None = None, dims=None) -> dict:
+    """kernel -> jitted fn(a, b, sizes) of our kernels on `backend`; Mosaic GPU's on
+    `pipeline` (`pk.Config.pipeline`, with each kernel's default tiles for `dims`, the
+    forward's (M, K, N, G)) where given."""
     kw = dict(kernel_kw(run, backend), group_alignment=align)
+    if pipeline is not None:
+        kw["config"] = with_pipeline(kw.get("config"), pipeline, dims)
     return {
         "gmm": jax.jit(lambda a, b, s: pk.gmm(a, b, s, **kw)),
         "gmm_t": jax.jit(lambda a, b, s: pk.gmm(a, b, s, transpose_rhs=True, **kw)),
         "tgmm": jax.jit(lambda a, b, s: pk.tgmm(a, b, s, **kw)),
     }
+
+
+def with_pipeline(config, pipeline: str, dims) -> dict:
+    """{kernel: Config} on `pipeline`: `config` (the dry run's tiles), else each kernel's
+    default Mosaic GPU tiles for the forward's `dims` (M, K, N, G)."""
+    if config is not None:
+        return dict.fromkeys(
+            ("gmm", "gmm_t", "tgmm"), dataclasses.replace(config, pipeline=pipeline)
+        )
+    return pk_config.vjp_configs("pallas_mosaic_gpu", jnp.bfloat16, *dims, pipeline=pipeline)
 
 
 def references(out_dtype) -> dict:
@@ -156,6 +174,9 @@ def references(out_dtype) -> dict:
 
 
 # -------------------------------------------------------------------------- part: numerics
+STREAM = "pallas_mosaic_gpu, stream"  # the numerics rows of `Config(pipeline="stream")`
+
+
 def part_numerics(run: Run) -> None:
     """Every kernel on the device against jax.lax.ragged_dot(_general), bf16."""
     m, k, n, g = (8192, 1024, 768, 16) if not run.dry else (512, 128, 128, 4)
@@ -173,6 +194,8 @@ def part_numerics(run: Run) -> None:
     got_fns = {
         (b, a): ours(run, b, a) for b in ("pallas_mosaic_gpu", "pallas_triton") for a in {align, 1}
     }
+    for a in {align, 1}:  # the Mosaic GPU kernels on their other pipeline (`Config.pipeline`)
+        got_fns[STREAM, a] = ours(run, "pallas_mosaic_gpu", a, "stream", (m, k, n, g))
     run.results["numerics_tolerance"] = BF16_TOL
     rows = run.results["numerics"] = []
     for case, (sizes, case_align) in cases.items():
@@ -182,7 +205,7 @@ def part_numerics(run: Run) -> None:
         s, used = jnp.asarray(sizes), int(sizes.sum())
         args = {"gmm": (x, w, s), "gmm_t": (dy, w, s), "tgmm": (x, dy, s)}
         want = {kernel: fn(*args[kernel]) for kernel, fn in want_fns.items()}
-        for backend in ("pallas_mosaic_gpu", "pallas_triton"):
+        for backend in ("pallas_mosaic_gpu", STREAM, "pallas_triton"):
             for kernel, fn in got_fns[backend, case_align].items():
                 try:
                     value = fn(*args[kernel])
@@ -238,10 +261,12 @@ def _mgpu_module(name: str):
     return importlib.import_module(f"jax.experimental.pallas.ops.gpu.{name}")
 
 
-def kernel_impls(run: Run, g: int) -> dict[str, dict]:
+def kernel_impls(run: Run, m: int, k: int, n: int, g: int) -> dict[str, dict]:
     """name -> kernel -> jitted fn(a, b, sizes), or a string: why it is unavailable."""
     align = alignment(run)
     impls = {"ours: Mosaic GPU": ours(run, "pallas_mosaic_gpu", align),
+             "ours: Mosaic GPU, stream": ours(run, "pallas_mosaic_gpu", align, "stream",
+                                              (m, k, n, g)),
              "ours: Triton": ours(run, "pallas_triton", align)}  # fmt: skip
     if g >= 256 and not run.dry:
         impls["jax.lax.ragged_dot"] = "not timed at G >= 256 (XLA:GPU: seconds per call)"
@@ -322,7 +347,7 @@ def part_kernels(run: Run) -> None:
         if run.left() < 5:
             run.skip("kernels", shape, "the part's time budget is spent")
             continue
-        impls = kernel_impls(run, g)  # compiled once per shape, for both routings
+        impls = kernel_impls(run, m, k, n, g)  # compiled once per shape, for both routings
         x, w, dy = operands(m, k, n, g, seed=1)
         args = {"gmm": (x, w), "gmm_t": (dy, w), "tgmm": (x, dy)}
         for routing in ("balanced", "zipf"):

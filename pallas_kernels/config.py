@@ -79,6 +79,10 @@ class Config:
       raster: Mosaic GPU only: the persistent schedule walks `raster` m-tiles (gmm) or k-tiles
         (tgmm) before moving to the next n-tile, snaking, so the CTAs in flight share operand
         tiles in L2.
+      pipeline: Mosaic GPU only: how the K blocks reach shared memory (`mosaic_gpu.PIPELINES`):
+        jax's warp-specialized pipeline, filled and drained for every output tile ("per_tile",
+        the one measured), or one ring across all of a CTA's tiles ("stream",
+        `mosaic_gpu.tile_stream`).
 
     Tiles are clamped to the problem (see `effective_tiles`), so a large default is safe on small
     inputs. Triton needs power-of-two tiles. Compiled Mosaic (TPU) needs tk and tn >= 128 and
@@ -92,12 +96,17 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     raster: int = 8
+    pipeline: str = "per_tile"
 
     def __post_init__(self):
         for name in ("tm", "tk", "tn", "num_warps", "num_stages", "raster"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Config.{name} must be a positive int, got {value!r}")
+        if self.pipeline not in ("per_tile", "stream"):  # mosaic_gpu.PIPELINES
+            raise ValueError(
+                f"Config.pipeline must be 'per_tile' or 'stream', got {self.pipeline!r}"
+            )
         for name in ("tm", "tk", "tn"):
             value = getattr(self, name)
             if value & (value - 1):
@@ -352,6 +361,17 @@ def default_config(
             tm=tm, tk=_divisor_tile(k, wide_tile, 128), tn=_divisor_tile(n, wide_tile, 128)
         )
     return DEFAULT_CONFIG
+
+
+def vjp_configs(backend: str, dtype, m: int, k: int, n: int, g: int, **replace) -> dict:
+    """{kernel: Config} for the three kernels of a forward `[M, K] x [G, K, N]` and its VJP
+    (gmm; gmm_t, which multiplies `[M, N]` by the weights transposed; tgmm), each its
+    `default_config` with the fields in `replace` changed (e.g. `pipeline="stream"`)."""
+    problems = {"gmm": (m, k, n), "gmm_t": (m, n, k), "tgmm": (m, k, n)}
+    return {
+        kernel: dataclasses.replace(default_config(kernel, backend, dtype, *p, g), **replace)
+        for kernel, p in problems.items()
+    }
 
 
 def _mosaic_gpu_config(kernel: str, dtype, out_dtype, k: int, n: int) -> Config:

@@ -46,16 +46,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import fp8, mgpu_compat, vma
+from pallas_kernels import fp8, mgpu_compat, mosaic_gpu, vma
 from pallas_kernels import metadata as md
 from pallas_kernels.mosaic_gpu import (
-    MEMORY_REGISTERS,
     _epilogue,
     _kernel,
     _out_smem,
     _transforms,
     num_sms,
-    tile_stream,
+    run_tiles,
 )
 
 TILE = 128  # tm = tk = tn: one scale block deep
@@ -68,7 +67,7 @@ DEFAULT_SPLIT = {"fp8_gmm": "rows", "fp8_tgmm": "cols"}
 # How K blocks reach shared memory (module docstring). Each kernel's default is the pipeline
 # measured on an H200 (BENCHMARKS.md); "stream" is compiled for H100 and interpreted on CPU,
 # and waits for a GPU to be timed.
-PIPELINES = ("per_tile", "stream")
+PIPELINES = mosaic_gpu.PIPELINES
 DEFAULT_PIPELINE = {"fp8_gmm": "per_tile", "fp8_tgmm": "per_tile"}
 STAGES = 4  # shared memory ring: 4 x (16 + 16 KiB of fp8 + scales)
 RASTER = 8
@@ -195,11 +194,11 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
                 out = out_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)]
                 _epilogue(acc, out_smem, out.at[wg_rows, wg_cols], wg, out_dtype)
 
-            _tiles(
+            run_tiles(
                 pipeline, (m_iters * n_iters,), rings, [lhs_gmem, rhs_gmem.at[0], scale_gmem],
-                tile=tile, steps=steps, views=views, blocks=blocks,
-                init=lambda _: _zeros(acc_shape, interpret), step=step, finish=finish,
-                stages=min(STAGES, k_iters),
+                tile=tile, steps=steps, views=views, blocks=blocks, step=step,
+                context=lambda t, run: finish(t, run(_zeros(acc_shape, interpret))),
+                stages=STAGES if pipeline == "stream" else min(STAGES, k_iters),
             )  # fmt: skip
 
         pl.run_scoped(scope, _out_smem(*_halves(split, 0)[2], out_dtype), collective_axes="wg")
@@ -217,63 +216,6 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
     )  # fmt: skip
     out = kernel(tile_group, lhs, lhs_scale_t, rhs, rhs_scale)
     return vma.cast_varying(out, vma.varying_axes(lhs))
-
-
-def _tiles(pipeline, grid, rings, operands, *, tile, steps, views, blocks, init, step, finish,
-           stages):  # fmt: skip
-    """Each CTA's tiles of `grid`: the consumers run `step` on each K block of a tile and
-    `finish` after the last, on `pipeline` (`PIPELINES`).
-
-    A tile `t = tile(info)` has `steps(t)` K blocks; block `r` of ring i is block
-    `blocks(t, r)[i]` (in units of the ring's block shape) of `views(t)[i]`, a view of
-    `operands[i]`. "stream" runs `mosaic_gpu.tile_stream` (one ring for all the tiles);
-    "per_tile", jax's `emit_pipeline_warp_specialized` on each tile with `stages` slots (at
-    most the steps of a tile) and allocations shared between the tiles.
-    """
-    if pipeline == "stream":
-
-        def copies(t, r):
-            return [
-                view.at[tuple(pl.ds(b * size, size) for b, size in zip(block, shape, strict=True))]
-                for view, block, (shape, _, _) in zip(views(t), blocks(t, r), rings, strict=True)
-            ]  # fmt: skip
-
-        tile_stream(grid, rings=rings, stages=STAGES, tile=tile, steps=steps, copies=copies,
-                    init=init, step=step, finish=finish)  # fmt: skip
-        return
-
-    def pipe(t, body, context, num_steps):
-        def index_map(i, r):  # (allocations need only that each block moves with r)
-            return (r,) * len(rings[i][0]) if t is None else blocks(t, r)[i]
-
-        specs = [
-            plgpu.BlockSpec(shape, functools.partial(index_map, i), transforms=transforms)
-            for i, (shape, _, transforms) in enumerate(rings)
-        ]
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(num_steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs,
-            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
-            compute_context=context,
-        )  # fmt: skip
-
-    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    allocs = pipe(None, ignore, ignore, stages).get_allocations(*operands)
-
-    def scope(allocations):
-        @plgpu.nd_loop(grid, collective_axes="sm")
-        def _(info):
-            t = tile(info)
-
-            def context(run):
-                finish(t, run(init(t)))
-
-            def body(idx, *refs):
-                *slots, carry = refs
-                return step(t, idx[0], slots, carry)
-
-            pipe(t, body, context, steps(t))(*views(t), allocations=allocations)
-
-    pl.run_scoped(scope, allocs, collective_axes="wg")
 
 
 def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, interpret,
@@ -342,10 +284,10 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
                 out = out_gmem.at[g, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)]
                 _epilogue(acc, out_smem, out.at[wg_rows, wg_cols], wg, out_dtype)
 
-            _tiles(
+            run_tiles(
                 pipeline, (num_groups * per_group,), rings, [a_gmem, b_gmem, sa_gmem, sb_gmem],
                 tile=tile, steps=lambda t: steps_gmem[t[0]], views=views, blocks=blocks,
-                init=lambda _: _zeros(acc_shape, interpret), step=step, finish=finish,
+                step=step, context=lambda t, run: finish(t, run(_zeros(acc_shape, interpret))),
                 stages=STAGES,
             )  # fmt: skip
 

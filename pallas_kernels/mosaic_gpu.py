@@ -8,6 +8,9 @@ slots and two consumer warpgroups run wgmma on them, each owning half of the CTA
 columns, with registers moved from the producer to the consumers (`set_max_registers`). The
 epilogue casts the fp32 accumulator and stores it with TMA through two 64 x 64 shared-memory
 slots per warpgroup, double-buffered, so the next tile's loads overlap the last stores.
+The K blocks reach the ring by jax's `emit_pipeline_warp_specialized`, once per tile
+(`Config.pipeline="per_tile"`), or by `tile_stream`, one ring for all of the CTA's tiles
+(`"stream"`): see `run_tiles`.
 
 Groups must be aligned to the row tile: every group's size is a multiple of `tm` (gmm) or of
 the contraction tile (tgmm), so every M tile belongs to one group and nothing is masked or
@@ -118,7 +121,10 @@ def _compute_registers() -> int:
     return min(256, (512 - MEMORY_REGISTERS) // 2) // 8 * 8
 
 
-def tile_stream(grid, *, rings, stages: int, tile, steps, copies, init, step, finish) -> None:
+PIPELINES = ("per_tile", "stream")  # how K blocks reach shared memory (`run_tiles`)
+
+
+def tile_stream(grid, *, rings, stages: int, tile, steps, copies, step, context) -> None:
     """A persistent, warp-specialized loop over the CTA's output tiles with one shared-memory
     ring for all of them: the producer warpgroup (`wg` 2) runs into the next tile's K blocks
     while the consumers (0 and 1) finish the last and store it.
@@ -142,12 +148,12 @@ def tile_stream(grid, *, rings, stages: int, tile, steps, copies, init, step, fi
       stages: slots per ring.
       tile: `tile(info) -> t`, the tile's scalars (a pytree) from its `plgpu.NDLoopInfo`; every
         warpgroup computes it.
-      steps: `steps(t) -> int32`, the tile's K blocks (0: it stores `init(t)`).
+      steps: `steps(t) -> int32`, the tile's K blocks (0: `run` returns its carry).
       copies: `copies(t, r) -> [gmem view]`, step `r`'s source for each ring.
-      init: `init(t) -> carry`, the consumer's accumulator before step 0.
       step: `step(t, r, slots, carry) -> carry`, with `slots` the rings' views at step `r`'s slot;
         it must be done reading them when it returns (wgmma waited for).
-      finish: `finish(t, carry)`, the consumer's epilogue.
+      context: `context(t, run)`, each consumer's work on tile `t`: `run(carry) -> carry` runs
+        the steps (as `emit_pipeline_warp_specialized`'s `compute_context`).
     """
 
     def run(produced, consumed, *smem):
@@ -155,21 +161,22 @@ def tile_stream(grid, *, rings, stages: int, tile, steps, copies, init, step, fi
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
             @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
-            def issued(info, carry):  # carry: the steps issued so far
+            def issued(info, carry):  # carry: the steps issued before this tile
                 t = tile(info)
 
-                def copy(r, count):
-                    slot = lax.rem(count, stages)
+                def copy(r, _):
+                    slot = lax.rem(carry + r, stages)
 
-                    @pl.when(count >= stages)  # the slot's previous step has been consumed
+                    @pl.when(carry + r >= stages)  # the slot's previous step has been consumed
                     def _():
                         plgpu.barrier_wait(consumed.at[slot])
 
                     for src, ring in zip(copies(t, r), smem, strict=True):
                         plgpu.copy_gmem_to_smem(src, ring.at[slot], produced.at[slot])
-                    return count + 1
 
-                return lax.fori_loop(0, steps(t), copy, carry)
+                num_steps = steps(t)
+                lax.fori_loop(0, num_steps, copy, None)
+                return carry + num_steps
 
             # Wait for the last steps' consumers, so no copy outlives the kernel's barriers.
             def drain(count, _):
@@ -181,20 +188,22 @@ def tile_stream(grid, *, rings, stages: int, tile, steps, copies, init, step, fi
             plgpu.set_max_registers(_compute_registers(), action="increase")
 
             @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
-            def _(info, carry):  # carry: the steps consumed so far
+            def _(info, carry):  # carry: the steps consumed before this tile
                 t = tile(info)
+                num_steps = steps(t)
 
-                def consume(r, carry):
-                    count, acc = carry
-                    slot = lax.rem(count, stages)
-                    plgpu.barrier_wait(produced.at[slot])
-                    acc = step(t, r, [ring.at[slot] for ring in smem], acc)
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    return count + 1, acc
+                def run_steps(acc):
+                    def consume(r, acc):
+                        slot = lax.rem(carry + r, stages)
+                        plgpu.barrier_wait(produced.at[slot])
+                        acc = step(t, r, [ring.at[slot] for ring in smem], acc)
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        return acc
 
-                count, acc = lax.fori_loop(0, steps(t), consume, (carry, init(t)))
-                finish(t, acc)
-                return count
+                    return lax.fori_loop(0, num_steps, consume, acc)
+
+                context(t, run_steps)
+                return carry + num_steps
 
         lax.cond(lax.axis_index("wg") == 2, producer, consumer)
 
@@ -205,6 +214,63 @@ def tile_stream(grid, *, rings, stages: int, tile, steps, copies, init, step, fi
         *[plgpu.SMEM((stages, *shape), dtype, transforms=t) for shape, dtype, t in rings],
         collective_axes="wg",
     )
+
+
+def run_tiles(pipeline, grid, rings, operands, *, tile, steps, views, blocks, step, context,
+              stages):  # fmt: skip
+    """Each CTA's tiles of `grid`: per tile `context(t, run)`, where `run(carry)` runs `step`
+    on each of the tile's K blocks, on `pipeline` (`PIPELINES`).
+
+    A tile `t = tile(info)` has `steps(t)` K blocks; block `r` of ring i is block
+    `blocks(t, r)[i]` (in units of the ring's block shape) of `views(t)[i]`, a view of
+    `operands[i]`. "stream" runs `tile_stream` (one ring of `stages` slots for all the tiles);
+    "per_tile", jax's `emit_pipeline_warp_specialized` on each tile (`stages` slots, at most
+    the steps of a tile when those are static) with allocations shared between the tiles.
+    """
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    if pipeline == "stream":
+
+        def copies(t, r):
+            return [
+                view.at[tuple(pl.ds(b * size, size) for b, size in zip(block, shape, strict=True))]
+                for view, block, (shape, _, _) in zip(views(t), blocks(t, r), rings, strict=True)
+            ]  # fmt: skip
+
+        tile_stream(grid, rings=rings, stages=stages, tile=tile, steps=steps, copies=copies,
+                    step=step, context=context)  # fmt: skip
+        return
+
+    def pipe(t, body, compute_context, num_steps):
+        def index_map(i, r):  # (allocations need only that each block moves with r)
+            return (r,) * len(rings[i][0]) if t is None else blocks(t, r)[i]
+
+        specs = [
+            plgpu.BlockSpec(shape, functools.partial(index_map, i), transforms=transforms)
+            for i, (shape, _, transforms) in enumerate(rings)
+        ]
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(num_steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+            compute_context=compute_context,
+        )  # fmt: skip
+
+    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+    allocs = pipe(None, ignore, ignore, stages).get_allocations(*operands)
+
+    def scope(allocations):
+        @plgpu.nd_loop(grid, collective_axes="sm")
+        def _(info):
+            t = tile(info)
+
+            def body(idx, *refs):
+                *slots, carry = refs
+                return step(t, idx[0], slots, carry)
+
+            compute_context = functools.partial(context, t)
+            pipe(t, body, compute_context, steps(t))(*views(t), allocations=allocations)
+
+    pl.run_scoped(scope, allocs, collective_axes="wg")
 
 
 def gmm(
@@ -226,7 +292,7 @@ def gmm(
       tile_group: [M // tm] int32, the group of each m-tile; G for tiles past the groups
         (`metadata.aligned_tile_groups`).
       tiles: (tm, tk, tn), the CTA tile; each consumer warpgroup owns tn // 2 columns.
-      config: supplies num_stages (the shared-memory ring) and raster.
+      config: supplies num_stages (the shared-memory ring), raster and pipeline.
       transpose_rhs: contract with rhs's last axis (the TMA loads [tn, tk] tiles of rhs[g] and
         wgmma reads them transposed; W^T is never written to memory).
       out_dtype: output dtype (accumulation is fp32).
@@ -241,70 +307,61 @@ def gmm(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     m_iters, n_iters, k_iters = m // tm, n // tn, k // tk
     cols = tn // 2  # per consumer warpgroup
-    stages = min(config.num_stages, k_iters)
     operand = _transforms(tk, lhs.dtype)
-    rhs_spec = (
-        plgpu.BlockSpec((tn, tk), lambda kk: (0, kk), transforms=operand)
+    rings = [
+        ((tm, tk), lhs.dtype, operand),
+        ((tn, tk), rhs.dtype, operand)
         if transpose_rhs
-        else plgpu.BlockSpec((tk, tn), lambda kk: (kk, 0), transforms=_transforms(tn, rhs.dtype))
-    )
-
-    def pipeline(step, context, steps):
-        return plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(steps,),
-            memory_registers=MEMORY_REGISTERS,
-            in_specs=[plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=operand), rhs_spec],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=stages,
-            compute_context=context,
-        )
+        else ((tk, tn), rhs.dtype, _transforms(tn, rhs.dtype)),
+    ]
 
     def body(tile_group_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-        allocations = pipeline(ignore, ignore, k_iters).get_allocations(lhs_gmem, rhs_gmem.at[0])
+        def tile(info):
+            mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 0, config.raster)
+            group = tile_group_gmem[mi]
+            return mi, ni, jnp.minimum(group, num_groups - 1), group < num_groups
 
-        @functools.partial(
-            pl.run_scoped,
-            allocations=allocations,
-            out_smem=_out_smem(tm, cols, out_dtype),
-            collective_axes="wg",
-        )
-        def _scope(allocations, out_smem):
+        def steps(t):
+            return jnp.where(t[3], k_iters, 0)  # a tile past the groups stores zeros
+
+        def views(t):  # the tile's operands along K, in the rings' order
+            mi, ni, g, _ = t
+            cols_n = pl.ds(ni * tn, tn)
+            w = rhs_gmem.at[g, cols_n, :] if transpose_rhs else rhs_gmem.at[g, :, cols_n]
+            return [lhs_gmem.at[pl.ds(mi * tm, tm), :], w]
+
+        def blocks(_, kk):  # step kk's block of each view
+            return [(0, kk), (0, kk) if transpose_rhs else (kk, 0)]
+
+        def scope(out_smem):
             wg = lax.axis_index("wg")
+            wg_cols = pl.ds(wg * cols, cols)
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-            def _tile(info):
-                mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 0, config.raster)
-                group = tile_group_gmem[mi]
-                live = group < num_groups
-                steps = jnp.where(live, k_iters, 0)  # a tile past the groups stores zeros
-                g = jnp.minimum(group, num_groups - 1)
-                rows, wg_cols = pl.ds(mi * tm, tm), pl.ds(wg * cols, cols)
+            def context(t, run):
+                mi, ni, _, _ = t
 
-                def context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, cols), jnp.float32))
-                    def _acc(acc):
-                        run(acc)
-                        out = out_gmem.at[rows, pl.ds(ni * tn, tn)].at[:, wg_cols]
-                        _epilogue(acc[...], out_smem, out, wg, out_dtype)
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, cols), jnp.float32))
+                def _acc(acc):
+                    run(acc)
+                    out = out_gmem.at[pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)].at[:, wg_cols]
+                    _epilogue(acc[...], out_smem, out, wg, out_dtype)
 
-                def step(_, lhs_smem, rhs_smem, acc):
-                    # With transpose_rhs, wgmma reads the [tn, tk] weight tile transposed.
-                    w = rhs_smem.at[wg_cols, :].T if transpose_rhs else rhs_smem.at[:, wg_cols]
-                    plgpu.wgmma(acc, lhs_smem, w)
-                    plgpu.wgmma_wait(0)
-                    return acc
+            def step(_, kk, slots, acc):
+                lhs_smem, rhs_smem = slots
+                # With transpose_rhs, wgmma reads the [tn, tk] weight tile transposed.
+                w = rhs_smem.at[wg_cols, :].T if transpose_rhs else rhs_smem.at[:, wg_cols]
+                plgpu.wgmma(acc, lhs_smem, w)
+                plgpu.wgmma_wait(0)
+                return acc
 
-                if transpose_rhs:
-                    w_gmem = rhs_gmem.at[g, pl.ds(ni * tn, tn), :]
-                else:
-                    w_gmem = rhs_gmem.at[g, :, pl.ds(ni * tn, tn)]
-                pipeline(step, context, steps)(
-                    lhs_gmem.at[rows, :], w_gmem, allocations=allocations
-                )
+            run_tiles(
+                config.pipeline, (m_iters * n_iters,), rings, [lhs_gmem, rhs_gmem.at[0]],
+                tile=tile, steps=steps, views=views, blocks=blocks, step=step, context=context,
+                stages=(config.num_stages if config.pipeline == "stream"
+                        else min(config.num_stages, k_iters)),
+            )  # fmt: skip
 
+        pl.run_scoped(scope, _out_smem(tm, cols, out_dtype), collective_axes="wg")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     itemsize = lhs.dtype.itemsize
@@ -344,7 +401,7 @@ def tgmm(
       group_sizes: [G] int32, each a multiple of tm, sum <= M.
       tiles: (tm, tk, tn): rows contracted per step, output rows (of K) and columns (of N) per
         CTA; each consumer warpgroup owns tn // 2 columns.
-      config: supplies num_stages and raster.
+      config: supplies num_stages, raster and pipeline.
       out_dtype: output dtype (accumulation is fp32).
       interpret: False, or Mosaic GPU interpreter params (True: the defaults).
 
@@ -357,68 +414,56 @@ def tgmm(
     num_groups = group_sizes.shape[0]
     k_iters, n_iters = k // tk, n // tn
     cols = tn // 2
+    per_group = k_iters * n_iters
     order, first_block, steps = md.largest_first(group_sizes, tm=tm)
-    lhs_t, rhs_t = _transforms(tk, lhs.dtype), _transforms(tn, rhs.dtype)
-
-    def pipeline(step, context, num_steps, first):
-        return plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(num_steps,),
-            memory_registers=MEMORY_REGISTERS,
-            in_specs=[  # row tiles r of the group, from its first tile on
-                plgpu.BlockSpec((tm, tk), lambda r: (first + r, 0), transforms=lhs_t),
-                plgpu.BlockSpec((tm, tn), lambda r: (first + r, 0), transforms=rhs_t),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=config.num_stages,
-            compute_context=context,
-        )
+    rings = [
+        ((tm, tk), lhs.dtype, _transforms(tk, lhs.dtype)),
+        ((tm, tn), rhs.dtype, _transforms(tn, rhs.dtype)),
+    ]
 
     def body(order_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-        allocations = pipeline(ignore, ignore, config.num_stages, 0).get_allocations(
-            lhs_gmem, rhs_gmem
-        )
+        def tile(info):
+            (lin,) = info.index
+            g = order_gmem[lax.div(lin, per_group)]  # largest groups first
+            ki, ni = plgpu.planar_snake(
+                lax.rem(lin, per_group), (k_iters, n_iters), 0, config.raster
+            )
+            return g, ki, ni, first_gmem[g]
 
-        @functools.partial(
-            pl.run_scoped,
-            allocations=allocations,
-            out_smem=_out_smem(tk, cols, out_dtype),
-            collective_axes="wg",
-        )
-        def _scope(allocations, out_smem):
+        def views(t):  # the tile's operands along M, in the rings' order
+            _, ki, ni, _ = t
+            return [lhs_gmem.at[:, pl.ds(ki * tk, tk)], rhs_gmem.at[:, pl.ds(ni * tn, tn)]]
+
+        def blocks(t, r):  # row tile r of the group, from its first tile on
+            return [(t[3] + r, 0), (t[3] + r, 0)]
+
+        def scope(out_smem):
             wg = lax.axis_index("wg")
-            per_group = k_iters * n_iters
+            wg_cols = pl.ds(wg * cols, cols)
 
-            @plgpu.nd_loop((num_groups * per_group,), collective_axes="sm")
-            def _tile(info):
-                (lin,) = info.index
-                g = order_gmem[lax.div(lin, per_group)]  # largest groups first
-                ki, ni = plgpu.planar_snake(
-                    lax.rem(lin, per_group), (k_iters, n_iters), 0, config.raster
-                )
-                wg_cols = pl.ds(wg * cols, cols)
+            def context(t, run):
+                g, ki, ni, _ = t
 
-                def context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((tk, cols), jnp.float32))
-                    def _acc(acc):
-                        run(acc)  # zero steps for an empty group: its gradient is zero
-                        out = out_gmem.at[g, pl.ds(ki * tk, tk), pl.ds(ni * tn, tn)]
-                        _epilogue(acc[...], out_smem, out.at[:, wg_cols], wg, out_dtype)
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tk, cols), jnp.float32))
+                def _acc(acc):
+                    run(acc)  # zero steps for an empty group: its gradient is zero
+                    out = out_gmem.at[g, pl.ds(ki * tk, tk), pl.ds(ni * tn, tn)]
+                    _epilogue(acc[...], out_smem, out.at[:, wg_cols], wg, out_dtype)
 
-                def step(_, lhs_smem, rhs_smem, acc):
-                    # lhs rows^T: wgmma reads the [tm, tk] tile transposed in shared memory.
-                    plgpu.wgmma(acc, lhs_smem.T, rhs_smem.at[:, wg_cols])
-                    plgpu.wgmma_wait(0)
-                    return acc
+            def step(_, r, slots, acc):
+                lhs_smem, rhs_smem = slots
+                # lhs rows^T: wgmma reads the [tm, tk] tile transposed in shared memory.
+                plgpu.wgmma(acc, lhs_smem.T, rhs_smem.at[:, wg_cols])
+                plgpu.wgmma_wait(0)
+                return acc
 
-                pipeline(step, context, steps_gmem[g], first_gmem[g])(
-                    lhs_gmem.at[:, pl.ds(ki * tk, tk)],
-                    rhs_gmem.at[:, pl.ds(ni * tn, tn)],
-                    allocations=allocations,
-                )
+            run_tiles(
+                config.pipeline, (num_groups * per_group,), rings, [lhs_gmem, rhs_gmem],
+                tile=tile, steps=lambda t: steps_gmem[t[0]], views=views, blocks=blocks,
+                step=step, context=context, stages=config.num_stages,
+            )  # fmt: skip
 
+        pl.run_scoped(scope, _out_smem(tk, cols, out_dtype), collective_axes="wg")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     itemsize = lhs.dtype.itemsize

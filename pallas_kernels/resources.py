@@ -55,8 +55,8 @@ class Case:
         fp8 Mosaic GPU kernels (fp8_gmm for the forward and the lhs gradient, fp8_tgmm).
       split: for `FP8_BACKEND`, how the kernels' consumers halve a tile
         (`fp8_mosaic_gpu.SPLITS`; None: the default).
-      pipeline: for `FP8_BACKEND`, how the kernels bring K blocks to shared memory
-        (`fp8_mosaic_gpu.PIPELINES`; None: the default).
+      pipeline: for the Mosaic GPU kernels (bf16 and `FP8_BACKEND`), how they bring K blocks to
+        shared memory (`mosaic_gpu.PIPELINES`; None: the default).
     """
 
     shape: str
@@ -156,6 +156,8 @@ def kernel_rows(case: Case, platform: str) -> dict[str, dict]:
     for kernel in case.kernels():
         pm, pk_, pn = problems[kernel]
         cfg = config_lib.default_config(kernel, backend, case.dtype, pm, pk_, pn, g)
+        if case.pipeline is not None:
+            cfg = dataclasses.replace(cfg, pipeline=case.pipeline)
         tiles = config_lib.effective_tiles(cfg, pm, pk_, pn, kernel=kernel, backend=backend)
         row = dict(config=dataclasses.asdict(cfg), tiles=list(tiles), backend=backend)
         if backend == "pallas_mosaic_gpu":
@@ -201,8 +203,12 @@ def _program(case: Case):
                     a, b, sizes, backend="pallas_mosaic_gpu", group_alignment=pk.GROUP_ALIGNMENT,
                     split=case.split, pipeline=case.pipeline,
                 )  # fmt: skip
+            backend, configs = case.backend, None
+            if case.pipeline is not None:  # Mosaic GPU's default tiles on that pipeline
+                backend = "pallas_mosaic_gpu"
+                configs = config_lib.vjp_configs(backend, dtype, m, k, n, g, pipeline=case.pipeline)
             return pk.grouped_matmul(
-                a, b, sizes, backend=case.backend, group_alignment=pk.GROUP_ALIGNMENT
+                a, b, sizes, backend=backend, group_alignment=pk.GROUP_ALIGNMENT, config=configs
             )
 
         out, vjp = jax.vjp(op, x, w)

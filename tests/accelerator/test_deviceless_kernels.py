@@ -79,12 +79,31 @@ def test_h100_runs_mosaic_gpu_for_bf16_without_spills_within_shared_memory():
 
 
 @needs_cuda
-def test_mosaic_gpu_shared_memory_model_is_what_mosaic_gpu_checks():
+def test_h100_mosaic_gpu_stream_pipeline_compiles_without_spills():
+    """`Config(pipeline="stream")` (one shared-memory ring across a CTA's tiles) at the
+    fine-grained shape, where tiles are shortest: the three kernels in the program, no spills,
+    the launch's registers, the same shared memory model."""
+    case = resources.Case("fine_grained", "bfloat16", "in", pipeline="stream")
+    rows = resources.report("cuda", [case])
+    assert {r["kernel"] for r in rows} == KERNELS
+    for r in rows:
+        what = r["kernel"]
+        assert r["backend"] == "pallas_mosaic_gpu" and r["config"]["pipeline"] == "stream", what
+        assert r["in_program"] == 1, what
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, what
+        assert 0 < r["registers"] <= 168, what
+        assert r["smem_model"] <= config.MOSAIC_GPU_SMEM_LIMIT, what
+
+
+@needs_cuda
+@pytest.mark.parametrize("pipeline", ["per_tile", "stream"])
+def test_mosaic_gpu_shared_memory_model_is_what_mosaic_gpu_checks(pipeline):
     """One stage more than fits: Mosaic GPU refuses the kernel naming the bytes the model
-    computes, and `check_fits` refuses the same config before tracing."""
+    computes, and `check_fits` refuses the same config before tracing (on either pipeline:
+    the same rings, barriers and epilogue slots)."""
     from pallas_kernels import metadata, mosaic_gpu
 
-    cfg, tiles = pk.Config(128, 64, 256, num_stages=5), (128, 64, 256)
+    cfg, tiles = pk.Config(128, 64, 256, num_stages=5, pipeline=pipeline), (128, 64, 256)
     need = config.mosaic_gpu_smem_bytes("gmm", tiles, cfg, jnp.bfloat16, jnp.bfloat16)
     assert need == 5 * (128 * 64 + 64 * 256) * 2 + 2 * 2 * 64 * 64 * 2 + 5 * 16 == 278608
     mesh = targets.gpu_mesh((1,), ("x",))
@@ -105,7 +124,7 @@ def test_mosaic_gpu_shared_memory_model_is_what_mosaic_gpu_checks():
     too_big = pytest.raises(Exception, match=f"smem_bytes={need} > max_smem_bytes=232448")
     with too_big, targets.lowering(mesh):
         jax.jit(unchecked).lower(lhs, rhs, sizes).compile()
-    fits = pk.Config(128, 64, 256, num_stages=4)
+    fits = pk.Config(128, 64, 256, num_stages=4, pipeline=pipeline)
     assert config.mosaic_gpu_smem_bytes("gmm", tiles, fits, jnp.bfloat16, jnp.bfloat16) == 229440
     with targets.lowering(mesh):
         jax.jit(functools.partial(unchecked, cfg=fits)).lower(lhs, rhs, sizes).compile()

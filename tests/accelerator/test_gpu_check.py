@@ -13,7 +13,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "gpu_check.py"
-OURS = ("ours: Mosaic GPU", "ours: Triton")
+OURS = ("ours: Mosaic GPU", "ours: Mosaic GPU, stream", "ours: Triton")
 
 
 def _run(*args, timeout=900):
@@ -54,12 +54,13 @@ def test_dry_run_takes_every_path(tmp_path):
     assert max(attention["pallas"]["rel_err"].values()) < 2e-2  # bf16 outputs
     assert max(attention["auto"]["rel_err"].values()) == 0
 
-    # Numerics: every kernel on both backends, every case, against a non-zero reference.
+    # Numerics: every kernel on both backends (Mosaic GPU on both pipelines), every case,
+    # against a non-zero reference.
     rows = results["numerics"]
     assert results["numerics_ok"] and all(r["ok"] and r["ref_max"] > 0 for r in rows)
     kernels = {(r["case"], r["backend"], r["kernel"]) for r in rows}
     cases = ("zipf_aligned", "unaligned_partial", "empty_groups_aligned", "balanced_aligned")
-    backends = ("pallas_mosaic_gpu", "pallas_triton")
+    backends = ("pallas_mosaic_gpu", "pallas_mosaic_gpu, stream", "pallas_triton")
     assert kernels >= {(c, b, k) for c in cases for b in backends for k in ("gmm", "gmm_t", "tgmm")}
     assert {k for c, _, k in kernels if c == "grouped_matmul_vjp"} == {"out", "dlhs", "drhs"}
     assert all(r["zero_past_groups"] for r in rows if "zero_past_groups" in r)

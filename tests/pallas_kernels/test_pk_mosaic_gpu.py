@@ -9,6 +9,7 @@ GPU kernel (`introspect`), against the jnp reference (`jax.lax.ragged_dot_genera
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -105,6 +106,27 @@ def test_forward_and_vjp_match_reference(m, k, n, sizes, alignment):
 def test_transpose_rhs_and_fp32_output(dtype):
     """rhs stored [G, N, K]: the forward is the transposed-rhs kernel, dlhs the plain one."""
     _check(192, 64, 128, [70, 0, 100], dtype, transpose_rhs=True, out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_stream_pipeline_matches_reference(transpose_rhs):
+    """`Config(pipeline="stream")`: one shared-memory ring for all of a CTA's tiles. With 2
+    slots and 1-4 K blocks a tile (tgmm: one per 64-row tile of a group, groups of 0-192 rows),
+    each of the interpreter's 2 CTAs refills every slot several times across tiles; forward and
+    both gradients against the reference, rows past the groups zero."""
+    config = dataclasses.replace(SMALL, pipeline="stream")
+    kw = dict(backend="pallas_mosaic_gpu", interpret=True, config=config)
+    lhs, rhs = random_inputs(512, 256, 256, 4, jnp.bfloat16, seed=3, transpose_rhs=transpose_rhs)
+    sizes = jnp.asarray([192, 0, 64, 128], jnp.int32)
+    f = _fwd_vjp(kw, transpose_rhs, None, 64)
+    calls = introspect.traced_kernel_calls(f, lhs, rhs, sizes, platform="cpu")
+    names = ("gmm_t", "gmm", "tgmm") if transpose_rhs else ("gmm", "gmm_t", "tgmm")
+    assert calls == [introspect.KernelCall(name, "interpret") for name in names]
+    got = jax.jit(f)(lhs, rhs, sizes)
+    want = jax.jit(_fwd_vjp(dict(backend="reference"), transpose_rhs, None, 64))(lhs, rhs, sizes)
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b, jnp.bfloat16)
+    assert not np.asarray(got[0][384:], np.float32).any()
 
 
 def test_aligned_groups_run_without_moving_rows():
