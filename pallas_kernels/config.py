@@ -56,6 +56,9 @@ MOSAIC_GPU_SMEM_LIMIT = TRITON_SMEM_LIMIT  # the same opt-in limit, as Mosaic GP
 # multiple of their default row tiles (gmm 128, tgmm 64). `moejax` pads experts to it.
 GROUP_ALIGNMENT = 128
 MOSAIC_GPU_EPILOGUE_TILE = 64  # rows and columns of one TMA store of the epilogue
+# How the Mosaic GPU kernels bring K blocks to shared memory (`Config.pipeline`,
+# `mosaic_gpu.run_tiles`): jax's pipeline once per output tile, or one ring across the tiles.
+MOSAIC_GPU_PIPELINES = ("per_tile", "stream")
 # Smallest (tm, tk, tn) of the Mosaic GPU kernels: each consumer warpgroup's wgmma covers 64
 # output rows (gmm: tm; tgmm: tk) and K in steps of 16; TMA swizzles rows of >= 32 bytes, so
 # tn // 2 >= 16 columns per warpgroup.
@@ -79,7 +82,7 @@ class Config:
       raster: Mosaic GPU only: the persistent schedule walks `raster` m-tiles (gmm) or k-tiles
         (tgmm) before moving to the next n-tile, snaking, so the CTAs in flight share operand
         tiles in L2.
-      pipeline: Mosaic GPU only: how the K blocks reach shared memory (`mosaic_gpu.PIPELINES`):
+      pipeline: Mosaic GPU only: how the K blocks reach shared memory (`MOSAIC_GPU_PIPELINES`):
         jax's warp-specialized pipeline, filled and drained for every output tile ("per_tile",
         the one measured), or one ring across all of a CTA's tiles ("stream",
         `mosaic_gpu.tile_stream`).
@@ -103,9 +106,9 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Config.{name} must be a positive int, got {value!r}")
-        if self.pipeline not in ("per_tile", "stream"):  # mosaic_gpu.PIPELINES
+        if self.pipeline not in MOSAIC_GPU_PIPELINES:
             raise ValueError(
-                f"Config.pipeline must be 'per_tile' or 'stream', got {self.pipeline!r}"
+                f"Config.pipeline must be one of {MOSAIC_GPU_PIPELINES}, got {self.pipeline!r}"
             )
         for name in ("tm", "tk", "tn"):
             value = getattr(self, name)

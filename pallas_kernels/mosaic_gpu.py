@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import metadata as md
 from pallas_kernels import mgpu_compat, vma
-from pallas_kernels.config import MOSAIC_GPU_EPILOGUE_TILE, Config
+from pallas_kernels.config import MOSAIC_GPU_EPILOGUE_TILE, MOSAIC_GPU_PIPELINES, Config
 
 MEMORY_REGISTERS = 40  # the TMA warpgroup's registers; the two consumers share the rest
 NUM_SMS_H100 = 132
@@ -121,7 +121,7 @@ def _compute_registers() -> int:
     return min(256, (512 - MEMORY_REGISTERS) // 2) // 8 * 8
 
 
-PIPELINES = ("per_tile", "stream")  # how K blocks reach shared memory (`run_tiles`)
+PIPELINES = MOSAIC_GPU_PIPELINES  # how K blocks reach shared memory (`run_tiles`)
 
 
 def tile_stream(grid, *, rings, stages: int, tile, steps, copies, step, context) -> None:

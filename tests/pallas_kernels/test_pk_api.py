@@ -38,6 +38,9 @@ def test_config_is_frozen_and_validated():
         pk.Config(tm=96)
     with pytest.raises(ValueError, match="num_warps"):
         pk.Config(num_warps=0)
+    assert pk.Config().pipeline == "per_tile"  # the Mosaic GPU pipeline measured on a GPU
+    with pytest.raises(ValueError, match=r"pipeline must be one of \('per_tile', 'stream'\)"):
+        pk.Config(pipeline="ring")
     assert config.effective_tiles(pk.Config(128, 128, 128), 200, 24, 5) == (128, 32, 8)
 
 
