@@ -53,6 +53,7 @@ from pallas_kernels.mosaic_gpu import (
     _kernel,
     _out_smem,
     _transforms,
+    gmm_schedule,
     num_sms,
     run_tiles,
 )
@@ -160,13 +161,7 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
     ]
 
     def body(tile_group_gmem, lhs_gmem, scale_gmem, rhs_gmem, rhs_scale_gmem, out_gmem):
-        def tile(info):
-            mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 0, RASTER)
-            group = tile_group_gmem[mi]
-            return mi, ni, jnp.minimum(group, num_groups - 1), group < num_groups
-
-        def steps(t):
-            return jnp.where(t[3], k_iters, 0)  # a tile past the groups stores zeros
+        tile, steps = gmm_schedule(tile_group_gmem, (m_iters, n_iters), RASTER, num_groups, k_iters)
 
         def views(t):  # the tile's operands along K, in the rings' order
             mi, ni, g, _ = t

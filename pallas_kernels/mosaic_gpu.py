@@ -216,6 +216,25 @@ def tile_stream(grid, *, rings, stages: int, tile, steps, copies, step, context)
     )
 
 
+def gmm_schedule(tile_group_gmem, tiles: tuple[int, int], raster: int, num_groups: int,
+                 k_iters: int):  # fmt: skip
+    """`(tile, steps)` of a persistent gmm for `run_tiles`: work item `info.index[0]` is the
+    output tile `(mi, ni)` of the `tiles` grid, in a snaking raster `raster` m-tiles wide;
+    `tile(info) = (mi, ni, g, live)`, its group `g` read from the `[M / tm]` table
+    `tile_group_gmem` (`metadata.aligned_tile_groups`: `num_groups` past the groups, clamped
+    here); `steps(t)` is `k_iters` K blocks, 0 for a tile past the groups (it stores zeros)."""
+
+    def tile(info):
+        mi, ni = plgpu.planar_snake(info.index[0], tiles, 0, raster)
+        group = tile_group_gmem[mi]
+        return mi, ni, jnp.minimum(group, num_groups - 1), group < num_groups
+
+    def steps(t):
+        return jnp.where(t[3], k_iters, 0)
+
+    return tile, steps
+
+
 def run_tiles(pipeline, grid, rings, operands, *, tile, steps, views, blocks, step, context,
               stages):  # fmt: skip
     """Each CTA's tiles of `grid`: per tile `context(t, run)`, where `run(carry)` runs `step`
@@ -316,13 +335,9 @@ def gmm(
     ]
 
     def body(tile_group_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        def tile(info):
-            mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 0, config.raster)
-            group = tile_group_gmem[mi]
-            return mi, ni, jnp.minimum(group, num_groups - 1), group < num_groups
-
-        def steps(t):
-            return jnp.where(t[3], k_iters, 0)  # a tile past the groups stores zeros
+        tile, steps = gmm_schedule(
+            tile_group_gmem, (m_iters, n_iters), config.raster, num_groups, k_iters
+        )
 
         def views(t):  # the tile's operands along K, in the rings' order
             mi, ni, g, _ = t
