@@ -151,7 +151,7 @@ def _quantization(run: Run, operand: str, x, shape: str, out: dict) -> None:
 
 
 def _problem(m, k, n, g, align, seed):
-    from gpu_check import aligned_sizes, operands
+    from gpu_check_kernels import aligned_sizes, operands
 
     x, w, dy = operands(m, k, n, g, seed=seed)
     sizes_np = aligned_sizes("balanced", m, g, align, seed=seed)
@@ -225,7 +225,7 @@ def _torch_scaled(run: Run, x, w, sizes_np):
 
 
 def _kernels(run: Run, align: int, out: dict, deadline: float) -> None:
-    from gpu_check import ours
+    from gpu_check_kernels import ours
 
     rows = out["kernels"] = []
     problems = [(s, *_dims(s)) for s in SHAPES] if not run.dry else [("tiny", 256, 128, 128, 2)]
