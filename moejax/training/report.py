@@ -279,6 +279,7 @@ def _tuning_rows(summary: dict | None) -> list[tuple[str, str]]:
         "followed": "followed the routing load",
         "skipped": "kept, not re-timed",
         "probe": "the default, the only candidate",
+        "none": "not decided: the run stopped first",
     }[summary["kind"]]
     budget = summary.get("budget_s")
     budget = "n/a" if budget is None else "no limit" if math.isinf(budget) else _seconds(budget)

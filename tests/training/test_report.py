@@ -78,3 +78,14 @@ def test_short_runs_plot_whole_step_ticks_and_label_the_mean_they_draw(tmp_path,
     for ax in (bottom, load.axes[0]):
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_summary_of_a_run_stopped_before_the_tuners_first_decision():
+    """SIGTERM early in a tuned run: the runner reports kind "none" (no decision yet), which
+    the summary table names instead of failing on it."""
+    tuning = {"chosen": "dropless", "kind": "none", "reason": "the run stopped before the "
+              "tuner's first decision", "times": {}, "decisions": 0, "rounds": 0,
+              "spent_s": 0.0, "budget_s": 30.0}  # fmt: skip
+    rows = dict(report._tuning_rows(tuning))
+    assert rows["parallel strategy"] == "dropless (not decided: the run stopped first)"
+    assert rows["strategy decision"] == "the run stopped before the tuner's first decision"
