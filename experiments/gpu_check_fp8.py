@@ -14,12 +14,18 @@ fails or the budget is spent:
     the activation and weight quantizations alone (XLA against the fused `quantize_both` and
     `quantize_blocks_both`, GB/s), and
     `torch._scaled_grouped_mm` (rowwise-scaled fp8, the forward) where torch has it.
+  ffn (30 s): the SwiGLU expert FFN forward + backward at the Mixtral shape with its
+    quantizations fused into their producers (`fp8_ops.fp8_swiglu_ffn`: what the layer runs)
+    against three `fp8_grouped_matmul` calls around XLA's activation, and the fused activation
+    quantizers (`quantize_swiglu`, `quantize_swiglu_grad`) against XLA: GB/s, and how many
+    elements differ from XLA's (the kernel's exp and XLA's may round differently).
   layer (30 s): moejax's MoE layer forward + backward at Mixtral sizes, fp8 vs bf16 experts.
 `--dry-run` takes every path at tiny shapes (the kernels in the Mosaic GPU interpreter).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 import traceback
@@ -33,7 +39,7 @@ import pallas_kernels as pk
 from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops, targets
 from pallas_kernels import shapes as pk_shapes
 
-BUDGET_S = {"numerics": 25, "train": 85, "kernels": 150, "layer": 30}
+BUDGET_S = {"numerics": 25, "train": 85, "kernels": 150, "ffn": 30, "layer": 30}
 SHAPES = ("mixtral_8x7b", "deepseek_v3", "fine_grained")
 TOL = 2 * float(jnp.finfo(jnp.bfloat16).eps)  # the bf16 rounding of the same fp32 sums
 
@@ -292,6 +298,82 @@ def _dims(shape):
     return spec.m, spec.k, spec.n, spec.g
 
 
+def _swiglu_xla(gate, up):
+    h = fp8.swiglu(gate, up).astype(gate.dtype)
+    return fp8.quantize_rows(h), fp8.quantize_cols(h)
+
+
+def _swiglu_grad_xla(dh, gate, up):
+    grads = (d.astype(dh.dtype) for d in fp8.swiglu_grad(dh, gate, up))
+    return tuple((fp8.quantize_rows(d), fp8.quantize_cols(d)) for d in grads)
+
+
+def _ffn(run: Run, align: int, out: dict) -> None:
+    """The fused SwiGLU FFN against the unfused composition, and its two fused quantizers."""
+    m, d, f, g = _dims("mixtral_8x7b") if not run.dry else (256, 128, 128, 2)
+    x, w, dy, sizes_np = _problem(m, d, f, g, align, seed=3)
+    sizes = jnp.asarray(sizes_np)
+    keys = jax.random.split(jax.random.key(5), 2)
+    ws = (w, (w * jax.random.normal(keys[0], (), w.dtype)),
+          jax.random.normal(keys[1], (g, f, d), jnp.bfloat16) * float(f) ** -0.5)  # fmt: skip
+    rows = out["ffn"] = []
+    # The kernels, interpreted in a dry run (named: "auto" would put the interpreter's
+    # callbacks in a platform conditional, which jax does not lower).
+    kw = dict(backend="pallas_mosaic_gpu", group_alignment=align, interpret=not run.on_gpu)
+
+    def unfused(x, wg, wu, wd):
+        def mm(a, w_):
+            return fp8_ops.fp8_grouped_matmul(a, w_, sizes, **kw)
+
+        return mm(fp8.swiglu(mm(x, wg), mm(x, wu)).astype(x.dtype), wd)
+
+    def fused(x, wg, wu, wd):
+        return fp8_ops.fp8_swiglu_ffn(x, wg, wu, wd, sizes, **kw)
+
+    flops = 2 * 3 * 3 * int(np.sum(sizes_np)) * d * f  # 3 matmuls, forward + 2 gradients
+    times = {}
+    for name, fn in (("unfused", unfused), ("fused", fused)):
+        step = jax.jit(jax.value_and_grad(lambda *a, fn=fn: jnp.vdot(fn(*a), dy), (0, 1, 2, 3)))
+        try:
+            times[name] = run.seconds(step, x, *ws)
+            rows.append(dict(what=f"ffn fwd+bwd, {name} quantization", ms=times[name] * 1e3,
+                             tflops=flops / times[name] / 1e12))  # fmt: skip
+        except Exception as err:  # noqa: BLE001
+            run.log(traceback.format_exc())
+            rows.append(dict(what=f"ffn {name}", error=f"{type(err).__name__}: {err}"[:300]))
+        run.log(f"  fp8 {rows[-1]}")
+    if len(times) == 2:
+        out["ffn_fused_speedup"] = times["unfused"] / times["fused"]
+    h = jax.random.normal(keys[0], (m, f), jnp.bfloat16)
+    cases = (("quantize_swiglu", fp8_mosaic_gpu.quantize_swiglu, _swiglu_xla, (h, h * 0.5)),
+             ("quantize_swiglu_grad", fp8_mosaic_gpu.quantize_swiglu_grad, _swiglu_grad_xla,
+              (h, h * 0.5, h * -2)))  # fmt: skip
+    for name, kernel, xla, args in cases:
+        row = dict(what=name, dims=[m, f])
+        if not fp8_mosaic_gpu.quantize_supports(h, jnp.float8_e4m3fn):
+            row["fused_unavailable"] = f"no fused quantizer runs on jax {jax.__version__}"
+            rows.append(row)
+            continue
+        outputs = 1 if name == "quantize_swiglu" else 2
+        moved = h.size * (2 * len(args) + 2 * outputs)  # bf16 inputs, two fp8 copies each
+        fused_fn = functools.partial(kernel, interpret=not run.on_gpu)
+        fns = {"xla": jax.jit(xla), "fused": jax.jit(fused_fn)}
+        try:
+            for which, fn in fns.items():
+                row[f"{which}_gb_per_s"] = moved / run.seconds(fn, *args) / 1e9
+            pairs = zip(jax.tree.leaves(fns["fused"](*args)), jax.tree.leaves(fns["xla"](*args)),
+                        strict=True)  # fmt: skip
+            row["elements_differing"] = sum(
+                int(np.sum(np.asarray(a, np.float32) != np.asarray(b, np.float32)))
+                for a, b in pairs
+            )
+        except Exception as err:  # noqa: BLE001
+            run.log(traceback.format_exc())
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        rows.append(row)
+        run.log(f"  fp8 {row}")
+
+
 def _layer(run: Run, out: dict) -> None:
     import moejax
 
@@ -377,6 +459,7 @@ def part_fp8(run: Run) -> None:
     steps = (("numerics", lambda d: _numerics(run, align, out)),
              ("train", lambda d: _train(run, out)),
              ("kernels", lambda d: _kernels(run, align, out, d)),
+             ("ffn", lambda d: _ffn(run, align, out)),
              ("layer", lambda d: _layer(run, out)))  # fmt: skip
     for name, fn in steps:
         deadline = time.perf_counter() + (float("inf") if run.dry else BUDGET_S[name])
@@ -411,6 +494,11 @@ def markdown(fp8_results: dict) -> list[str]:
         figures = ", ".join(f"{k_.removesuffix('_gb_per_s')} {v:.0f} GB/s" for k_, v in r.items()
                             if k_.endswith("_gb_per_s"))  # fmt: skip
         lines.append(f"- quantize {r['operand']} {r['dims']} both ways ({r['shape']}): {figures}")
+    for r in fp8_results.get("ffn", []):
+        rest = {k_: v for k_, v in r.items() if k_ != "what"}
+        lines.append(f"- {r['what']}: {rest}")
+    if "ffn_fused_speedup" in fp8_results:
+        lines.append(f"- ffn: fused quantization {fp8_results['ffn_fused_speedup']:.3f}x unfused")
     for key in ("layer", "train"):
         if key in fp8_results:
             lines += ["", f"- {key}: {fp8_results[key]}"]

@@ -48,12 +48,19 @@ def grouped_ffn(
       group_of_row: `[R]` expert of each row (for the biases).
       experts: `experts/...` parameters: `w_gate`, `w_up [E, D, F]`, `w_down [E, F, D]`, biases.
       config: the layer config.
-      gmm: a grouped matmul (see `moejax._gmm`).
+      gmm: a grouped matmul (see `moejax._gmm`); with `expert_precision="fp8"`, a
+        `moejax._gmm.Fp8Matmul`, whose `swiglu_ffn` runs a SwiGLU FFN whole.
 
     Returns:
       `[R, D]` expert outputs, unweighted (padding rows hold garbage that is never read).
     """
     dtype = rows.dtype
+    fp8_swiglu = config.activation == "swiglu" and not config.expert_bias
+    if config.expert_precision == "fp8" and fp8_swiglu:
+        # The whole FFN in one fp8 op: the activation computed where it is quantized, and the
+        # weights quantized as stored (fp32 master weights without a 16-bit copy).
+        weights = (experts[f"w_{name}"] for name in ("gate", "up", "down"))
+        return gmm.swiglu_ffn(rows, *weights, group_sizes)
 
     def proj(x, name):
         y = gmm(x, experts[f"w_{name}"].astype(dtype), group_sizes)

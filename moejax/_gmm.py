@@ -22,6 +22,7 @@ alignment it wants the permute phase to pad groups to.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -161,15 +162,32 @@ def _fp8_matmuls(implementation: str, block: int):
     return fp8_ops.REFERENCE_MATMULS
 
 
-def fp8_gmm(lhs, rhs, group_sizes, *, implementation: str, alignment: int, grad_format: str):
-    """The expert matmul with `expert_precision="fp8"` (`pallas_kernels.fp8_ops`): the fp8
+@dataclasses.dataclass(frozen=True)
+class Fp8Matmul:
+    """The expert matmuls with `expert_precision="fp8"` (`pallas_kernels.fp8_ops`): the fp8
     Mosaic GPU kernels for `implementation="pallas"` compiled for Hopper, the emulated recipe
     on this implementation's float matmuls otherwise. `alignment`: what the permute padded
-    every group to."""
-    from pallas_kernels import fp8_ops
+    every group to. Called as a grouped matmul; `swiglu_ffn` runs a whole SwiGLU expert FFN
+    with the quantizations fused into their producers (`fp8_ops.fp8_swiglu_ffn`)."""
 
-    return fp8_ops.fp8_grouped_matmul(
-        lhs, rhs, group_sizes, grad_format=grad_format,
-        backend="auto" if implementation == "pallas" else "emulated",
-        matmuls=_fp8_matmuls(implementation, alignment), group_alignment=alignment,
-    )  # fmt: skip
+    implementation: str
+    alignment: int
+    grad_format: str
+
+    def _options(self) -> dict:
+        return dict(
+            grad_format=self.grad_format,
+            backend="auto" if self.implementation == "pallas" else "emulated",
+            matmuls=_fp8_matmuls(self.implementation, self.alignment),
+            group_alignment=self.alignment,
+        )
+
+    def __call__(self, lhs, rhs, group_sizes):
+        from pallas_kernels import fp8_ops
+
+        return fp8_ops.fp8_grouped_matmul(lhs, rhs, group_sizes, **self._options())
+
+    def swiglu_ffn(self, x, w_gate, w_up, w_down, group_sizes):
+        from pallas_kernels import fp8_ops
+
+        return fp8_ops.fp8_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, **self._options())

@@ -79,10 +79,7 @@ def _gmm_for(implementation: str, config: MoEConfig):
     else:
         raise ValueError(f"no grouped matmul for implementation={implementation!r}")
     if config.expert_precision == "fp8":
-        gmm = functools.partial(
-            _gmm.fp8_gmm, implementation=implementation, alignment=alignment,
-            grad_format=config.fp8_grad_format,
-        )  # fmt: skip
+        gmm = _gmm.Fp8Matmul(implementation, alignment, config.fp8_grad_format)
     return gmm, alignment
 
 

@@ -154,6 +154,42 @@ def _quantize_weights(w, **kw):
     return _fused_where_kernels_run(xla, kernel, supported, **kw)
 
 
+def _quantize_swiglu(gate, up, **kw):
+    """`quantize_both` of `fp8.swiglu(gate, up)` in gate's dtype (e4m3): where the kernels run,
+    computed and quantized in one kernel (`fp8_mosaic_gpu.quantize_swiglu`), else by XLA (the
+    same fp32 expression, up to XLA's and the kernel's fp32 evaluation order)."""
+    from pallas_kernels import fp8_mosaic_gpu
+
+    def xla():
+        h = fp8.swiglu(gate, up).astype(gate.dtype)
+        return fp8.quantize_rows(h, "e4m3"), fp8.quantize_cols(h, "e4m3")
+
+    def kernel():
+        return fp8_mosaic_gpu.quantize_swiglu(gate, up, "e4m3", interpret=kw["interpret"])
+
+    supported = fp8_mosaic_gpu.quantize_supports(gate, fp8.fp8_dtype("e4m3"))
+    return _fused_where_kernels_run(xla, kernel, supported, **kw)
+
+
+def _quantize_swiglu_grad(dh, gate, up, dtype, **kw):
+    """`quantize_both` of each of `fp8.swiglu_grad(dh, gate, up)` in dh's dtype: where the
+    kernels run, in one kernel (`fp8_mosaic_gpu.quantize_swiglu_grad`), else by XLA."""
+    from pallas_kernels import fp8_mosaic_gpu
+
+    def xla():
+        return tuple(
+            (fp8.quantize_rows(d, dtype), fp8.quantize_cols(d, dtype))
+            for d in fp8.swiglu_grad(dh, gate, up)
+            for d in [d.astype(dh.dtype)]
+        )
+
+    def kernel():
+        return fp8_mosaic_gpu.quantize_swiglu_grad(dh, gate, up, dtype, interpret=kw["interpret"])
+
+    supported = fp8_mosaic_gpu.quantize_supports(dh, fp8.fp8_dtype(dtype))
+    return _fused_where_kernels_run(xla, kernel, supported, **kw)
+
+
 def _fused_where_kernels_run(xla, kernel, supported, *, backend, alignment, **_):
     """A fused quantizer's `kernel()` where the fp8 kernels run and it takes the operand
     (`supported`), else the `xla()` quantization (the same bits)."""
@@ -235,6 +271,18 @@ def _fwd_rule(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, o
 _fp8_gmm.defvjp(_fwd_rule, _bwd)
 
 
+def _check_options(backend, grad_format, split, pipeline) -> None:
+    if backend not in FP8_BACKENDS:
+        raise ValueError(f"backend must be one of {FP8_BACKENDS}, got {backend!r}")
+    fp8.fp8_dtype(grad_format)  # validates the name
+    from pallas_kernels import fp8_mosaic_gpu
+
+    if split is not None and split not in fp8_mosaic_gpu.SPLITS:
+        raise ValueError(f"split must be one of {fp8_mosaic_gpu.SPLITS}, got {split!r}")
+    if pipeline is not None and pipeline not in fp8_mosaic_gpu.PIPELINES:
+        raise ValueError(f"pipeline must be one of {fp8_mosaic_gpu.PIPELINES}, got {pipeline!r}")
+
+
 def fp8_grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -272,19 +320,115 @@ def fp8_grouped_matmul(
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
         raise ValueError(f"lhs [M, K] and rhs [G, K, N] expected, got {lhs.shape}, {rhs.shape}")
-    if backend not in FP8_BACKENDS:
-        raise ValueError(f"backend must be one of {FP8_BACKENDS}, got {backend!r}")
-    fp8.fp8_dtype(grad_format)  # validates the name
-    from pallas_kernels import fp8_mosaic_gpu
-
-    if split is not None and split not in fp8_mosaic_gpu.SPLITS:
-        raise ValueError(f"split must be one of {fp8_mosaic_gpu.SPLITS}, got {split!r}")
-    if pipeline is not None and pipeline not in fp8_mosaic_gpu.PIPELINES:
-        raise ValueError(f"pipeline must be one of {fp8_mosaic_gpu.PIPELINES}, got {pipeline!r}")
+    _check_options(backend, grad_format, split, pipeline)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     lhs, rhs, group_sizes = same_varying_axes(lhs, rhs, group_sizes)
     return _fp8_gmm(
         lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls,
+        (group_alignment, interpret, split, pipeline),
+    )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fp8_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, grad_format, backend, matmuls, opts):
+    out, _ = _ffn_fwd(x, w_gate, w_up, w_down, group_sizes, grad_format, backend, matmuls, opts)
+    return out
+
+
+def _ffn_fwd(x, w_gate, w_up, w_down, group_sizes, grad_format, backend, matmuls, opts):
+    kw = _options(backend, matmuls, opts)
+    dtype = x.dtype
+    weights = [_quantize_weights(w, **kw) for w in (w_gate, w_up, w_down)]
+    (wg, wg_t), (wu, wu_t), (wd, wd_t) = weights
+    xq, xq_t = _quantize_both(_mask_rows(x, group_sizes), "e4m3", **kw)
+    # Rows past the groups come out of the products as zeros, so they set no scale of h^T.
+    gate = _mask_rows(_gmm_q(xq, wg_t, group_sizes, out_dtype=dtype, **kw), group_sizes)
+    up = _mask_rows(_gmm_q(xq, wu_t, group_sizes, out_dtype=dtype, **kw), group_sizes)
+    h, h_t = _quantize_swiglu(gate, up, **kw)
+    out = _gmm_q(h, wd_t, group_sizes, out_dtype=dtype, **kw)
+    return out, (xq_t, h_t, gate, up, wg, wu, wd, group_sizes)
+
+
+def _ffn_fwd_rule(x, w_gate, w_up, w_down, group_sizes, grad_format, backend, matmuls, opts):
+    out, res = _ffn_fwd(x, w_gate, w_up, w_down, group_sizes, grad_format, backend, matmuls, opts)
+    # The backward needs the inputs only for their dtypes and varying axes: zero-size slices.
+    return out, (*res, *(a.reshape(-1)[:0] for a in (x, w_gate, w_up, w_down)))
+
+
+def _ffn_bwd(grad_format, backend, matmuls, opts, residuals, dout):
+    xq_t, h_t, gate, up, wg, wu, wd, group_sizes, x, w_gate, w_up, w_down = residuals
+    kw = _options(backend, matmuls, opts)
+    dout, dout_t = _quantize_both(_mask_rows(dout, group_sizes), grad_format, **kw)
+    dh = _mask_rows(_gmm_q(dout, wd, group_sizes, out_dtype=x.dtype, **kw), group_sizes)
+    # The weight gradients in x's dtype (what a 16-bit weight's would be), then widened to the
+    # weights' own (fp32 master weights): the kernels write half the bytes.
+    dw_down = _tgmm_q(h_t, dout_t, group_sizes, out_dtype=x.dtype, **kw).astype(w_down.dtype)
+    (dgate, dgate_t), (dup, dup_t) = _quantize_swiglu_grad(dh, gate, up, grad_format, **kw)
+    # In x's dtype each, then summed, as autodiff sums the two projections' input gradients.
+    dx = _gmm_q(dgate, wg, group_sizes, out_dtype=x.dtype, **kw) + _gmm_q(
+        dup, wu, group_sizes, out_dtype=x.dtype, **kw
+    )
+    dw_gate = _tgmm_q(xq_t, dgate_t, group_sizes, out_dtype=x.dtype, **kw).astype(w_gate.dtype)
+    dw_up = _tgmm_q(xq_t, dup_t, group_sizes, out_dtype=x.dtype, **kw).astype(w_up.dtype)
+    grads = zip((dx, dw_gate, dw_up, dw_down), (x, w_gate, w_up, w_down), strict=True)
+    return (*(match_varying(g, like) for g, like in grads), None)
+
+
+_fp8_swiglu_ffn.defvjp(_ffn_fwd_rule, _ffn_bwd)
+
+
+def fp8_swiglu_ffn(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    grad_format: str = "e4m3",
+    backend: str = "auto",
+    matmuls: Matmuls = REFERENCE_MATMULS,
+    group_alignment: int = 1,
+    interpret=False,
+    split: str | None = None,
+    pipeline: str | None = None,
+) -> jax.Array:
+    """Differentiable grouped SwiGLU FFN `(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]` with
+    all six expert matmuls in block-scaled fp8 (as `fp8_grouped_matmul`), the quantizations
+    fused into what produces their operands:
+      * x is quantized once for both projections (both layouts: the weight gradients read x^T);
+      * the hidden activation `h = swiglu(gate, up)` is computed (fp32, rounded to x's dtype as
+        a 16-bit producer would write it) and quantized in one pass
+        (`fp8_mosaic_gpu.quantize_swiglu` where the kernels run): h is never written to memory;
+      * in the backward, the gradients of gate and up are computed from `dh`, gate and up and
+        quantized in one pass likewise (`quantize_swiglu_grad`).
+    The weights are quantized from what they are (fp32 master weights with no 16-bit copy:
+    `fp8_mosaic_gpu.quantize_blocks_both` reads fp32). The residuals are what the three
+    `fp8_grouped_matmul` calls and the activation keep: x^T and h^T in fp8, the quantized
+    weights, and gate and up in x's dtype.
+
+    Args:
+      x: `[M, D]` float, rows sorted by group.
+      w_gate, w_up: `[G, D, F]` float; w_down: `[G, F, D]`: quantized on each call, fp32
+        master weights as they are (no 16-bit copy is made; their gradients are rounded to x's
+        dtype, as a 16-bit copy's would be, and returned in theirs).
+      group_sizes: `[G]` integer, sum <= M; not differentiated.
+      grad_format, backend, matmuls, group_alignment, interpret, split, pipeline: as for
+        `fp8_grouped_matmul`.
+
+    Returns:
+      `[M, D]` in x's dtype; rows past sum(group_sizes) are zero.
+    """
+    g, d, f = w_gate.shape
+    if x.ndim != 2 or x.shape[1] != d or w_up.shape != (g, d, f) or w_down.shape != (g, f, d):
+        raise ValueError(
+            "x [M, D], w_gate and w_up [G, D, F], w_down [G, F, D] expected, got "
+            f"{x.shape}, {w_gate.shape}, {w_up.shape}, {w_down.shape}"
+        )
+    _check_options(backend, grad_format, split, pipeline)
+    group_sizes = group_sizes.astype(jnp.int32)
+    x, w_gate, w_up, w_down, group_sizes = same_varying_axes(x, w_gate, w_up, w_down, group_sizes)
+    return _fp8_swiglu_ffn(
+        x, w_gate, w_up, w_down, group_sizes, grad_format, backend, matmuls,
         (group_alignment, interpret, split, pipeline),
     )  # fmt: skip

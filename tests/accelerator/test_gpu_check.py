@@ -88,7 +88,8 @@ def test_dry_run_takes_every_path(tmp_path):
 def test_dry_run_fp8_part(tmp_path):
     """`--parts fp8` (what the lead runs alone on an H100): the fp8 kernels (both splits, both
     pipelines) against the dequantize-then-matmul reference, timed beside our bf16 kernels,
-    torch's scaled grouped matmul named when missing, the layer and the train step with both
+    torch's scaled grouped matmul named when missing, the SwiGLU FFN with fused and unfused
+    quantization and the fused activation quantizers, the layer and the train step with both
     precisions."""
     out = _run("--dry-run", "--parts", "fp8", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -114,6 +115,16 @@ def test_dry_run_fp8_part(tmp_path):
         if r["kernel"] == "gmm":
             assert "fp8 incl. quantization" in r["tflops"], r
             assert "torch._scaled_grouped_mm" in {*r["tflops"], *r["unavailable"]}, r
+    ffn = {r["what"]: r for r in fp8["ffn"]}
+    for how in ("unfused", "fused"):
+        assert ffn[f"ffn fwd+bwd, {how} quantization"]["ms"] > 0
+    assert fp8["ffn_fused_speedup"] > 0
+    for name in ("quantize_swiglu", "quantize_swiglu_grad"):
+        row = ffn[name]
+        if mgpu_compat.LOADS_TRANSPOSED:  # the interpreter evaluates XLA's expression: 0 differ
+            assert row["fused_gb_per_s"] > 0 and row["elements_differing"] == 0, row
+        else:
+            assert "fused_unavailable" in row, row
     assert fp8["layer"]["bf16_ms"] > 0 and fp8["layer"]["fp8_ms"] > 0
     assert fp8["train"]["bf16_step_ms"] > 0 and fp8["train"]["fp8_step_ms"] > 0
     assert "**FP8 experts**" in (tmp_path / "results.md").read_text()

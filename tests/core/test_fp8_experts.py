@@ -14,7 +14,7 @@ from moejax import _gmm
 from moejax.models import init_lm_params, presets
 from moejax.training import presets as train_presets
 from moejax.training.step import lm_loss
-from pallas_kernels import fp8, introspect, targets
+from pallas_kernels import fp8, introspect, mgpu_compat, targets
 
 CFG = moejax.MoEConfig(d_model=160, d_ff=136, num_experts=4, top_k=2)  # partial 128-tiles
 
@@ -115,6 +115,35 @@ def test_hopper_program_runs_the_fp8_kernels():
         calls = introspect.traced_kernel_calls(jax.grad(loss, (0, 1)), params, x, platform="cuda")
     names = sorted(str(c) for c in calls)
     assert names == ["fp8_gmm/mosaic_gpu"] * 6 + ["fp8_tgmm/mosaic_gpu"] * 3
+
+
+@pytest.mark.skipif(not mgpu_compat.LOADS_TRANSPOSED, reason="jax 0.10: no fused quantizers")
+def test_hopper_program_quantizes_in_the_producers():
+    """With 128-aligned widths, the SwiGLU experts' program for an H100 quantizes each operand
+    in one fused kernel: the three weights, x once for both projections, the hidden activation
+    where it is computed, the output gradient, and the gate and up gradients where they are
+    computed; no XLA quantization is left. The fp32 master weights are quantized as they are:
+    the program makes no 16-bit copy of them."""
+    cfg = moejax.MoEConfig(d_model=256, d_ff=384, num_experts=4, top_k=2, expert_precision="fp8")
+    params = moejax.init_moe_params(cfg, jax.random.key(0))
+    assert params["experts"]["w_up"].dtype == jnp.float32
+    x = jnp.ones((256, cfg.d_model), jnp.bfloat16)
+
+    def loss(p, x):
+        return jnp.sum(moejax.moe_apply(p, x, cfg, implementation="pallas")[0])
+
+    grad = jax.grad(loss, (0, 1))
+    with jax.sharding.use_abstract_mesh(targets.abstract_gpu_mesh()):
+        calls = introspect.traced_kernel_calls(grad, params, x, platform="cuda")
+        hlo = jax.jit(grad).trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+    for shape in ("4x256x384", "4x384x256"):  # w_gate and w_up, w_down
+        assert f"(tensor<{shape}xf32>) -> tensor<{shape}xbf16>" not in hlo  # no weight cast
+        assert f"(tensor<{shape}xbf16>) -> tensor<{shape}xf32>" in hlo  # the gradients widened
+    names = sorted(str(c).split("/")[0] for c in calls)
+    assert names == sorted(
+        ["fp8_gmm"] * 6 + ["fp8_tgmm"] * 3 + ["fp8_quantize_blocks"] * 3 + ["fp8_quantize"] * 2
+        + ["fp8_quantize_swiglu", "fp8_quantize_swiglu_grad"]
+    )  # fmt: skip
 
 
 @pytest.mark.slow  # ~15 s of CPU: two LM losses and a gradient compiled

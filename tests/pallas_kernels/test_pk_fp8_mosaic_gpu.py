@@ -244,11 +244,14 @@ def test_quantize_both_is_the_xla_quantization_bit_for_bit(dtype):
     not mgpu_compat.LOADS_TRANSPOSED, reason=f"jax {jax.__version__}: no transposed tile loads"
 )
 @pytest.mark.parametrize("dtype", FORMATS)
-def test_quantize_blocks_both_is_the_xla_quantization_bit_for_bit(dtype):
+@pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float32])
+def test_quantize_blocks_both_is_the_xla_quantization_bit_for_bit(dtype, w_dtype):
     """The fused weight quantizer (one read of w, interpreted) gives fp8.quantize_blocks and its
     transpose_blocks exactly: values, scales and layouts, across 16 binades, with an all-zero
-    block (scale 1), a block that saturates the format and one of a single nonzero element."""
-    w = jnp.stack([_x(256, 384, seed=1), _x(384, 256, seed=2).T]).astype(jnp.bfloat16)
+    block (scale 1), a block that saturates the format and one of a single nonzero element;
+    from bf16 weights, and from fp32 ones (master weights: quantized once, the transposed copy
+    staged through fp16, which holds every fp8 value exactly)."""
+    w = jnp.stack([_x(256, 384, seed=1), _x(384, 256, seed=2).T]).astype(w_dtype)
     w = w.at[0, :128, 128:256].set(0).at[1, 128:, :128].multiply(2.0**60)
     w = w.at[1, :128, 256:].set(0).at[1, 5, 300].set(-3.0)
 
@@ -278,3 +281,176 @@ def test_quantize_both_refuses_what_it_cannot_run():
         fp8_mosaic_gpu.quantize_blocks_both(jnp.ones((2, 128, 200), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"\[G, K, N\]"):
         fp8_mosaic_gpu.quantize_blocks_both(jnp.ones((128, 128), jnp.bfloat16))
+
+
+def _swiglu_operands(m=256, f=384):
+    """gate, up and dh across the activation's regimes: |gate| up to ~2^5 (exp(-gate)
+    overflows to inf past 88: silu -> -0), tiles of 16 binades, an all-zero dh tile."""
+    keys = jax.random.split(jax.random.key(7), 3)
+    gate = _x(m, f, seed=5) * 4
+    gate = gate.at[0, :].set(-100.0).at[1, :].set(100.0)  # saturated sigmoid either way
+    up = jax.random.normal(keys[1], (m, f))
+    dh = _x(m, f, seed=6).at[128:, :128].set(0)
+    return tuple(a.astype(jnp.bfloat16) for a in (dh, gate, up))
+
+
+def test_swiglu_and_its_gradient_are_fp32_accurate():
+    """fp8.swiglu and swiglu_grad against float64, at saturated gates too (|gate| = 100, where
+    autodiff through swiglu's own expression would give NaN, exp(100) being inf): within a few
+    fp32 roundings of each term (dgate's factor 1 + gate (1 - s) cancels near gate = -1.28, so
+    its bound is on the terms' magnitudes, not on the result)."""
+    dh, gate, up = (a.astype(jnp.float32) for a in _swiglu_operands())
+    d, g, u = (np.asarray(a, np.float64) for a in (dh, gate, up))
+    sig = 1 / (1 + np.exp(-g))
+    eps = 16 * 2.0**-24
+    h, (dgate, dup) = fp8.swiglu(gate, up), fp8.swiglu_grad(dh, gate, up)
+    checks = [
+        (h, g * sig * u, np.abs(g * sig * u)),
+        # s near 1 is rounded by up to 2^-24, which 1 - s keeps: |gate| 2^-24 in the factor
+        (dgate, d * u * sig * (1 + g * (1 - sig)), np.abs(d * u) * sig * (1 + np.abs(g))),
+        (dup, d * g * sig, np.abs(d * g * sig)),
+    ]
+    for got, want, scale in checks:
+        err = np.abs(np.asarray(got, np.float64) - want)
+        assert np.all(err <= eps * scale + 1e-30), np.max(err - eps * scale)
+    np.testing.assert_allclose(
+        jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)[1](dh)[1], dup, rtol=2.0**-20
+    )
+
+
+@pytest.mark.skipif(
+    not mgpu_compat.LOADS_TRANSPOSED, reason=f"jax {jax.__version__}: no transposed tile loads"
+)
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_swiglu_quantizers_are_the_xla_quantization_of_the_activation(dtype):
+    """quantize_swiglu and quantize_swiglu_grad (interpreted) give, bit for bit, the XLA
+    quantization (fp8.quantize_rows / quantize_cols) of fp8.swiglu and fp8.swiglu_grad rounded
+    to bf16: the interpreter evaluates the same fp32 expression with XLA:CPU, so only the
+    kernels' data movement (the halves, the tiles rewritten in place, the transposed loads) is
+    under test here; the H100 compile is in tests/accelerator/test_deviceless_fp8.py."""
+    dh, gate, up = _swiglu_operands()
+
+    def both(a):
+        a = a.astype(jnp.bfloat16)
+        return fp8.quantize_rows(a, dtype), fp8.quantize_cols(a, dtype)
+
+    cases = [
+        ("fp8_quantize_swiglu", fp8_mosaic_gpu.quantize_swiglu, (gate, up),
+         (both(fp8.swiglu(gate, up)),)),
+        ("fp8_quantize_swiglu_grad", fp8_mosaic_gpu.quantize_swiglu_grad, (dh, gate, up),
+         tuple(both(d) for d in fp8.swiglu_grad(dh, gate, up))),
+    ]  # fmt: skip
+    for name, kernel, args, want in cases:
+        run = functools.partial(kernel, dtype=dtype, interpret=True)
+        calls = introspect.traced_kernel_calls(run, *args, platform="cpu")
+        assert [str(c) for c in calls] == [f"{name}/interpret"]
+        got = jax.jit(run)(*args)
+        if name == "fp8_quantize_swiglu":
+            got = (got,)
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), got) == jax.tree.map(
+            lambda a: (a.shape, a.dtype), want
+        )
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    grad = functools.partial(fp8_mosaic_gpu.quantize_swiglu_grad, dtype=dtype, interpret=True)
+    (dgate, _), (dup, _) = jax.jit(grad)(dh, gate, up)
+    assert np.all(np.asarray(dgate[1])[128:, 0] == 1.0)  # the zero dh tile: scale 1
+    assert np.all(np.asarray(dup[1])[128:, 0] == 1.0)
+
+
+@pytest.mark.skipif(
+    not mgpu_compat.LOADS_TRANSPOSED, reason=f"jax {jax.__version__}: no transposed tile loads"
+)
+def test_swiglu_quantizers_have_no_shared_memory_races():
+    """The race detector on: the activation gradient's kernel quantizes its two results into
+    one pair of fp8 tiles (sharing memory with the up tile, dead by then) and refills them
+    only after TMA has read the first result's (without that wait the detector reports a
+    race); the forward kernel likewise over its one result."""
+    dh, gate, up = _swiglu_operands(256, 256)
+    params = mgpu_compat.interpret_params(detect_races=True)
+    jax.block_until_ready(fp8_mosaic_gpu.quantize_swiglu_grad(dh, gate, up, interpret=params))
+    assert not mgpu_compat.races_found()
+    jax.block_until_ready(fp8_mosaic_gpu.quantize_swiglu(gate, up, interpret=params))
+    assert not mgpu_compat.races_found()
+
+
+def test_swiglu_quantizers_refuse_mismatched_inputs():
+    a = jnp.ones((128, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="all inputs"):
+        fp8_mosaic_gpu.quantize_swiglu(a, a[:, :128])
+    with pytest.raises(ValueError, match="all inputs"):
+        fp8_mosaic_gpu.quantize_swiglu_grad(a, a, a.astype(jnp.float16))
+
+
+def _ffn_case(m=512, d=256, f=384, g=3):
+    keys = jax.random.split(jax.random.key(11), 5)
+    x = _x(m, d).astype(jnp.bfloat16)
+    ws = [(jax.random.normal(keys[i], s) * 0.1).astype(jnp.bfloat16)
+          for i, s in ((1, (g, d, f)), (2, (g, d, f)), (3, (g, f, d)))]  # fmt: skip
+    dy = _x(m, d, seed=4).astype(jnp.bfloat16)
+    return x, ws, dy
+
+
+def _ffn_vjp(backend, sizes, x, ws, dy, *, fused=True, grad_format="e4m3"):
+    kw = dict(backend=backend, group_alignment=128, interpret=backend != "emulated",
+              grad_format=grad_format)  # fmt: skip
+
+    def ffn(x, *ws):
+        if fused:
+            return fp8_ops.fp8_swiglu_ffn(x, *ws, sizes, **kw)
+
+        def mm(a, w):
+            return fp8_ops.fp8_grouped_matmul(a, w, sizes, **kw)
+
+        h = fp8.swiglu(mm(x, ws[0]), mm(x, ws[1])).astype(x.dtype)
+        return mm(h, ws[2])
+
+    out, vjp = jax.vjp(ffn, x, *ws)
+    return (out, *vjp(dy))
+
+
+def test_fp8_swiglu_ffn_is_the_three_fp8_matmuls_and_the_activation():
+    """Emulated: the fused FFN computes what three fp8_grouped_matmul calls around the same
+    activation (fp8.swiglu rounded to bf16) compute, forward and every gradient, to fp32
+    summation order and bf16 rounding of the same quantized products (the custom VJP's
+    activation gradient is fp8.swiglu_grad, autodiff's through fp8.swiglu; they agree to fp32
+    rounding, which bf16 absorbs but for rare flips)."""
+    sizes = jnp.array(SIZES, jnp.int32)
+    x, ws, dy = _ffn_case()
+    got = jax.jit(lambda: _ffn_vjp("emulated", sizes, x, ws, dy))()
+    want = jax.jit(lambda: _ffn_vjp("emulated", sizes, x, ws, dy, fused=False))()
+    for what, a, b in zip(("out", "dx", "dw_gate", "dw_up", "dw_down"), got, want, strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16 and a.shape == b.shape, what
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.mean(a == b) > 0.99, what
+        assert np.linalg.norm(a - b) <= 2**-8 * np.linalg.norm(b), what
+    live = _group_rows(x.shape[0]) >= 0
+    assert np.all(np.asarray(got[0])[~live] == 0) and np.all(np.asarray(got[1])[~live] == 0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not mgpu_compat.LOADS_TRANSPOSED, reason=f"jax {jax.__version__}: no transposed tile loads"
+)
+def test_fp8_swiglu_ffn_on_the_kernels_matches_emulation():
+    """fp8_swiglu_ffn forward and VJP on the kernels (interpreted: 6 fp8_gmm, 3 fp8_tgmm, the
+    fused quantizers) against the emulated op: the same quantized operands (the quantizers are
+    the XLA quantization bit for bit, above), so the products differ by fp32 summation order and
+    each output by its bf16 rounding; an intermediate (gate, up, dh) rounded differently to
+    bf16 can move one fp8 operand element by a step, so a few outputs may differ by more."""
+    sizes = jnp.array(SIZES, jnp.int32)
+    x, ws, dy = _ffn_case()
+    run = functools.partial(_ffn_vjp, "pallas_mosaic_gpu", sizes, x, ws, dy)
+    calls = sorted(str(c) for c in introspect.traced_kernel_calls(run, platform="cpu"))
+    assert calls == sorted(
+        ["fp8_gmm/interpret"] * 6 + ["fp8_tgmm/interpret"] * 3
+        + ["fp8_quantize_blocks/interpret"] * 3 + ["fp8_quantize/interpret"] * 2
+        + ["fp8_quantize_swiglu/interpret", "fp8_quantize_swiglu_grad/interpret"]
+    )  # fmt: skip
+    got = jax.jit(run)()
+    want = jax.jit(lambda: _ffn_vjp("emulated", sizes, x, ws, dy))()
+    for what, a, b in zip(("out", "dx", "dw_gate", "dw_up", "dw_down"), got, want, strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        close = np.abs(a - b) <= 2.0**-8 * (np.abs(a) + np.abs(b)) + 1e-6 * np.abs(b).max()
+        assert np.mean(close) > 0.999, (what, np.mean(close))
+        assert np.linalg.norm(a - b) <= 2**-8 * np.linalg.norm(b), what
