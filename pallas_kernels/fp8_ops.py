@@ -76,10 +76,10 @@ def _mask_rows(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
 # `rhs_kmajor`: (q [G, Nout, Kc], scale [G, Nout/128, Kc/128]) blocks, contracted on its last axis.
 def _gmm_q(lhs, rhs_kmajor, group_sizes, *, backend, matmuls, out_dtype, alignment, interpret,
            split, pipeline):  # fmt: skip
-    def emulated():
+    def emulated():  # rows past the groups zeroed, as the kernel leaves them
         x = fp8.dequantize_rows(*lhs)
         w = fp8.dequantize_blocks(*rhs_kmajor)
-        return matmuls.gmm_t(x, w, group_sizes).astype(out_dtype)
+        return _mask_rows(matmuls.gmm_t(x, w, group_sizes).astype(out_dtype), group_sizes)
 
     def kernel():
         from pallas_kernels import fp8_mosaic_gpu
@@ -342,9 +342,10 @@ def _ffn_fwd(x, w_gate, w_up, w_down, group_sizes, grad_format, backend, matmuls
     weights = [_quantize_weights(w, **kw) for w in (w_gate, w_up, w_down)]
     (wg, wg_t), (wu, wu_t), (wd, wd_t) = weights
     xq, xq_t = _quantize_both(_mask_rows(x, group_sizes), "e4m3", **kw)
-    # Rows past the groups come out of the products as zeros, so they set no scale of h^T.
-    gate = _mask_rows(_gmm_q(xq, wg_t, group_sizes, out_dtype=dtype, **kw), group_sizes)
-    up = _mask_rows(_gmm_q(xq, wu_t, group_sizes, out_dtype=dtype, **kw), group_sizes)
+    # Rows past the groups come out of the products as zeros (and so does dh's in the
+    # backward): they set no scale of h^T (dgate^T, dup^T), with no masking pass over [M, F].
+    gate = _gmm_q(xq, wg_t, group_sizes, out_dtype=dtype, **kw)
+    up = _gmm_q(xq, wu_t, group_sizes, out_dtype=dtype, **kw)
     h, h_t = _quantize_swiglu(gate, up, **kw)
     out = _gmm_q(h, wd_t, group_sizes, out_dtype=dtype, **kw)
     return out, (xq_t, h_t, gate, up, wg, wu, wd, group_sizes)
@@ -360,7 +361,7 @@ def _ffn_bwd(grad_format, backend, matmuls, opts, residuals, dout):
     xq_t, h_t, gate, up, wg, wu, wd, group_sizes, x, w_gate, w_up, w_down = residuals
     kw = _options(backend, matmuls, opts)
     dout, dout_t = _quantize_both(_mask_rows(dout, group_sizes), grad_format, **kw)
-    dh = _mask_rows(_gmm_q(dout, wd, group_sizes, out_dtype=x.dtype, **kw), group_sizes)
+    dh = _gmm_q(dout, wd, group_sizes, out_dtype=x.dtype, **kw)
     # The weight gradients in x's dtype (what a 16-bit weight's would be), then widened to the
     # weights' own (fp32 master weights): the kernels write half the bytes.
     dw_down = _tgmm_q(h_t, dout_t, group_sizes, out_dtype=x.dtype, **kw).astype(w_down.dtype)

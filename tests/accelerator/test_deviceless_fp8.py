@@ -209,3 +209,53 @@ def test_h100_quantization_traffic_is_two_passes():
 
     got = _hbm_bytes(weights, ((g, k, n), jnp.bfloat16))
     assert got <= 3 * 1.05 * (2 * g * k * n), got / (2 * g * k * n)
+
+
+@needs_cuda
+@pytest.mark.skipif(not mgpu_compat.LOADS_TRANSPOSED, reason="jax 0.10: no fused quantizers")
+def test_h100_fp8_swiglu_ffn_moves_each_operand_once():
+    """The fp8 SwiGLU FFN's H100 program (forward and VJP, fp32 master weights), everything
+    but its nine matmuls, in bytes per element (M x D for x, dy, dx; M x F for the hidden
+    activations; G x D x F per weight):
+      * each weight read in fp32 and written as two fp8 copies (6), its gradient widened from
+        bf16 to fp32 (6, what an optimizer's fusion would absorb in a train step): 3 x 12;
+      * x and dy zeroed past the groups (4) then quantized both ways (4), dx = the two input
+        gradients summed (6): 22;
+      * the activation read as gate and up (4) and written as h's two fp8 copies (2); its
+        gradient read as dh, gate and up (6) and written as four fp8 copies (4): 16.
+    The unfused composition (three fp8_grouped_matmul calls around XLA's activation, with
+    the weights cast to bf16 first) moves a third more."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import fp8_ops
+
+    m, d, f, g = 4096, 1024, 2048, 8
+    kw = dict(backend="pallas_mosaic_gpu", group_alignment=128)
+
+    def fused(x, *ws):
+        return fp8_ops.fp8_swiglu_ffn(x, *ws[:3], ws[3], **kw)
+
+    def unfused(x, *ws):
+        def mm(a, w):
+            return fp8_ops.fp8_grouped_matmul(a, w.astype(a.dtype), ws[3], **kw)
+
+        return mm(jax.nn.silu(mm(x, ws[0])) * mm(x, ws[1]), ws[2])
+
+    def fwd_vjp(op):
+        def fn(x, wg, wu, wd, sizes, dy):
+            out, vjp = jax.vjp(lambda x, *w: op(x, *w, sizes), x, wg, wu, wd)
+            return out, *vjp(dy)
+
+        return fn
+
+    shapes = (((m, d), jnp.bfloat16), ((g, d, f), jnp.float32), ((g, d, f), jnp.float32),
+              ((g, f, d), jnp.float32), ((g,), jnp.int32), ((m, d), jnp.bfloat16))  # fmt: skip
+    moved = {}
+    for name, op in (("fused", fused), ("unfused", unfused)):
+        kernels = _kernels(fwd_vjp(op), *shapes)
+        assert sum(1 for k in kernels if k.flops) == 9, name
+        moved[name] = sum(k.bytes for k in kernels if not k.flops)
+    expected = 3 * 12 * g * d * f + 22 * m * d + 16 * m * f
+    assert expected <= moved["fused"] <= 1.02 * expected, moved["fused"] / expected
+    assert moved["unfused"] >= 1.3 * moved["fused"], moved
