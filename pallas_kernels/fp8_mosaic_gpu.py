@@ -94,15 +94,25 @@ def supports(lhs_dtype, rhs_dtype) -> bool:
     return a == b or mgpu_compat.WGMMA_MIXES_FP8
 
 
-def _scaled_step(carry, a_smem, b_smem_kmajor, scale):
-    """carry + (a @ b^T) * scale, the product of one K block in a scoped accumulator."""
+def _scaled_step(carry, a_smem, b_smem_kmajor, scale, *, barrier: bool = False):
+    """carry + (a @ b^T) * scale(), the product of one K block in a scoped accumulator.
+
+    `scale()` (its loads and products) is traced after the wgmma call, so the wgmmas are
+    issued first and the scale is computed in their shadow, before the wait. ptxas may still
+    hoist the scale's loads and multiplies between the wgmmas, stalling their issue (it did
+    for the weight gradient's 64 products per thread, at some shapes): `barrier` puts a
+    warpgroup barrier (`commit_smem`) between the two, which no load crosses.
+    """
 
     def mma(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem_kmajor.T)
-        return acc_ref[...]
+        if barrier:
+            plgpu.commit_smem()
+        s = scale()
+        return acc_ref[...], s
 
-    part = pl.run_scoped(mma, plgpu.ACC(carry.shape, jnp.float32))
-    return carry + part * scale
+    part, s = pl.run_scoped(mma, plgpu.ACC(carry.shape, jnp.float32))
+    return carry + part * s
 
 
 def _halves(split: str, wg):
@@ -180,9 +190,11 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
             def step(t, kk, slots, carry):
                 _, ni, g, _ = t
                 lhs_smem, rhs_smem, scale_smem = slots
-                row_scale = load(scale_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                block_scale = rhs_scale_gmem[g, ni, kk]
-                scale = lax.broadcast_in_dim(row_scale * block_scale, carry.shape, [0])
+
+                def scale():
+                    row = load(scale_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    return lax.broadcast_in_dim(row * rhs_scale_gmem[g, ni, kk], carry.shape, [0])
+
                 return _scaled_step(carry, lhs_smem.at[wg_rows, :], rhs_smem.at[wg_cols, :], scale)
 
             def finish(t, acc):
@@ -268,12 +280,16 @@ def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, i
 
             def step(_, r, slots, carry):
                 a_smem, b_smem, sa_smem, sb_smem = slots
-                row = load(sa_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                col = load(sb_smem.at[0, wg_cols], layout=plgpu.Layout.WGMMA.reduce(0))
-                scale = lax.broadcast_in_dim(row, carry.shape, [0]) * lax.broadcast_in_dim(
-                    col, carry.shape, [1]
-                )
-                return _scaled_step(carry, a_smem.at[wg_rows, :], b_smem.at[wg_cols, :], scale)
+
+                def scale():
+                    row = load(sa_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    col = load(sb_smem.at[0, wg_cols], layout=plgpu.Layout.WGMMA.reduce(0))
+                    return lax.broadcast_in_dim(row, carry.shape, [0]) * lax.broadcast_in_dim(
+                        col, carry.shape, [1]
+                    )
+
+                a, b = a_smem.at[wg_rows, :], b_smem.at[wg_cols, :]
+                return _scaled_step(carry, a, b, scale, barrier=True)
 
             def finish(t, acc):  # zeros for an empty group
                 g, ki, ni, _ = t

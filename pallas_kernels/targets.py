@@ -9,8 +9,10 @@ memory analysis are real.
 What it needs (`python -m pallas_kernels.targets --install` installs it, pinned to the installed
 jax; `install_command()` is the same as text):
   * GPU: the CUDA plugin (`jax-cuda13-plugin`, `jax-cuda13-pjrt`, no NVIDIA libraries needed),
-    ptxas and libdevice (`nvidia-cuda-nvcc`, `nvidia-nvvm`), and cuDNN (`nvidia-cudnn-cu13`:
-    jax lowers its flash attention only where it finds cuDNN), all installed with `--no-deps`;
+    ptxas and libdevice (`nvidia-cuda-nvcc`, `nvidia-nvvm`), cuDNN (`nvidia-cudnn-cu13`: jax
+    lowers its flash attention only where it finds cuDNN), and nvdisasm
+    (`nvidia-cuda-nvdisasm`: Mosaic GPU prints a kernel's SASS with `MOSAIC_GPU_DUMP_SASS=1`,
+    `has_nvdisasm()`), all installed with `--no-deps`;
   * TPU: `libtpu` at the version jax's `[tpu]` extra pins.
 Run with `JAX_PLATFORMS=cpu` so jax initialises no GPU or TPU backend. `missing(platform)` says
 what is absent (tests skip on it).
@@ -65,7 +67,12 @@ TPU_TOPOLOGIES = {
 # workers) may load it at once.
 LIBTPU_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 CUDA_WHEELS = ("jax-cuda13-plugin", "jax-cuda13-pjrt")
-NVIDIA_WHEELS = ("nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88", "nvidia-cudnn-cu13==9.28.1.4")
+NVIDIA_WHEELS = (
+    "nvidia-cuda-nvcc==13.0.88",
+    "nvidia-nvvm==13.0.88",
+    "nvidia-cudnn-cu13==9.28.1.4",
+    "nvidia-cuda-nvdisasm==13.5.37",
+)
 
 
 def libtpu_requirement() -> str:
@@ -96,6 +103,12 @@ def _importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+
+
+def has_nvdisasm() -> bool:
+    """Whether nvdisasm sits beside ptxas, where Mosaic GPU looks for it to print SASS."""
+    ptxas = _ptxas()
+    return ptxas is not None and (ptxas.parent / "nvdisasm").exists()
 
 
 def _ptxas() -> pathlib.Path | None:

@@ -10,7 +10,7 @@ import functools
 import pytest
 from _targets import CACHE_WARNING, needs_cuda
 
-from pallas_kernels import config, fp8_mosaic_gpu, mgpu_compat, resources
+from pallas_kernels import config, fp8_mosaic_gpu, mgpu_compat, resources, targets
 
 pytestmark = [pytest.mark.deviceless, CACHE_WARNING]
 
@@ -259,3 +259,50 @@ def test_h100_fp8_swiglu_ffn_moves_each_operand_once():
     expected = 3 * 12 * g * d * f + 22 * m * d + 16 * m * f
     assert expected <= moved["fused"] <= 1.02 * expected, moved["fused"] / expected
     assert moved["unfused"] >= 1.3 * moved["fused"], moved
+
+
+_SASS_PROGRAM = """
+import sys, jax, jax.numpy as jnp
+from pallas_kernels import fp8_mosaic_gpu, targets
+mesh = targets.mesh_for("cuda", (1,), ("x",))
+m, k, n, g = 1024, 512, 512, 4
+f8, f32 = jnp.float8_e4m3fn, jnp.float32
+if sys.argv[1] == "fp8_gmm":
+    fn = fp8_mosaic_gpu.fp8_gmm
+    args = [((m, k), f8), ((m, k // 128), f32), ((g, n, k), f8), ((g, n // 128, k // 128), f32)]
+else:
+    fn = fp8_mosaic_gpu.fp8_tgmm
+    args = [((k, m), f8), ((k, m // 128), f32), ((n, m), f8), ((n, m // 128), f32)]
+args = targets.shapes_on([jax.ShapeDtypeStruct(s, d) for s, d in args + [((g,), jnp.int32)]], mesh)
+with targets.lowering(mesh):
+    jax.jit(lambda *a: fn(*a, out_dtype=jnp.bfloat16, group_alignment=128)).lower(*args).compile()
+"""
+
+
+@needs_cuda
+@pytest.mark.skipif(
+    not targets.has_nvdisasm(), reason="no nvdisasm: python -m pallas_kernels.targets --install"
+)
+@pytest.mark.parametrize("kernel", ["fp8_gmm", "fp8_tgmm"])
+def test_h100_fp8_kernels_issue_their_wgmmas_before_the_scale_products(kernel):
+    """The SASS of each consumer step (default split and pipeline, from MOSAIC_GPU_DUMP_SASS):
+    all the step's wgmmas (QGMMA) are issued before any scale product (FMUL: the weight
+    gradient's 64 row x column products per thread, the forward's row x block scale), which
+    then run in their shadow or after the wait (WARPGROUP.DEPBAR), before the promotion (64
+    FFMA). Before the scale was traced after the wgmma call (and, in fp8_tgmm, behind a
+    warpgroup barrier), ptxas issued one QGMMA, 52 FMULs, then the other seven, the tensor
+    cores idle while the FMULs issued."""
+    import re
+
+    out = _compile_output(_SASS_PROGRAM, "MOSAIC_GPU_DUMP_SASS", kernel)
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", out)
+    first = ops.index("QGMMA")
+    wait = ops.index("WARPGROUP", first + 1)
+    step = ops[first:wait]
+    assert step.count("QGMMA") in (4, 8), step  # 64 x 128 x 32 (rows) or 64 x 64 x 32 (cols)
+    last = len(step) - 1 - step[::-1].index("QGMMA")
+    assert "FMUL" not in step[:last], " ".join(step)
+    scale = ops[first : wait + 100]
+    assert scale.count("FMUL") >= (64 if kernel == "fp8_tgmm" else 1), " ".join(scale)
+    promotion = ops[wait:]
+    assert promotion[: promotion.index("FFMA") + 64].count("FFMA") == 64, promotion[:80]
