@@ -358,11 +358,11 @@ def _load_f32(src, interpret):
 
 
 def _quantizer(body, x, dtype, *, scratch, out_type, grid, grid_names, name, interpret,
-               inputs=None):  # fmt: skip
-    """`plgpu.kernel` of a quantizer: one warpgroup per CTA, `body(*in_gmems, *out_gmems,
-    *scratch_refs, barrier)` on one 128 x 128 tile of each input (`inputs`, default `[x]`, all
-    shaped as `x`); `scratch` holds the inputs' shared-memory tiles first, and the barrier
-    expects one TMA load per input."""
+               inputs=None, extra=()):  # fmt: skip
+    """`plgpu.kernel` of a quantizer: one warpgroup per CTA, `body(*in_gmems, *extra_gmems,
+    *out_gmems, *scratch_refs, barrier)` on one 128 x 128 tile of each input (`inputs`, default
+    `[x]`, all shaped as `x`; `extra`: small arrays the body reads itself); `scratch` holds the
+    inputs' shared-memory tiles first, and the barrier expects one TMA load per input."""
     inputs = [x] if inputs is None else inputs
 
     def kernel_body(*gmems):
@@ -373,7 +373,7 @@ def _quantizer(body, x, dtype, *, scratch, out_type, grid, grid_names, name, int
     interpret = _interpret(interpret)
     if interpret is True:
         interpret = mgpu_compat.interpret_params()
-    in_bytes = sum(a.size * a.dtype.itemsize for a in inputs)
+    in_bytes = sum(a.size * a.dtype.itemsize for a in (*inputs, *extra))
     out_bytes = sum(o.size * jnp.dtype(o.dtype).itemsize for o in out_type)
     kernel = mgpu_compat.kernel(
         kernel_body,
@@ -388,7 +388,7 @@ def _quantizer(body, x, dtype, *, scratch, out_type, grid, grid_names, name, int
         interpret=interpret or None,
     )
     axes = vma.varying_axes(x)
-    return tuple(vma.cast_varying(a, axes) for a in kernel(*inputs))
+    return tuple(vma.cast_varying(a, axes) for a in kernel(*inputs, *extra))
 
 
 def _check_quantizable(x, dtype, supported: bool, name: str, shape: str) -> None:
@@ -399,7 +399,7 @@ def _check_quantizable(x, dtype, supported: bool, name: str, shape: str) -> None
         )
 
 
-def _quantize_map(fn, inputs, dtype, *, results: int, name: str, interpret):
+def _quantize_map(fn, inputs, dtype, *, results: int, name: str, interpret, live_rows=None):
     """`quantize_both` of each of `fn`'s `results` arrays, rounded to the inputs' dtype, from
     one read of each 16-bit input `[M, K]` (all one shape and dtype). `fn` maps fp32 tiles of
     the inputs to fp32 tiles elementwise (None: the one input itself).
@@ -411,6 +411,9 @@ def _quantize_map(fn, inputs, dtype, *, results: int, name: str, interpret):
     1), into one pair of fp8 tiles that TMA stores, reused by the next result once TMA has read
     it. The input tiles no result is stored over are dead by then: that pair of fp8 tiles
     shares their memory, so a CTA holds its inputs, 1 KiB of scales, and nothing more.
+
+    `live_rows` (an int32 scalar, or None for all): the rows from it on are quantized as zeros
+    (they may hold anything, NaN included), as if zeroed before.
 
     Returns `results` pairs `((q [M, K], scale [M, K / 128]), (q_t [K, M], scale_t [K, M / 128]))`.
     """
@@ -425,8 +428,11 @@ def _quantize_map(fn, inputs, dtype, *, results: int, name: str, interpret):
     n_in = len(inputs)
     shared = fn is not None and results < n_in  # the fp8 tiles over the last, dead input
 
+    extra = () if live_rows is None else (jnp.reshape(live_rows, (1,)).astype(jnp.int32),)
+
     def body(*refs):
         in_gmems, refs = refs[:n_in], refs[n_in:]
+        extra_gmems, refs = refs[: len(extra)], refs[len(extra) :]
         out_gmems, refs = refs[: 4 * results], refs[4 * results :]
         if shared:
             *in_smems, (last, (q_smem, qt_smem)), s_smem, st_smem, barrier = refs
@@ -449,8 +455,16 @@ def _quantize_map(fn, inputs, dtype, *, results: int, name: str, interpret):
             if r:  # TMA has read the previous result's tiles
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             src = in_smems[r]
-            for tile_ref, q_ref, s_ref in ((src, q_smem, s_smem), (src.T, qt_smem, st_smem)):
+            for dim, tile_ref, q_ref, s_ref in ((0, src, q_smem, s_smem),
+                                                (1, src.T, qt_smem, st_smem)):  # fmt: skip
                 tile = _load_f32(tile_ref, interpret)
+                if extra_gmems:  # x's rows are the tile's rows, or its columns transposed
+                    row = lax.broadcasted_iota(jnp.int32, (TILE,), 0)
+                    layout = plgpu.Layout.WGMMA.reduce(1 - dim)
+                    row = mgpu_compat.layout_cast(row, layout, interpret=interpret)
+                    live = (row < extra_gmems[0][0] - i * TILE).astype(jnp.float32)
+                    keep = lax.broadcast_in_dim(live, tile.shape, [dim]) > 0
+                    tile = jnp.where(keep, tile, 0.0)
                 scale = fp8.tile_scale(jnp.max(jnp.abs(tile), axis=1), dtype)
                 q_ref[...], s_ref[...] = _quantized_tile(tile, scale, big, dtype), scale
             plgpu.commit_smem()
@@ -480,7 +494,7 @@ def _quantize_map(fn, inputs, dtype, *, results: int, name: str, interpret):
                          ((m // TILE, k), jnp.float32))
         ],
         grid=(m // TILE, k // TILE), grid_names=("m", "k"), name=name, interpret=interpret,
-        inputs=list(inputs),
+        inputs=list(inputs), extra=extra,
     )  # fmt: skip
     return tuple(
         ((q, s_t.T), (q_t, st_t.T))
@@ -488,7 +502,7 @@ def _quantize_map(fn, inputs, dtype, *, results: int, name: str, interpret):
     )
 
 
-def quantize_both(x, dtype="e4m3", *, interpret=False):
+def quantize_both(x, dtype="e4m3", *, live_rows=None, interpret=False):
     """`(fp8.quantize_rows(x, dtype), fp8.quantize_cols(x, dtype))` from one read of `x`.
 
     One CTA per 128 x 128 tile: TMA brings the tile to shared memory; the warpgroup loads it
@@ -500,12 +514,16 @@ def quantize_both(x, dtype="e4m3", *, interpret=False):
     Args:
       x: `[M, K]` bf16 or fp16, M and K multiples of 128 (`quantize_supports`).
       dtype: "e4m3" or "e5m2" (or the jnp dtype).
+      live_rows: None, or an int32 scalar: x's rows from it on are quantized as zeros, as if
+        x were zeroed there first (rows past a grouped matmul's groups), in the same pass.
       interpret: run in the Mosaic GPU interpreter.
 
     Returns:
       `((q [M, K], scale [M, K / 128]), (q_t [K, M], scale_t [K, M / 128]))`.
     """
-    (both,) = _quantize_map(None, [x], dtype, results=1, name="fp8_quantize", interpret=interpret)
+    (both,) = _quantize_map(
+        None, [x], dtype, results=1, name="fp8_quantize", interpret=interpret, live_rows=live_rows
+    )
     return both
 
 

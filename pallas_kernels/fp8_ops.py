@@ -24,7 +24,8 @@ x twice per layout), and so are the weights (`fp8_mosaic_gpu.quantize_blocks_bot
 formats the installed jax's wgmma takes (`kernel_supports`), and emulates elsewhere (decided at
 lowering, like `ops`).
 
-Rows past `sum(group_sizes)` are zeroed before the rows are quantized in 128-row tiles, so
+Rows past `sum(group_sizes)` are zeroed before the rows are quantized in 128-row tiles (by the
+fused quantizers as they read them), so
 padding never sets a tile's scale; groups that are not 128-aligned share boundary tiles
 (which only coarsens the scale of those tiles).
 """
@@ -122,16 +123,21 @@ def kernel_supports(lhs_dtype, rhs_dtype, group_alignment: int) -> bool:
     )
 
 
-def _quantize_both(x, dtype, **kw):
-    """`(fp8.quantize_rows(x), fp8.quantize_cols(x))`: where the kernels run, one read of x
-    (`fp8_mosaic_gpu.quantize_both`, the same bits), else XLA's two passes per layout."""
+def _quantize_both(x, dtype, group_sizes, **kw):
+    """`(fp8.quantize_rows(x), fp8.quantize_cols(x))` of x with its rows past the groups zeroed
+    (so that they set no scale of the 128 x 1 tiles): where the kernels run, one read of x that
+    zeroes them as it goes (`fp8_mosaic_gpu.quantize_both`, the same bits), else XLA's
+    masking pass and two passes per layout."""
     from pallas_kernels import fp8_mosaic_gpu
 
     def xla():
-        return fp8.quantize_rows(x, dtype), fp8.quantize_cols(x, dtype)
+        masked = _mask_rows(x, group_sizes)
+        return fp8.quantize_rows(masked, dtype), fp8.quantize_cols(masked, dtype)
 
     def kernel():
-        return fp8_mosaic_gpu.quantize_both(x, dtype, interpret=kw["interpret"])
+        return fp8_mosaic_gpu.quantize_both(
+            x, dtype, live_rows=jnp.sum(group_sizes), interpret=kw["interpret"]
+        )
 
     supported = fp8_mosaic_gpu.quantize_supports(x, fp8.fp8_dtype(dtype))
     return _fused_where_kernels_run(xla, kernel, supported, **kw)
@@ -243,9 +249,9 @@ def _fp8_gmm(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, op
 def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
     kw = _options(backend, matmuls, opts)
     wq, wq_t = _quantize_weights(rhs, **kw)
-    # Rows past the groups are zeroed first: they then set no scale of the 128 x 1 tiles, and
-    # the forward's products leave them out either way.
-    x, x_t = _quantize_both(_mask_rows(lhs, group_sizes), "e4m3", **kw)
+    # Rows past the groups are zeroed as they are quantized: they then set no scale of the
+    # 128 x 1 tiles, and the forward's products leave them out either way.
+    x, x_t = _quantize_both(lhs, "e4m3", group_sizes, **kw)
     out = _gmm_q(x, wq_t, group_sizes, out_dtype=out_dtype, **kw)
     # Kept for the backward, in fp8: x^T along the rows and the block-quantized weights.
     return out, (x_t, wq, group_sizes, lhs, rhs)
@@ -254,7 +260,7 @@ def _fwd(lhs, rhs, group_sizes, grad_format, out_dtype, backend, matmuls, opts):
 def _bwd(grad_format, out_dtype, backend, matmuls, opts, residuals, dout):
     x_t, wq, group_sizes, lhs, rhs = residuals
     kw = _options(backend, matmuls, opts)
-    dout, dout_t = _quantize_both(_mask_rows(dout, group_sizes), grad_format, **kw)
+    dout, dout_t = _quantize_both(dout, grad_format, group_sizes, **kw)
     dlhs = _gmm_q(dout, wq, group_sizes, out_dtype=lhs.dtype, **kw)
     drhs = _tgmm_q(x_t, dout_t, group_sizes, out_dtype=rhs.dtype, **kw)
     return match_varying(dlhs, lhs), match_varying(drhs, rhs), None
@@ -341,7 +347,7 @@ def _ffn_fwd(x, w_gate, w_up, w_down, group_sizes, grad_format, backend, matmuls
     dtype = x.dtype
     weights = [_quantize_weights(w, **kw) for w in (w_gate, w_up, w_down)]
     (wg, wg_t), (wu, wu_t), (wd, wd_t) = weights
-    xq, xq_t = _quantize_both(_mask_rows(x, group_sizes), "e4m3", **kw)
+    xq, xq_t = _quantize_both(x, "e4m3", group_sizes, **kw)
     # Rows past the groups come out of the products as zeros (and so does dh's in the
     # backward): they set no scale of h^T (dgate^T, dup^T), with no masking pass over [M, F].
     gate = _gmm_q(xq, wg_t, group_sizes, out_dtype=dtype, **kw)
@@ -360,7 +366,7 @@ def _ffn_fwd_rule(x, w_gate, w_up, w_down, group_sizes, grad_format, backend, ma
 def _ffn_bwd(grad_format, backend, matmuls, opts, residuals, dout):
     xq_t, h_t, gate, up, wg, wu, wd, group_sizes, x, w_gate, w_up, w_down = residuals
     kw = _options(backend, matmuls, opts)
-    dout, dout_t = _quantize_both(_mask_rows(dout, group_sizes), grad_format, **kw)
+    dout, dout_t = _quantize_both(dout, grad_format, group_sizes, **kw)
     dh = _gmm_q(dout, wd, group_sizes, out_dtype=x.dtype, **kw)
     # The weight gradients in x's dtype (what a 16-bit weight's would be), then widened to the
     # weights' own (fp32 master weights): the kernels write half the bytes.

@@ -243,6 +243,23 @@ def test_quantize_both_is_the_xla_quantization_bit_for_bit(dtype):
 @pytest.mark.skipif(
     not mgpu_compat.LOADS_TRANSPOSED, reason=f"jax {jax.__version__}: no transposed tile loads"
 )
+@pytest.mark.parametrize("live", [0, 200, 384, 512])
+def test_quantize_both_zeroes_the_rows_past_live_rows(live):
+    """quantize_both(live_rows=n) quantizes x with its rows from n on zeroed, bit for bit, in
+    the same pass: rows past the groups hold NaN here (they may hold anything), and n need not
+    be a multiple of 128 (a tile then mixes live rows and zeros)."""
+    x = _x(512, 256).astype(jnp.bfloat16).at[live:].set(jnp.nan)
+    run = functools.partial(fp8_mosaic_gpu.quantize_both, interpret=True)
+    got = jax.jit(lambda x, n: run(x, live_rows=n))(x, jnp.int32(live))
+    zeroed = jnp.where(jnp.arange(512)[:, None] < live, x, 0)
+    want = (fp8.quantize_rows(zeroed), fp8.quantize_cols(zeroed))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.skipif(
+    not mgpu_compat.LOADS_TRANSPOSED, reason=f"jax {jax.__version__}: no transposed tile loads"
+)
 @pytest.mark.parametrize("dtype", FORMATS)
 @pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float32])
 def test_quantize_blocks_both_is_the_xla_quantization_bit_for_bit(dtype, w_dtype):
