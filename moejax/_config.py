@@ -192,6 +192,15 @@ class MoEConfig:
         return self.activation in GATED_ACTIVATIONS
 
     @property
+    def fp8_swiglu_ffn(self) -> bool:
+        """Whether the routed experts run as one fp8 op (`pallas_kernels.fp8_ops.fp8_swiglu_ffn`:
+        fp8 precision, SwiGLU, no expert biases), which quantizes each operand where it is made
+        and the expert weights as they are stored (fp32 master weights without a 16-bit copy)."""
+        return (
+            self.expert_precision == "fp8" and self.activation == "swiglu" and not self.expert_bias
+        )
+
+    @property
     def shared_width(self) -> int:
         """`Fs`: width of the fused shared-expert MLP (0 when there are no shared experts)."""
         return self.num_shared_experts * (self.shared_d_ff or self.d_ff)

@@ -55,8 +55,7 @@ def grouped_ffn(
       `[R, D]` expert outputs, unweighted (padding rows hold garbage that is never read).
     """
     dtype = rows.dtype
-    fp8_swiglu = config.activation == "swiglu" and not config.expert_bias
-    if config.expert_precision == "fp8" and fp8_swiglu:
+    if config.fp8_swiglu_ffn:
         # The whole FFN in one fp8 op: the activation computed where it is quantized, and the
         # weights quantized as stored (fp32 master weights without a 16-bit copy).
         weights = (experts[f"w_{name}"] for name in ("gate", "up", "down"))

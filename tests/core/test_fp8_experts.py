@@ -206,3 +206,46 @@ def test_micro_step_loss_within_the_first_order_bound(monkeypatch):
     print(f"micro: |fp8 - ref| = {diff:.3g}, first-order bound {bound:.3g}, sigma {sigma:.3g}")
     assert 0 < diff <= 1.25 * bound, (diff, bound)  # quantized, within the worst case
     assert diff <= 6 * sigma, (diff, sigma)
+
+
+def test_lm_quantizes_the_fp32_expert_weights_it_does_not_exchange():
+    """`moejax.models.compute_params`: with fp8 SwiGLU experts the routed experts' weights
+    reach the fp8 op as the fp32 masters (no bf16 copy) where no device exchanges them (no
+    mesh, or expert mode without fsdp); under FSDP, a gathering mode or "auto" they are cast
+    first, as bf16 experts always are, so that gathers move 16 bits."""
+    from moejax import parallel
+    from moejax.models import compute_params
+
+    micro = presets.get("micro").replace(dtype="bfloat16")
+    fp8_cfg = micro.replace(moe=micro.moe.replace(expert_precision="fp8"))
+    params = init_lm_params(micro, jax.random.key(0))
+
+    def dtypes(p):
+        experts = {str(v.dtype) for layer in p["layers"] for v in layer["moe"]["experts"].values()}
+        rest = {str(v.dtype) for v in jax.tree.leaves({**p, "layers": [
+            {k: v for k, v in layer.items() if k != "moe"} for layer in p["layers"]]})}  # fmt: skip
+        return experts, rest
+
+    assert dtypes(compute_params(params, fp8_cfg)) == ({"float32"}, {"bfloat16"})
+    assert dtypes(compute_params(params, micro)) == ({"bfloat16"}, {"bfloat16"})
+    expert = parallel.Strategy(mode="expert")
+    e8 = parallel.make_mesh((8,), ("expert",))
+    fsdp = parallel.make_mesh((2, 4), ("fsdp", "expert"))
+    assert dtypes(compute_params(params, fp8_cfg, e8, expert))[0] == {"float32"}
+    for mesh, strategy in ((fsdp, expert), (e8, parallel.Strategy(mode="data")), (e8, "auto")):
+        assert dtypes(compute_params(params, fp8_cfg, mesh, strategy))[0] == {"bfloat16"}
+    # The train step's forward makes no bf16 copy of them (the routed experts' shapes).
+    batch = jnp.zeros((2, micro.max_seq_len + 1), jnp.int32)
+    moe = micro.moe
+    shapes = {
+        f"{moe.num_experts},{moe.d_model},{moe.d_ff}",
+        f"{moe.num_experts},{moe.d_ff},{moe.d_model}",
+    }
+    for cfg, copies in ((fp8_cfg, 0), (micro, 1)):
+
+        def loss(p, cfg=cfg):
+            return lm_loss(p, batch, cfg, train_presets.get("micro"), implementation="ragged_dot")
+
+        jaxpr = str(jax.make_jaxpr(loss)(params))
+        casts = [s for s in shapes if f"bf16[{s}] = convert_element_type" in jaxpr]
+        assert bool(casts) == bool(copies), (cfg.moe.expert_precision, casts)
