@@ -63,14 +63,15 @@ def compute_params(params: dict, cfg: LMConfig, mesh=None, strategy="auto") -> d
     """The parameters as the forward computes with them: `cast_floating(params, cfg.dtype)`,
     except the routed experts' weights where the fp8 SwiGLU op quantizes them as stored
     (`MoEConfig.fp8_swiglu_ffn`) and no device exchanges them: without a mesh, or on a mesh
-    without `fsdp` whose MoE layers run in `"expert"` mode. They then reach the quantizer as
-    the fp32 masters, with no 16-bit copy written and read back; where FSDP or a gathering mode
-    moves them between devices they are cast first, so that the gather moves 16 bits."""
-    from moejax.parallel import Strategy
+    without `fsdp` whose MoE layers run in `"expert"` mode (as `"auto"` does). They then reach
+    the quantizer as the fp32 masters, with no 16-bit copy written and read back; where FSDP or
+    a gathering mode moves them between devices they are cast first, so that the gather moves
+    16 bits."""
     from moejax.parallel.mesh import FSDP, axis_size
+    from moejax.parallel.strategy import resolve_strategy
 
     local = mesh is None or (
-        axis_size(mesh, FSDP) == 1 and isinstance(strategy, Strategy) and strategy.mode == "expert"
+        axis_size(mesh, FSDP) == 1 and resolve_strategy(strategy, cfg.moe).mode == "expert"
     )
     if not (cfg.moe.fp8_swiglu_ffn and local):
         return cast_floating(params, cfg.dtype)

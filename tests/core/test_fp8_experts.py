@@ -211,8 +211,8 @@ def test_micro_step_loss_within_the_first_order_bound(monkeypatch):
 def test_lm_quantizes_the_fp32_expert_weights_it_does_not_exchange():
     """`moejax.models.compute_params`: with fp8 SwiGLU experts the routed experts' weights
     reach the fp8 op as the fp32 masters (no bf16 copy) where no device exchanges them (no
-    mesh, or expert mode without fsdp); under FSDP, a gathering mode or "auto" they are cast
-    first, as bf16 experts always are, so that gathers move 16 bits."""
+    mesh, or expert mode, "auto"'s, without fsdp); under FSDP or a gathering mode they are
+    cast first, as bf16 experts always are, so that gathers move 16 bits."""
     from moejax import parallel
     from moejax.models import compute_params
 
@@ -231,8 +231,9 @@ def test_lm_quantizes_the_fp32_expert_weights_it_does_not_exchange():
     expert = parallel.Strategy(mode="expert")
     e8 = parallel.make_mesh((8,), ("expert",))
     fsdp = parallel.make_mesh((2, 4), ("fsdp", "expert"))
-    assert dtypes(compute_params(params, fp8_cfg, e8, expert))[0] == {"float32"}
-    for mesh, strategy in ((fsdp, expert), (e8, parallel.Strategy(mode="data")), (e8, "auto")):
+    for strategy in (expert, "auto"):  # "auto": expert mode
+        assert dtypes(compute_params(params, fp8_cfg, e8, strategy))[0] == {"float32"}
+    for mesh, strategy in ((fsdp, expert), (e8, parallel.Strategy(mode="data"))):
         assert dtypes(compute_params(params, fp8_cfg, mesh, strategy))[0] == {"bfloat16"}
     # The train step's forward makes no bf16 copy of them (the routed experts' shapes).
     batch = jnp.zeros((2, micro.max_seq_len + 1), jnp.int32)
