@@ -28,7 +28,6 @@ from moejax.models._layers import unembed_logits as unembed_logits
 from moejax.models._lm import REMAT_POLICIES as REMAT_POLICIES
 from moejax.models._lm import LMAux as LMAux
 from moejax.models._lm import cast_floating as cast_floating
-from moejax.models._lm import compute_params as compute_params
 from moejax.models._lm import lm_forward as lm_forward
 from moejax.models._lm import merge_rows as merge_rows
 from moejax.models._lm import merge_stats as merge_stats
@@ -60,7 +59,6 @@ __all__ = [
     "apply_rope",
     "attention",
     "cast_floating",
-    "compute_params",
     "causal_attention",
     "check_lm_mesh",
     "dense_lm_config",

@@ -56,35 +56,6 @@ def cast_floating(tree, dtype):
     return jax.tree.map(cast, tree)
 
 
-_EXPERT_WEIGHTS = frozenset({"w_gate", "w_up", "w_down"})
-
-
-def compute_params(params: dict, cfg: LMConfig, mesh=None, strategy="auto") -> dict:
-    """The parameters as the forward computes with them: `cast_floating(params, cfg.dtype)`,
-    except the routed experts' weights where the fp8 SwiGLU op quantizes them as stored
-    (`MoEConfig.fp8_swiglu_ffn`) and no device exchanges them: without a mesh, or on a mesh
-    without `fsdp` whose MoE layers run in `"expert"` mode (as `"auto"` does). They then reach
-    the quantizer as the fp32 masters, with no 16-bit copy written and read back; where FSDP or
-    a gathering mode moves them between devices they are cast first, so that the gather moves
-    16 bits."""
-    from moejax.parallel.mesh import FSDP, axis_size
-    from moejax.parallel.strategy import resolve_strategy
-
-    local = mesh is None or (
-        axis_size(mesh, FSDP) == 1 and resolve_strategy(strategy, cfg.moe).mode == "expert"
-    )
-    if not (cfg.moe.fp8_swiglu_ffn and local):
-        return cast_floating(params, cfg.dtype)
-
-    def cast(path, x):
-        keys = [getattr(k, "key", None) for k in path[-3:]]
-        if keys[:2] == ["moe", "experts"] and keys[2] in _EXPERT_WEIGHTS:
-            return x
-        return cast_floating(x, cfg.dtype)
-
-    return jax.tree_util.tree_map_with_path(cast, params)
-
-
 def _router_entropy(logits: jax.Array) -> jax.Array:
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.sum(jnp.exp(logp) * logp, axis=-1))
@@ -153,9 +124,8 @@ def lm_forward(
     """Logits of every position of `tokens`, and the MoE layers' routing statistics.
 
     Mixed precision: the floating parameters are cast to `cfg.dtype` on entry (gradients flow
-    back to the stored `param_dtype` through the cast; fp8 SwiGLU experts' weights may reach
-    their quantizer uncast, `compute_params`); RMSNorm statistics, attention softmax, the router
-    and the returned logits are fp32.
+    back to the stored `param_dtype` through the cast); RMSNorm statistics, attention softmax,
+    the router and the returned logits are fp32.
 
     Args:
       params: the tree of `init_lm_params`.
@@ -251,7 +221,7 @@ def lm_forward(
             f"batch_split={batch_split}: the batch of {tokens.shape[0]} sequences does not "
             f"split into {batch_split} micro-batches on each of {shards} token shards"
         )
-    p = compute_params(params, cfg, mesh, strategy)
+    p = cast_floating(params, cfg.dtype)
     compute = None if mesh is None else lm_compute_specs(cfg, mesh)
     constrain = _batch_constraint(mesh)
     cos, sin = rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
