@@ -16,7 +16,8 @@ fails or the budget is spent:
     `torch._scaled_grouped_mm` (rowwise-scaled fp8, the forward) where torch has it.
   ffn (30 s): the SwiGLU expert FFN forward + backward at the Mixtral shape with its
     quantizations fused into their producers (`fp8_ops.fp8_swiglu_ffn`: what the layer runs)
-    against three `fp8_grouped_matmul` calls around XLA's activation, and the fused activation
+    against three `fp8_grouped_matmul` calls around XLA's activation, its kernels' output and
+    gradients against its emulation (norm-wise, within 2^-8), and the fused activation
     quantizers (`quantize_swiglu`, `quantize_swiglu_grad`) against XLA: GB/s, and how many
     elements differ from XLA's (the kernel's exp and XLA's may round differently).
   layer (30 s): moejax's MoE layer forward + backward at Mixtral sizes, fp8 vs bf16 experts.
@@ -308,12 +309,19 @@ def _swiglu_grad_xla(dh, gate, up):
     return tuple((fp8.quantize_rows(d), fp8.quantize_cols(d)) for d in grads)
 
 
+def _norm_rel(got, want) -> float:
+    """||got - want|| / ||want||, in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
 def _ffn(run: Run, align: int, out: dict) -> None:
     """The fused SwiGLU FFN against the unfused composition, and its two fused quantizers."""
     m, d, f, g = _dims("mixtral_8x7b") if not run.dry else (256, 128, 128, 2)
-    x, w, dy, sizes_np = _problem(m, d, f, g, align, seed=3)
+    x, w, _, sizes_np = _problem(m, d, f, g, align, seed=3)
     sizes = jnp.asarray(sizes_np)
-    keys = jax.random.split(jax.random.key(5), 2)
+    keys = jax.random.split(jax.random.key(5), 3)
+    dy = jax.random.normal(keys[2], x.shape, x.dtype)  # the FFN's output gradient [M, D]
     ws = (w, (w * jax.random.normal(keys[0], (), w.dtype)),
           jax.random.normal(keys[1], (g, f, d), jnp.bfloat16) * float(f) ** -0.5)  # fmt: skip
     rows = out["ffn"] = []
@@ -344,6 +352,28 @@ def _ffn(run: Run, align: int, out: dict) -> None:
         run.log(f"  fp8 {rows[-1]}")
     if len(times) == 2:
         out["ffn_fused_speedup"] = times["unfused"] / times["fused"]
+    # On the device: the fused op's kernels against its emulation (the same quantized operands
+    # up to rare fp8 flips where the kernel's exp and XLA's round h apart): norm-wise relative
+    # error of the output and the four gradients, within bf16 rounding (2^-8).
+    try:
+
+        def fwd_vjp(backend):
+            def ffn(*a):
+                return fp8_ops.fp8_swiglu_ffn(*a, sizes, **{**kw, "backend": backend})
+
+            y, vjp = jax.vjp(ffn, x, *ws)
+            return (y, *vjp(dy))
+
+        got = jax.jit(lambda: fwd_vjp("pallas_mosaic_gpu"))()
+        want = jax.jit(lambda: fwd_vjp("emulated"))()
+        names = ("out", "dx", "dw_gate", "dw_up", "dw_down")
+        errs = {n: _norm_rel(a, b) for n, a, b in zip(names, got, want, strict=True)}
+        rows.append(dict(what="ffn numerics, kernels vs emulated", rel_err=errs,
+                         ok=bool(max(errs.values()) <= 2.0**-8)))  # fmt: skip
+    except Exception as err:  # noqa: BLE001
+        run.log(traceback.format_exc())
+        rows.append(dict(what="ffn numerics", ok=False, error=f"{type(err).__name__}: {err}"[:300]))
+    run.log(f"  fp8 {rows[-1]}")
     h = jax.random.normal(keys[0], (m, f), jnp.bfloat16)
     cases = (("quantize_swiglu", fp8_mosaic_gpu.quantize_swiglu, _swiglu_xla, (h, h * 0.5)),
              ("quantize_swiglu_grad", fp8_mosaic_gpu.quantize_swiglu_grad, _swiglu_grad_xla,

@@ -119,6 +119,7 @@ def test_dry_run_fp8_part(tmp_path):
     for how in ("unfused", "fused"):
         assert ffn[f"ffn fwd+bwd, {how} quantization"]["ms"] > 0
     assert fp8["ffn_fused_speedup"] > 0
+    assert ffn["ffn numerics, kernels vs emulated"]["ok"], ffn
     for name in ("quantize_swiglu", "quantize_swiglu_grad"):
         row = ffn[name]
         if mgpu_compat.LOADS_TRANSPOSED:  # the interpreter evaluates XLA's expression: 0 differ
