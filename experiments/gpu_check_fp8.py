@@ -317,7 +317,7 @@ def _norm_rel(got, want) -> float:
 
 def _ffn(run: Run, align: int, out: dict) -> None:
     """The fused SwiGLU FFN against the unfused composition, and its two fused quantizers."""
-    m, d, f, g = _dims("mixtral_8x7b") if not run.dry else (256, 128, 128, 2)
+    m, d, f, g = _dims("mixtral_8x7b") if not run.dry else (256, 128, 256, 2)  # D != F
     x, w, _, sizes_np = _problem(m, d, f, g, align, seed=3)
     sizes = jnp.asarray(sizes_np)
     keys = jax.random.split(jax.random.key(5), 3)
