@@ -27,9 +27,11 @@ gradient over 512-row groups), so the refill is paid often. `DEFAULT_PIPELINE` h
 measured.
 
 `quantize_both` and `quantize_blocks_both` are the quantizations these kernels read, fused:
-one read of a 16-bit activation `x` gives `fp8.quantize_rows(x)` and `fp8.quantize_cols(x)`,
-one read of the weights `w` gives `fp8.quantize_blocks(w)` and its transpose, bit for bit (XLA
-needs two passes).
+one read of a 16-bit activation `x` gives `fp8.quantize_rows(x)` and `fp8.quantize_cols(x)`
+(its rows past the groups zeroed on the way, `live_rows=`), one read of the weights `w` (16-bit
+or fp32) gives `fp8.quantize_blocks(w)` and its transpose, bit for bit (XLA needs two passes).
+`quantize_swiglu` and `quantize_swiglu_grad` compute the SwiGLU activation, or its gradients,
+and quantize them both ways in the same pass (`fp8_ops.fp8_swiglu_ffn`).
 
 Groups must be aligned to 128 rows (`group_alignment`): the 128 x 1 scale tiles of the weight
 gradient's operands must not straddle groups, and rows are never moved (that would need a

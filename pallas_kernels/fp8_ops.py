@@ -1,4 +1,6 @@
-"""The differentiable fp8 grouped matmul of the DeepSeek-V3 recipe (`fp8_grouped_matmul`).
+"""The differentiable fp8 grouped matmul of the DeepSeek-V3 recipe (`fp8_grouped_matmul`), and
+the SwiGLU expert FFN built on its products with each quantization fused into the pass that
+produces its operand (`fp8_swiglu_ffn`).
 
 Forward `out = x @ w[g]`, lhs gradient `dx = dy @ w[g]^T`, weight gradient `dw[g] = x_g^T dy_g`,
 each with block-scaled fp8 operands (`pallas_kernels.fp8`):
