@@ -403,7 +403,8 @@ def fp8_swiglu_ffn(
     pipeline: str | None = None,
 ) -> jax.Array:
     """Differentiable grouped SwiGLU FFN `(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]` with
-    all six expert matmuls in block-scaled fp8 (as `fp8_grouped_matmul`), the quantizations
+    all nine of its matmuls (three projections, forward and both gradients) in block-scaled
+    fp8 (as `fp8_grouped_matmul`), the quantizations
     fused into what produces their operands:
       * x is quantized once for both projections (both layouts: the weight gradients read x^T);
       * the hidden activation `h = swiglu(gate, up)` is computed (fp32, rounded to x's dtype as
