@@ -404,8 +404,7 @@ def fp8_swiglu_ffn(
 ) -> jax.Array:
     """Differentiable grouped SwiGLU FFN `(silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]` with
     all nine of its matmuls (three projections, forward and both gradients) in block-scaled
-    fp8 (as `fp8_grouped_matmul`), the quantizations
-    fused into what produces their operands:
+    fp8 (as `fp8_grouped_matmul`), the quantizations fused into what produces their operands:
       * x is quantized once for both projections (both layouts: the weight gradients read x^T);
       * the hidden activation `h = swiglu(gate, up)` is computed (fp32, rounded to x's dtype as
         a 16-bit producer would write it) and quantized in one pass
