@@ -37,7 +37,7 @@ import numpy as np
 from gpu_check_lib import Run, free_torch_cache, rel_err, to_torch, torch_unavailable
 
 import pallas_kernels as pk
-from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops, targets
+from pallas_kernels import fp8, fp8_mosaic_gpu, fp8_ops, fp8_quantizers, targets
 from pallas_kernels import shapes as pk_shapes
 
 BUDGET_S = {"numerics": 25, "train": 85, "kernels": 150, "ffn": 30, "layer": 30}
@@ -95,15 +95,15 @@ def _quantized(x, w, dy):
 def _quantize_x(x, interpret):
     """x quantized both ways (1 x 128 for the forward, 128 x 1 kept for the weight gradient),
     as `fp8_ops` does it: the fused kernel where it runs, else XLA."""
-    if fp8_mosaic_gpu.quantize_supports(x, jnp.float8_e4m3fn):
-        return fp8_mosaic_gpu.quantize_both(x, interpret=interpret)
+    if fp8_quantizers.quantize_supports(x, jnp.float8_e4m3fn):
+        return fp8_quantizers.quantize_both(x, interpret=interpret)
     return _XLA_QUANTIZERS["activation"](x)
 
 
 def _quantize_w(w, interpret):
     """w block-quantized as stored and transposed (the forward's copy), as `fp8_ops` does it."""
-    if fp8_mosaic_gpu.quantize_blocks_supports(w, jnp.float8_e4m3fn):
-        return fp8_mosaic_gpu.quantize_blocks_both(w, interpret=interpret)
+    if fp8_quantizers.quantize_blocks_supports(w, jnp.float8_e4m3fn):
+        return fp8_quantizers.quantize_blocks_both(w, interpret=interpret)
     return _XLA_QUANTIZERS["weights"](w)
 
 
@@ -119,8 +119,12 @@ _XLA_QUANTIZERS = {
     "weights": _blocks_both,
 }
 _FUSED_QUANTIZERS = {
-    "activation": ("quantize_both", _quantize_x, fp8_mosaic_gpu.quantize_supports),
-    "weights": ("quantize_blocks_both", _quantize_w, fp8_mosaic_gpu.quantize_blocks_supports),
+    "activation": ("quantize_both", _quantize_x, fp8_quantizers.quantize_supports),
+    "weights": (
+        "quantize_blocks_both",
+        _quantize_w,
+        fp8_quantizers.quantize_blocks_supports,
+    ),
 }
 
 
@@ -375,12 +379,12 @@ def _ffn(run: Run, align: int, out: dict) -> None:
         rows.append(dict(what="ffn numerics", ok=False, error=f"{type(err).__name__}: {err}"[:300]))
     run.log(f"  fp8 {rows[-1]}")
     h = jax.random.normal(keys[0], (m, f), jnp.bfloat16)
-    cases = (("quantize_swiglu", fp8_mosaic_gpu.quantize_swiglu, _swiglu_xla, (h, h * 0.5)),
-             ("quantize_swiglu_grad", fp8_mosaic_gpu.quantize_swiglu_grad, _swiglu_grad_xla,
+    cases = (("quantize_swiglu", fp8_quantizers.quantize_swiglu, _swiglu_xla, (h, h * 0.5)),
+             ("quantize_swiglu_grad", fp8_quantizers.quantize_swiglu_grad, _swiglu_grad_xla,
               (h, h * 0.5, h * -2)))  # fmt: skip
     for name, kernel, xla, args in cases:
         row = dict(what=name, dims=[m, f])
-        if not fp8_mosaic_gpu.quantize_supports(h, jnp.float8_e4m3fn):
+        if not fp8_quantizers.quantize_supports(h, jnp.float8_e4m3fn):
             row["fused_unavailable"] = f"no fused quantizer runs on jax {jax.__version__}"
             rows.append(row)
             continue

@@ -19,8 +19,8 @@ Two ways to run the three products, same numerics up to fp32 summation order:
     cores accumulate each 128-deep K block of fp8 products, promoted into an fp32 accumulator
     times the two tiles' scales.
 Where the kernels run, each activation (x in the forward, dy in the backward) is quantized both
-ways in one read (`fp8_mosaic_gpu.quantize_both`: the bits of the XLA quantization, which reads
-x twice per layout), and so are the weights (`fp8_mosaic_gpu.quantize_blocks_both`: `w` and
+ways in one read (`fp8_quantizers.quantize_both`: the bits of the XLA quantization, which reads
+x twice per layout), and so are the weights (`fp8_quantizers.quantize_blocks_both`: `w` and
 `w^T` from one read, where XLA reads w twice).
 "auto" picks the kernels when compiled for a Hopper GPU with 128-aligned groups and operand
 formats the installed jax's wgmma takes (`kernel_supports`), and emulates elsewhere (decided at
@@ -128,61 +128,61 @@ def kernel_supports(lhs_dtype, rhs_dtype, group_alignment: int) -> bool:
 def _quantize_both(x, dtype, group_sizes, **kw):
     """`(fp8.quantize_rows(x), fp8.quantize_cols(x))` of x with its rows past the groups zeroed
     (so that they set no scale of the 128 x 1 tiles): where the kernels run, one read of x that
-    zeroes them as it goes (`fp8_mosaic_gpu.quantize_both`, the same bits), else XLA's
+    zeroes them as it goes (`fp8_quantizers.quantize_both`, the same bits), else XLA's
     masking pass and two passes per layout."""
-    from pallas_kernels import fp8_mosaic_gpu
+    from pallas_kernels import fp8_quantizers
 
     def xla():
         masked = _mask_rows(x, group_sizes)
         return fp8.quantize_rows(masked, dtype), fp8.quantize_cols(masked, dtype)
 
     def kernel():
-        return fp8_mosaic_gpu.quantize_both(
+        return fp8_quantizers.quantize_both(
             x, dtype, live_rows=jnp.sum(group_sizes), interpret=kw["interpret"]
         )
 
-    supported = fp8_mosaic_gpu.quantize_supports(x, fp8.fp8_dtype(dtype))
+    supported = fp8_quantizers.quantize_supports(x, fp8.fp8_dtype(dtype))
     return _fused_where_kernels_run(xla, kernel, supported, **kw)
 
 
 def _quantize_weights(w, **kw):
     """`(wq, wq^T)`: the e4m3 block quantization of `w [G, K, N]` as stored (the lhs gradient
     reads it) and transposed (the forward's K-major copy). Where the kernels run, one read of w
-    (`fp8_mosaic_gpu.quantize_blocks_both`, the same bits), else XLA's two passes."""
-    from pallas_kernels import fp8_mosaic_gpu
+    (`fp8_quantizers.quantize_blocks_both`, the same bits), else XLA's two passes."""
+    from pallas_kernels import fp8_quantizers
 
     def xla():
         wq = fp8.quantize_blocks(w, "e4m3")
         return wq, fp8.transpose_blocks(*wq)
 
     def kernel():
-        return fp8_mosaic_gpu.quantize_blocks_both(w, "e4m3", interpret=kw["interpret"])
+        return fp8_quantizers.quantize_blocks_both(w, "e4m3", interpret=kw["interpret"])
 
-    supported = fp8_mosaic_gpu.quantize_blocks_supports(w, fp8.fp8_dtype("e4m3"))
+    supported = fp8_quantizers.quantize_blocks_supports(w, fp8.fp8_dtype("e4m3"))
     return _fused_where_kernels_run(xla, kernel, supported, **kw)
 
 
 def _quantize_swiglu(gate, up, **kw):
     """`quantize_both` of `fp8.swiglu(gate, up)` in gate's dtype (e4m3): where the kernels run,
-    computed and quantized in one kernel (`fp8_mosaic_gpu.quantize_swiglu`), else by XLA (the
+    computed and quantized in one kernel (`fp8_quantizers.quantize_swiglu`), else by XLA (the
     same fp32 expression, up to XLA's and the kernel's fp32 evaluation order)."""
-    from pallas_kernels import fp8_mosaic_gpu
+    from pallas_kernels import fp8_quantizers
 
     def xla():
         h = fp8.swiglu(gate, up).astype(gate.dtype)
         return fp8.quantize_rows(h, "e4m3"), fp8.quantize_cols(h, "e4m3")
 
     def kernel():
-        return fp8_mosaic_gpu.quantize_swiglu(gate, up, "e4m3", interpret=kw["interpret"])
+        return fp8_quantizers.quantize_swiglu(gate, up, "e4m3", interpret=kw["interpret"])
 
-    supported = fp8_mosaic_gpu.quantize_supports(gate, fp8.fp8_dtype("e4m3"))
+    supported = fp8_quantizers.quantize_supports(gate, fp8.fp8_dtype("e4m3"))
     return _fused_where_kernels_run(xla, kernel, supported, **kw)
 
 
 def _quantize_swiglu_grad(dh, gate, up, dtype, **kw):
     """`quantize_both` of each of `fp8.swiglu_grad(dh, gate, up)` in dh's dtype: where the
-    kernels run, in one kernel (`fp8_mosaic_gpu.quantize_swiglu_grad`), else by XLA."""
-    from pallas_kernels import fp8_mosaic_gpu
+    kernels run, in one kernel (`fp8_quantizers.quantize_swiglu_grad`), else by XLA."""
+    from pallas_kernels import fp8_quantizers
 
     def xla():
         return tuple(
@@ -192,9 +192,9 @@ def _quantize_swiglu_grad(dh, gate, up, dtype, **kw):
         )
 
     def kernel():
-        return fp8_mosaic_gpu.quantize_swiglu_grad(dh, gate, up, dtype, interpret=kw["interpret"])
+        return fp8_quantizers.quantize_swiglu_grad(dh, gate, up, dtype, interpret=kw["interpret"])
 
-    supported = fp8_mosaic_gpu.quantize_supports(dh, fp8.fp8_dtype(dtype))
+    supported = fp8_quantizers.quantize_supports(dh, fp8.fp8_dtype(dtype))
     return _fused_where_kernels_run(xla, kernel, supported, **kw)
 
 
@@ -408,11 +408,11 @@ def fp8_swiglu_ffn(
       * x is quantized once for both projections (both layouts: the weight gradients read x^T);
       * the hidden activation `h = swiglu(gate, up)` is computed (fp32, rounded to x's dtype as
         a 16-bit producer would write it) and quantized in one pass
-        (`fp8_mosaic_gpu.quantize_swiglu` where the kernels run): h is never written to memory;
+        (`fp8_quantizers.quantize_swiglu` where the kernels run): h is never written to memory;
       * in the backward, the gradients of gate and up are computed from `dh`, gate and up and
         quantized in one pass likewise (`quantize_swiglu_grad`).
     The weights are quantized from what they are (fp32 master weights with no 16-bit copy:
-    `fp8_mosaic_gpu.quantize_blocks_both` reads fp32). The residuals are what the three
+    `fp8_quantizers.quantize_blocks_both` reads fp32). The residuals are what the three
     `fp8_grouped_matmul` calls and the activation keep: x^T and h^T in fp8, the quantized
     weights, and gate and up in x's dtype.
 

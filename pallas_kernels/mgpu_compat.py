@@ -32,6 +32,15 @@ def interpret_params(**kwargs):
     return cls(**kwargs)
 
 
+def interpret_mode(interpret):
+    """A Mosaic GPU kernel's `interpret` from its caller's: False (compile), or the Mosaic GPU
+    interpreter's params as given (`InterpretGPUParams`), or True for its defaults (other
+    interpreters' params mean those too)."""
+    if not interpret:
+        return False
+    return interpret if type(interpret).__name__ == "InterpretGPUParams" else True
+
+
 _TAKES_COST = "cost_estimate" in inspect.signature(plgpu.kernel).parameters
 
 
@@ -68,7 +77,7 @@ def layout_cast(x, layout, *, interpret: bool = False):
 
 
 # jax 0.10's Mosaic GPU cannot load a swizzled shared-memory tile transposed into registers
-# ("Can't transpose the swizzled dimension"); 0.11 and 0.12 can (fp8_mosaic_gpu.quantize_both).
+# ("Can't transpose the swizzled dimension"); 0.11 and 0.12 can (fp8_quantizers.quantize_both).
 LOADS_TRANSPOSED = jax.__version_info__ >= (0, 11)
 
 

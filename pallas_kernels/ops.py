@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import metadata as md
-from pallas_kernels import mosaic_gpu, targets, tpu, triton, tuned, vma
+from pallas_kernels import mgpu_compat, mosaic_gpu, targets, tpu, triton, tuned, vma
 from pallas_kernels.config import (
     BACKENDS,
     GROUP_ALIGNMENT,
@@ -178,14 +178,6 @@ def on_target(backend: str, interpret, make: Callable[[str, Any], Callable], *ar
     )
 
 
-def _mosaic_interpret(interpret):
-    """The Mosaic GPU kernels' `interpret`: False, or their own interpreter's params (`True`
-    and other interpreters' params mean its defaults)."""
-    if not interpret:
-        return False
-    return interpret if type(interpret).__name__ == "InterpretGPUParams" else True
-
-
 def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
@@ -205,7 +197,7 @@ def _mosaic_gmm(lhs, rhs, group_sizes, cfg, tiles, *, transpose_rhs, out_dtype, 
     tile_group = md.aligned_tile_groups(group_sizes, m=lhs_p.shape[0], tm=tm)
     out = mosaic_gpu.gmm(
         lhs_p, rhs_p, tile_group, tiles=tiles, config=cfg, transpose_rhs=transpose_rhs,
-        out_dtype=out_dtype, interpret=_mosaic_interpret(interpret),
+        out_dtype=out_dtype, interpret=mgpu_compat.interpret_mode(interpret),
     )  # fmt: skip
     return out[:m] if aligned else _take_rows(out, layout.dest)
 
@@ -220,7 +212,7 @@ def _mosaic_tgmm(lhs, rhs, group_sizes, cfg, tiles, *, out_dtype, interpret, gro
         group_sizes = layout.group_sizes
     return mosaic_gpu.tgmm(
         _pad(lhs, (tm, tk)), _pad(rhs, (tm, tn)), group_sizes, tiles=tiles, config=cfg,
-        out_dtype=out_dtype, interpret=_mosaic_interpret(interpret),
+        out_dtype=out_dtype, interpret=mgpu_compat.interpret_mode(interpret),
     )  # fmt: skip
 
 

@@ -100,18 +100,18 @@ def test_h100_fp8_gmm_wgmma_width_follows_the_split(split, width):
 _QUANTIZE_PROGRAM = """
 import jax, jax.numpy as jnp
 from moejax.aot import schedule
-from pallas_kernels import fp8_mosaic_gpu, targets
+from pallas_kernels import fp8_quantizers, targets
 mesh = targets.mesh_for("cuda", (1,), ("x",))
 m, k = 2048, 1024
 x = targets.shapes_on(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), mesh)
 w = targets.shapes_on(jax.ShapeDtypeStruct((4, k, m), jnp.bfloat16), mesh)
 live = targets.shapes_on(jax.ShapeDtypeStruct((), jnp.int32), mesh)
 def masked(x, live):  # rows from live on zeroed as they are read
-    return fp8_mosaic_gpu.quantize_both(x, live_rows=live)
+    return fp8_quantizers.quantize_both(x, live_rows=live)
 for name, fn, args in (("activations", masked, (x, live)),
-                       ("weights", fp8_mosaic_gpu.quantize_blocks_both, (w,)),
-                       ("swiglu", fp8_mosaic_gpu.quantize_swiglu, (x, x)),
-                       ("swiglu_grad", fp8_mosaic_gpu.quantize_swiglu_grad, (x, x, x))):
+                       ("weights", fp8_quantizers.quantize_blocks_both, (w,)),
+                       ("swiglu", fp8_quantizers.quantize_swiglu, (x, x)),
+                       ("swiglu_grad", fp8_quantizers.quantize_swiglu_grad, (x, x, x))):
     with targets.lowering(mesh):
         text = jax.jit(fn).lower(*args).compile().as_text()
     ops = [op for op in schedule.parse(text) if op.kind == schedule.COMPUTE]
