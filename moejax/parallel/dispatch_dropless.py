@@ -22,8 +22,10 @@ another micro-batch's attention. Only the rows past the first `B` of a pair go t
 The loop sits in a `lax.cond` taken only when there are leftover rounds: a bare loop lets XLA's
 loop-invariant code motion hoist the experts' weight preparation (casts, transposes, fp8
 quantization) out of it, into every step, for iterations that do not run. The experts pass
-through `_leftover` in front of round 0's FFN, so its backward receives round 0's weight
-gradient and adds the leftover rounds' to it, or hands it on untouched: no weight-sized zeros.
+through `_leftover`, then round 0's send (`_send_tied`), in front of round 0's FFN, so the
+leftover backward receives round 0's weight gradient and adds the leftover rounds' to it, or
+hands it on untouched (no weight-sized zeros), after the send's barrier has paired it with the
+reverse exchange (the conditional in between would keep it out of that exchange's window).
 
 Reverse-mode differentiation of `while_loop` is unsupported, so the leftover rounds are a
 `custom_vjp` whose backward runs the same rounds: it re-sends the round's rows and output
@@ -175,11 +177,12 @@ class DroplessStages:
             layout = make_layout(routing, e, 1)  # A rows sorted by expert
             rows = permute(x, layout)  # [A, D]
             plan = _plan(layout, n, g, b, self.axes)
-            # The experts' weight gradients inside the window of the send's transpose.
             wire = (self.axes.expert, self.ragged)
-            recv, experts = _send_tied(b, wire, rows, plan, 0, self.experts_params)
-            # Round 0's FFN reads the experts through the leftover rounds (module docstring).
-            rest, experts = _leftover(self._ffn, b, wire, rows, plan, experts)
+            # Round 0's FFN reads the experts through the leftover rounds (module docstring),
+            # then the send: in the backward, round 0's weight gradients pass the send's barrier
+            # (inside the window of its transpose) before the leftover rounds add theirs.
+            rest, experts = _leftover(self._ffn, b, wire, rows, plan, self.experts_params)
+            recv, experts = _send_tied(b, wire, rows, plan, 0, experts)
         return {
             "recv": recv,
             "experts": experts,
