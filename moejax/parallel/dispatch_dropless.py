@@ -19,13 +19,14 @@ transposes in the backward), which the scheduler can overlap with other work: an
 expert GEMMs under staged pipelining (`DroplessStages` with `moejax.parallel.pipeline.staged`),
 another micro-batch's attention. Only the rows past the first `B` of a pair go through the loop
 (`_leftover`), which runs zero iterations in the steady state; each call keeps its own loop.
-The loop sits in a `lax.cond` taken only when there are leftover rounds: a bare loop lets XLA's
-loop-invariant code motion hoist the experts' weight preparation (casts, transposes, fp8
-quantization) out of it, into every step, for iterations that do not run. The experts pass
-through `_leftover`, then round 0's send (`_send_tied`), in front of round 0's FFN, so the
-leftover backward receives round 0's weight gradient and adds the leftover rounds' to it, or
-hands it on untouched (no weight-sized zeros), after the send's barrier has paired it with the
-reverse exchange (the conditional in between would keep it out of that exchange's window).
+The loops are plain `while_loop`s. (Inside a `lax.cond` taken only when there are leftover
+rounds, the Mixtral train step on a TPU v5p-64 needed 8 GiB more temporaries and no longer fit.)
+In the steady state XLA runs nothing of them but, on GPU, the layout copies of the expert
+weights its kernels read (transposes, at the loops' entry). The experts pass through
+`_leftover`, then round 0's send (`_send_tied`), in front of round 0's FFN, so the leftover
+backward receives round 0's weight gradient and adds the leftover rounds' to it, or hands it on
+untouched (no weight-sized zeros), after the send's barrier has paired it with the reverse
+exchange.
 
 Reverse-mode differentiation of `while_loop` is unsupported, so the leftover rounds are a
 `custom_vjp` whose backward runs the same rounds: it re-sends the round's rows and output
@@ -496,17 +497,16 @@ def _leftover(ffn, bucket, wire, rows, plan, experts):
 def _leftover_fwd(ffn, bucket, wire, rows, plan, experts):
     g, (axis, ragged) = _num_local(experts), wire
 
-    def body(carry):
-        r, out = carry
+    def body(r, experts, out):
         with jax.named_scope("dispatch"):
             recv = _send(rows, plan, r, bucket, axis, ragged)
         with jax.named_scope("experts"):
             y = ffn(recv, _recv_local(plan, r, bucket, g), experts)
         with jax.named_scope("combine"):
-            return r + 1, out + _return(y, plan, r, bucket, axis, rows, ragged)
+            return (out + _return(y, plan, r, bucket, axis, rows, ragged),)
 
     init = cast_varying(jnp.zeros_like(rows), varying_axes(rows, experts))
-    (out,) = _if_leftover(plan, body, (init,))
+    (out,) = _rounds(plan, body, experts, (init,))
     return (out, experts), (rows, plan, experts)
 
 
@@ -515,28 +515,27 @@ def _leftover_bwd(ffn, bucket, wire, res, cotangents):
     d_out, d_experts = cotangents  # d_experts: round 0's weight gradient
     g, (axis, ragged) = _num_local(experts), wire
 
-    def body(carry):
-        r, d_rows, d_experts = carry
+    def body(r, experts, d_rows, d_experts):
         recv = _send(rows, plan, r, bucket, axis, ragged)
         d_y = _send(d_out, plan, r, bucket, axis, ragged)
         local = _recv_local(plan, r, bucket, g)
         _, vjp = jax.vjp(lambda x, w: ffn(x, local, w), recv, experts)
         d_recv, d_w = vjp(d_y)
         d_rows = d_rows + _return(d_recv, plan, r, bucket, axis, rows, ragged)
-        return r + 1, d_rows, jax.tree.map(jnp.add, d_experts, d_w)
+        return d_rows, jax.tree.map(jnp.add, d_experts, d_w)
 
-    d_rows, d_experts = _if_leftover(plan, body, (jnp.zeros_like(rows), d_experts))
+    d_rows, d_experts = _rounds(plan, body, experts, (jnp.zeros_like(rows), d_experts))
     return d_rows, None, d_experts
 
 
-def _if_leftover(plan, body, state: tuple) -> tuple:
-    """`state` through `body((r, *state)) -> (r + 1, *state)` for `r = 1 .. plan.rounds - 1`:
-    a loop inside a conditional taken only when `plan.rounds > 1` (module docstring)."""
+def _rounds(plan, body, experts, state: tuple) -> tuple:
+    """`state` through `body(r, experts, *state) -> state` for `r = 1 .. plan.rounds - 1`."""
 
-    def loop(state):
-        return jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (jnp.int32(1), *state))[1:]
+    def step(carry):
+        r, *state = carry
+        return (r + 1, *body(r, experts, *state))
 
-    return jax.lax.cond(plan.rounds > 1, loop, lambda state: state, state)
+    return tuple(jax.lax.while_loop(lambda c: c[0] < plan.rounds, step, (jnp.int32(1), *state))[1:])
 
 
 _leftover.defvjp(_leftover_fwd, _leftover_bwd)
