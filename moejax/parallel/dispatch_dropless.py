@@ -19,14 +19,12 @@ transposes in the backward), which the scheduler can overlap with other work: an
 expert GEMMs under staged pipelining (`DroplessStages` with `moejax.parallel.pipeline.staged`),
 another micro-batch's attention. Only the rows past the first `B` of a pair go through the loop
 (`_leftover`), which runs zero iterations in the steady state; each call keeps its own loop.
-The loops are plain `while_loop`s. (Inside a `lax.cond` taken only when there are leftover
-rounds, the Mixtral train step on a TPU v5p-64 needed 8 GiB more temporaries and no longer fit.)
-In the steady state XLA runs nothing of them but, on GPU, the layout copies of the expert
-weights its kernels read (transposes, at the loops' entry). The experts pass through
-`_leftover`, then round 0's send (`_send_tied`), in front of round 0's FFN, so the leftover
-backward receives round 0's weight gradient and adds the leftover rounds' to it, or hands it on
-untouched (no weight-sized zeros), after the send's barrier has paired it with the reverse
-exchange.
+In the steady state XLA runs nothing of the loops but their entry (on GPU, layout copies of the
+expert weights the kernels read) and, in the backward, a weight-sized zero gradient that round
+0's is added to. Two ways around those cost more, measured deviceless: the loops inside a
+`lax.cond` taken only when rounds remain cost Mixtral's v5p-64 train step 8 GiB of temporaries
+(it no longer fit), and threading round 0's weight gradient through the backward loop moved 2
+of the 10 delayed attention weight gradients that sit in all-to-all windows out of them.
 
 Reverse-mode differentiation of `while_loop` is unsupported, so the leftover rounds are a
 `custom_vjp` whose backward runs the same rounds: it re-sends the round's rows and output
@@ -158,8 +156,8 @@ def dropless_all_to_all(
 class DroplessStages:
     """The bounded dropless all-to-all as three stages, separable for staged pipelining
     (`moejax.parallel.pipeline.staged`): `dispatch` plans the rounds and sends round 0,
-    `experts` runs round 0's rows, `combine` returns them, adds the leftover rounds' outputs
-    (none in the steady state; run in `dispatch`) and forms the weighted sum per token."""
+    `experts` runs round 0's rows, `combine` returns them, runs the leftover rounds (none in
+    the steady state) and forms the weighted sum per token."""
 
     def __init__(self, experts, config, implementation, axes, bucket, exchange="padded"):
         if exchange not in EXCHANGES:
@@ -169,25 +167,20 @@ class DroplessStages:
         self._ffn = functools.partial(_ffn, config=config, implementation=implementation)
 
     def dispatch(self, x: jax.Array, routing: Routing) -> dict:
-        """Sort, plan, exchange the sizes, send round 0 and run the leftover rounds (none in the
-        steady state). Returns the received rows `[N * B, D]`, their local expert ids, and what
-        `combine` needs."""
+        """Sort, plan, exchange the sizes and send round 0. Returns the received rows
+        `[N * B, D]`, their local expert ids, and what `combine` needs."""
         e, n, b = self.config.num_experts, self.axes.n, self.bucket
         g = e // n
         with jax.named_scope("dispatch"):
             layout = make_layout(routing, e, 1)  # A rows sorted by expert
             rows = permute(x, layout)  # [A, D]
             plan = _plan(layout, n, g, b, self.axes)
-            wire = (self.axes.expert, self.ragged)
-            # Round 0's FFN reads the experts through the leftover rounds (module docstring),
-            # then the send: in the backward, round 0's weight gradients pass the send's barrier
-            # (inside the window of its transpose) before the leftover rounds add theirs.
-            rest, experts = _leftover(self._ffn, b, wire, rows, plan, self.experts_params)
-            recv, experts = _send_tied(b, wire, rows, plan, 0, experts)
+            # The experts' weight gradients inside the window of the send's transpose.
+            recv, experts = _send_tied(b, (self.axes.expert, self.ragged), rows, plan, 0,
+                                       self.experts_params)  # fmt: skip
         return {
             "recv": recv,
             "experts": experts,
-            "rest": rest,
             "local": _recv_local(plan, 0, b, g),
             "rows": rows,
             "plan": plan,
@@ -202,8 +195,8 @@ class DroplessStages:
 
     def combine(self, out: jax.Array, sent: dict, side=None):
         """Return round 0's outputs (`side`'s weight gradients inside the window of that
-        exchange's transpose, `moejax._wgrad.around`), add the leftover rounds' outputs,
-        weighted sum per token. Returns `(y, slots)`."""
+        exchange's transpose, `moejax._wgrad.around`), run the leftover rounds, weighted sum
+        per token. Returns `(y, slots)`."""
         axis, b, rows, plan = self.axes.expert, self.bucket, sent["rows"], sent["plan"]
         with jax.named_scope("combine"):
             if side is None:
@@ -212,7 +205,9 @@ class DroplessStages:
                 out, slots = _wgrad.collect(out, side.weights, side.templates)
                 wire = (axis, self.ragged)
                 first, slots = _return_held(b, wire, rows.shape[0], out, plan, 0, slots)
-            return combine_varying(first + sent["rest"], sent["weight"], sent["layout"]), slots
+        rest = _leftover(self._ffn, b, (axis, self.ragged), rows, plan, self.experts_params)
+        with jax.named_scope("combine"):
+            return combine_varying(first + rest, sent["weight"], sent["layout"]), slots
 
 
 def _ffn(rows, local_expert, experts, *, config, implementation):
@@ -487,55 +482,45 @@ def _take(x, idx):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _leftover(ffn, bucket, wire, rows, plan, experts):
-    """`rows [A, D]` (expert-sorted) -> `(rest, experts)`: the expert output of each row past
-    round 0 (zeros on round 0's rows and unused rows), `[A, D]`, from rounds
-    `1 .. plan.rounds - 1`, and `experts` unchanged (for round 0: the backward adds into its
-    weight gradient, module docstring)."""
+    """`rows [A, D]` (expert-sorted) -> the expert output of each row past round 0 (zeros on
+    round 0's rows and unused rows), `[A, D]`, in rounds `1 .. plan.rounds - 1`."""
     return _leftover_fwd(ffn, bucket, wire, rows, plan, experts)[0]
 
 
 def _leftover_fwd(ffn, bucket, wire, rows, plan, experts):
     g, (axis, ragged) = _num_local(experts), wire
 
-    def body(r, experts, out):
+    def body(carry):
+        r, out = carry
         with jax.named_scope("dispatch"):
             recv = _send(rows, plan, r, bucket, axis, ragged)
         with jax.named_scope("experts"):
             y = ffn(recv, _recv_local(plan, r, bucket, g), experts)
         with jax.named_scope("combine"):
-            return (out + _return(y, plan, r, bucket, axis, rows, ragged),)
+            return r + 1, out + _return(y, plan, r, bucket, axis, rows, ragged)
 
     init = cast_varying(jnp.zeros_like(rows), varying_axes(rows, experts))
-    (out,) = _rounds(plan, body, experts, (init,))
-    return (out, experts), (rows, plan, experts)
+    _, out = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (jnp.int32(1), init))
+    return out, (rows, plan, experts)
 
 
-def _leftover_bwd(ffn, bucket, wire, res, cotangents):
+def _leftover_bwd(ffn, bucket, wire, res, d_out):
     rows, plan, experts = res
-    d_out, d_experts = cotangents  # d_experts: round 0's weight gradient
     g, (axis, ragged) = _num_local(experts), wire
 
-    def body(r, experts, d_rows, d_experts):
+    def body(carry):
+        r, d_rows, d_experts = carry
         recv = _send(rows, plan, r, bucket, axis, ragged)
         d_y = _send(d_out, plan, r, bucket, axis, ragged)
         local = _recv_local(plan, r, bucket, g)
         _, vjp = jax.vjp(lambda x, w: ffn(x, local, w), recv, experts)
         d_recv, d_w = vjp(d_y)
         d_rows = d_rows + _return(d_recv, plan, r, bucket, axis, rows, ragged)
-        return d_rows, jax.tree.map(jnp.add, d_experts, d_w)
+        return r + 1, d_rows, jax.tree.map(jnp.add, d_experts, d_w)
 
-    d_rows, d_experts = _rounds(plan, body, experts, (jnp.zeros_like(rows), d_experts))
+    init = (jnp.int32(1), jnp.zeros_like(rows), jax.tree.map(jnp.zeros_like, experts))
+    _, d_rows, d_experts = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, init)
     return d_rows, None, d_experts
-
-
-def _rounds(plan, body, experts, state: tuple) -> tuple:
-    """`state` through `body(r, experts, *state) -> state` for `r = 1 .. plan.rounds - 1`."""
-
-    def step(carry):
-        r, *state = carry
-        return (r + 1, *body(r, experts, *state))
-
-    return tuple(jax.lax.while_loop(lambda c: c[0] < plan.rounds, step, (jnp.int32(1), *state))[1:])
 
 
 _leftover.defvjp(_leftover_fwd, _leftover_bwd)

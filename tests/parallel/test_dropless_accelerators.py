@@ -84,8 +84,7 @@ def test_h100_exchanges_rows_with_ragged_all_to_all():
 def test_h100_steady_state_runs_nothing_for_the_leftover_rounds():
     """fp8 experts on the Pallas kernels, bf16: of what the leftover loops compute, only the
     loops and the layout copies of the expert weights their kernels read are in the ENTRY
-    computation (no weight quantization or other work hoisted out of them). Their backward
-    adds into round 0's weight gradient: no weight-sized zeros."""
+    computation (no weight quantization or other work hoisted out of them)."""
     config = CONFIG.replace(expert_precision="fp8")
     mesh = aot.mesh("cuda", (8,), ("expert",))
     strategy = parallel.Strategy(dispatcher="dropless", exchange="ragged")
@@ -117,9 +116,6 @@ def test_h100_steady_state_runs_nothing_for_the_leftover_rounds():
     hoisted = [i.line for i in in_loops if i.opcode not in ("while", "get-tuple-element")
                and not weight_copy(i.line)]  # fmt: skip
     assert not hoisted, hoisted[:3]
-    zeros = [i.line for i in entry if " fusion()," in i.line
-             and any(s in i.line.split(" fusion(")[0] for s in weight_shapes)]  # fmt: skip
-    assert not zeros, zeros[:3]
 
 
 @needs_cuda
