@@ -52,6 +52,11 @@ KERNELS: tuple[str, ...] = ("gmm", "gmm_t", "tgmm", "gather_gmm")
 
 TRITON_SMEM_LIMIT = 232_448  # H100 `sharedMemPerBlockOptin` (also what Triton may request)
 MOSAIC_GPU_SMEM_LIMIT = TRITON_SMEM_LIMIT  # the same opt-in limit, as Mosaic GPU checks it
+# The Triton in jaxlib 0.11 gives the masked lhs tile of a row-tile kernel's straddling path
+# (`triton.gmm`'s `jnp.where`, 16-bit operands) a shared-memory buffer beside the pipeline's;
+# the Tritons of jaxlib 0.10 and 0.12 place it in a pipeline buffer. Measured on deviceless H100
+# compiles with each (`tests/accelerator/test_deviceless_kernels.py`).
+TRITON_OWN_MASKED_LHS = (0, 11) <= jax.__version_info__ < (0, 12)
 # Row alignment of the groups at which the Mosaic GPU kernels run without realigning rows: a
 # multiple of their default row tiles (gmm 128, tgmm 64). `moejax` pads experts to it.
 GROUP_ALIGNMENT = 128
@@ -167,12 +172,14 @@ def _operand_tiles(kernel: str, tiles: tuple[int, int, int]) -> tuple[int, int]:
 def triton_smem_bytes(kernel: str, tiles: tuple[int, int, int], config: Config, dtype) -> int:
     """Shared memory Triton allocates for one program: its pipelined operand buffers.
 
-    `num_stages` buffers of each operand tile. Matches the compiled kernels' launch shared
-    memory exactly (measured on deviceless H100 compiles, see BENCHMARKS.md).
+    `num_stages` buffers of each operand tile, and on jaxlib 0.11 one more lhs tile for the
+    16-bit row-tile kernels (`TRITON_OWN_MASKED_LHS`). Matches the compiled kernels' launch
+    shared memory exactly (measured on deviceless H100 compiles, see BENCHMARKS.md).
     """
     itemsize = jnp.dtype(dtype).itemsize
     lhs, rhs = _operand_tiles(kernel, tiles)
-    return config.num_stages * (lhs + rhs) * itemsize
+    masked_copy = TRITON_OWN_MASKED_LHS and kernel != "tgmm" and itemsize == 2
+    return (config.num_stages * (lhs + rhs) + masked_copy * lhs) * itemsize
 
 
 def mosaic_gpu_smem_bytes(
