@@ -140,6 +140,7 @@ def _zeros(shape, interpret):
     return mgpu_compat.layout_cast(zeros, plgpu.Layout.WGMMA, interpret=bool(interpret))
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "split", "pipeline"))
 def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, interpret,
                split, pipeline):  # fmt: skip
     """out[rows of g] = (lhs * scales)[rows of g] @ (rhs[g] * scales)^T, groups 128-aligned.
@@ -223,6 +224,7 @@ def gmm_kernel(lhs, lhs_scale_t, rhs, rhs_scale, tile_group, *, out_dtype, inter
     return vma.cast_varying(out, vma.varying_axes(lhs))
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "split", "pipeline"))
 def tgmm_kernel(lhs_t, lhs_scale, rhs_t, rhs_scale, group_sizes, *, out_dtype, interpret,
                 split, pipeline):  # fmt: skip
     """out[g] = (lhs_t * scales)[:, rows of g] @ ((rhs_t * scales)[:, rows of g])^T.

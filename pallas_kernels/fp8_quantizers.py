@@ -216,6 +216,7 @@ def _quantize_map(fn, inputs, dtype, *, results: int, name: str, interpret, live
     )
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def quantize_both(x, dtype="e4m3", *, live_rows=None, interpret=False):
     """`(fp8.quantize_rows(x, dtype), fp8.quantize_cols(x, dtype))` from one read of `x`.
 
@@ -241,6 +242,7 @@ def quantize_both(x, dtype="e4m3", *, live_rows=None, interpret=False):
     return both
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def quantize_swiglu(gate, up, dtype="e4m3", *, interpret=False):
     """`quantize_both` of `fp8.swiglu(gate, up)` rounded to the inputs' dtype, from one read of
     `gate` and `up`: the expert FFN's hidden activation quantized in the kernel that computes
@@ -261,6 +263,7 @@ def quantize_swiglu(gate, up, dtype="e4m3", *, interpret=False):
     return both
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def quantize_swiglu_grad(dh, gate, up, dtype="e4m3", *, interpret=False):
     """`quantize_both` of each of `fp8.swiglu_grad(dh, gate, up)` (the gradients of the gate
     and up projections) rounded to the inputs' dtype, from one read of `dh`, `gate` and `up`.
@@ -280,6 +283,7 @@ def quantize_swiglu_grad(dh, gate, up, dtype="e4m3", *, interpret=False):
     )  # fmt: skip
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def quantize_blocks_both(w, dtype="e4m3", *, interpret=False):
     """`(fp8.quantize_blocks(w, dtype), fp8.transpose_blocks(*fp8.quantize_blocks(w, dtype)))`
     from one read of `w`: the weights as the lhs gradient reads them and transposed, as the

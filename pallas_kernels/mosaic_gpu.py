@@ -292,6 +292,9 @@ def run_tiles(pipeline, grid, rings, operands, *, tile, steps, views, blocks, st
     pl.run_scoped(scope, allocs, collective_axes="wg")
 
 
+@functools.partial(
+    jax.jit, static_argnames=("tiles", "config", "transpose_rhs", "out_dtype", "interpret")
+)
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -398,6 +401,7 @@ def gmm(
     return vma.cast_varying(kernel(tile_group, lhs, rhs), vma.varying_axes(lhs))
 
 
+@functools.partial(jax.jit, static_argnames=("tiles", "config", "out_dtype", "interpret"))
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,

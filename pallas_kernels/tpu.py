@@ -10,6 +10,8 @@ output tile stays resident in VMEM between its consecutive visits (see metadata.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -29,6 +31,7 @@ def _row_mask(meta: md.GroupMetadata, visit, tm: int, width: int) -> jax.Array:
     return (rows >= lo) & (rows < hi)
 
 
+@functools.partial(jax.jit, static_argnames=("tiles", "transpose_rhs", "out_dtype", "interpret"))
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -132,6 +135,7 @@ def gmm(
     return jnp.where(valid[:, None], out, jnp.zeros((), out_dtype))
 
 
+@functools.partial(jax.jit, static_argnames=("tiles", "out_dtype", "interpret"))
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,

@@ -19,6 +19,7 @@ timed on a GPU.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -43,6 +44,9 @@ def _compiler_params(config: Config):
     return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+@functools.partial(
+    jax.jit, static_argnames=("tiles", "config", "transpose_rhs", "out_dtype", "interpret")
+)
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -146,6 +150,7 @@ def gmm(
     )(first, stop, offsets, *extras, lhs, rhs)
 
 
+@functools.partial(jax.jit, static_argnames=("tiles", "config", "out_dtype", "interpret"))
 def tgmm(
     lhs: jax.Array,
     rhs: jax.Array,

@@ -12,6 +12,7 @@ Figures: BENCHMARKS.md ("Deviceless accelerator compiles"), `python experiments/
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +129,27 @@ def test_mosaic_gpu_shared_memory_model_is_what_mosaic_gpu_checks(pipeline):
     assert config.mosaic_gpu_smem_bytes("gmm", tiles, fits, jnp.bfloat16, jnp.bfloat16) == 229440
     with targets.lowering(mesh):
         jax.jit(functools.partial(unchecked, cfg=fits)).lower(lhs, rhs, sizes).compile()
+
+
+@needs_cuda
+def test_h100_lowers_each_distinct_kernel_once():
+    """Three gmm calls, two of one shape: the program holds two Mosaic GPU kernels, each a
+    function called where the kernel runs (the kernel's jit is lowered once per module and
+    shape; a deep model's lowering grows with its distinct kernels, not its layers)."""
+    mesh = targets.gpu_mesh((1,), ("x",))
+    args = _abstract(
+        mesh, ((1024, 512), jnp.bfloat16), ((4, 512, 512), jnp.bfloat16), ((4,), jnp.int32),
+    )  # fmt: skip
+
+    def layers(x, w, s):
+        x = pk.gmm(x, w, s, backend="pallas_mosaic_gpu")
+        x = pk.gmm(x, w, s, backend="pallas_mosaic_gpu")
+        return pk.gmm(x[:512], w, s, backend="pallas_mosaic_gpu")
+
+    with targets.lowering(mesh):
+        text = jax.jit(layers).lower(*args).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu\w*\(", text)) == 2
+    assert len(re.findall(r"call @gmm(?:_\d+)?\(", text)) == 3
 
 
 @needs_tpu
