@@ -72,6 +72,23 @@ def test_sharded_layer_compiles_with_the_kernels(platform, kw, cfg, strategy):
     assert 0 < compiled.peak_bytes < DEVICE_BYTES[platform]
 
 
+def _tiny_model(platform):
+    model_cfg = presets.get("tiny")
+    if platform == "cuda":  # bf16 compute: what H100 runs the Mosaic GPU kernels for
+        model_cfg = model_cfg.replace(dtype="bfloat16")
+    return model_cfg
+
+
+@functools.cache
+def _tiny_step(platform, generation=None):
+    """The tiny LM's train step compiled for the 2 x 4 mesh (a minute on 2 cores; the tests
+    that read it are consecutive, so pytest-xdist's load distribution runs them in one worker,
+    on one compile)."""
+    mesh = _mesh(platform, generation)
+    fn, args = aot.train_step_program(_tiny_model(platform), train_presets.get("tiny"), mesh)
+    return aot.compile_program(fn, args)
+
+
 @pytest.mark.parametrize(
     "platform, kw",
     [  # the TPU steps are slow (a minute each); the default run compiles the sharded layer for v5e
@@ -81,11 +98,8 @@ def test_sharded_layer_compiles_with_the_kernels(platform, kw, cfg, strategy):
     ],
 )
 def test_tiny_lm_train_step_compiles_with_the_kernels(platform, kw):
-    model_cfg, train_cfg = presets.get("tiny"), train_presets.get("tiny")
-    if platform == "cuda":  # bf16 compute: what H100 runs the Mosaic GPU kernels for
-        model_cfg = model_cfg.replace(dtype="bfloat16")
-    fn, args = aot.train_step_program(model_cfg, train_cfg, _mesh(platform, **kw))
-    compiled = aot.compile_program(fn, args)
+    model_cfg = _tiny_model(platform)
+    compiled = _tiny_step(platform, **kw)
     _assert_kernels(compiled, platform)
     # Three expert weight gradients per MoE layer, twice: round 0 of the dropless exchange
     # (straight-line code) and the leftover rounds' loop (`moejax.parallel.dispatch_dropless`).
@@ -119,11 +133,7 @@ def test_lm_head_backward_multiplies_in_bf16_on_h100():
     """The logits are fp32, but their gradient matmuls take the bf16 operands
     (`moejax.models.unembed_logits`): differentiating the fp32-output einsum would run them on
     fp32 copies, TF32 at half the bf16 rate."""
-    model_cfg = presets.get("tiny").replace(dtype="bfloat16")
-    fn, args = aot.train_step_program(
-        model_cfg, train_presets.get("tiny"), aot.mesh("cuda", (1,), ("data",))
-    )
-    dots = _dot_operands(aot.compile_program(fn, args).text)
+    dots = _dot_operands(_tiny_step("cuda").text)
     specs = ("bsd,dv->bsv", "bsv,dv->bsd", "bsd,bsv->dv")  # the logits' einsum and its two VJPs
     head = [(scope, types) for scope, types in dots if any(s in scope for s in specs)]
     assert len(head) >= 3, dots  # the logits and their two gradients
