@@ -77,6 +77,7 @@ DSV3 = {
     },
 }  # fmt: skip  (deepseek-ai/DeepSeek-V3 config.json)
 KIMI_K2 = DSV3 | {
+    "model_type": "kimi_k2",
     "vocab_size": 163840,
     "num_attention_heads": 64,
     "num_key_value_heads": 64,
@@ -97,7 +98,7 @@ KIMI_K2 = DSV3 | {
         "original_max_position_embeddings": 4096,
         "type": "yarn",
     },
-}  # fmt: skip  (moonshotai/Kimi-K2-Instruct, model_type deepseek_v3)
+}  # fmt: skip  (moonshotai/Kimi-K2-Instruct config.json)
 GPT_OSS_20B = {
     "architectures": ["GptOssForCausalLM"],
     "model_type": "gpt_oss",
@@ -183,11 +184,12 @@ def test_dense_first_layers_from_any_spelling():
     assert cfg.mlp_kinds[:5] == ("dense", "dense", "moe", "dense", "moe")
 
 
-# A Kimi-K2-style tiny model: one expert group (n_group 1), 384 experts, one dense first layer.
+# A Kimi-K2-style tiny model: one expert group (n_group 1), 384 experts, one dense first layer,
+# and Kimi K2's model_type (its architecture is DeepSeek-V3's).
 KIMI_TINY = ref.CONFIGS_2026["deepseek_v3"] | {
-    "hidden_size": 16, "n_routed_experts": 384, "n_group": 1, "topk_group": 1,
-    "moe_intermediate_size": 4, "num_experts_per_tok": 8, "num_nextn_predict_layers": 0,
-    "routed_scaling_factor": 2.827, "num_hidden_layers": 2,
+    "model_type": "kimi_k2", "hidden_size": 16, "n_routed_experts": 384, "n_group": 1,
+    "topk_group": 1, "moe_intermediate_size": 4, "num_experts_per_tok": 8,
+    "num_nextn_predict_layers": 0, "routed_scaling_factor": 2.827, "num_hidden_layers": 2,
 }  # fmt: skip
 ROUND_TRIPS = {
     "deepseek_v3": (ref.CONFIGS_2026["deepseek_v3"], "per_expert"),
@@ -220,7 +222,10 @@ def test_load_save_load_is_bit_identical(case, tmp_path):
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     if case == "kimi_k2_tiny":  # every one of the 384 experts is reachable in one group
-        assert cfg.moe.num_groups == 1 and cfg.mlp_kinds == ("dense", "moe")
+        assert family == "deepseek_v3" and cfg.moe.num_groups == 1
+        assert cfg.mlp_kinds == ("dense", "moe")
+        with open(tmp_path / "out" / "config.json") as f:  # written back as it was read
+            assert json.load(f)["model_type"] == "kimi_k2"
         tokens = np.random.default_rng(0).integers(0, 64, (4, 16))
         logits, aux = jax.jit(lambda p: models.lm_forward(p, tokens, cfg))(params)
         assert np.isfinite(np.asarray(logits)).all()

@@ -79,6 +79,9 @@ class HFFamily:
         (`moe_config_to_hf` writes these; reading also accepts transformers' aliases).
       decoder: the whole-decoder facts (`HFDecoder`), or None when moejax reads only this
         family's MoE blocks.
+      aliases: other `model_type`s of checkpoints that are this family's models (Kimi K2's
+        `kimi_k2`: DeepSeek-V3's architecture, renamed so that inference engines can tell the
+        two apart). Read as the family; `moe_config_to_hf` writes `model_type`.
     """
 
     name: str
@@ -95,6 +98,7 @@ class HFFamily:
     prefix: dict[str, str]
     config_keys: dict[str, str]
     decoder: HFDecoder | None = None
+    aliases: tuple[str, ...] = ()
 
     @property
     def dense(self) -> bool:
@@ -224,6 +228,7 @@ FAMILIES: dict[str, HFFamily] = {
             shared="shared_experts",
             features=_features(score_correction_bias=_YES, shared=_YES),
             decoder=HFDecoder(None, False, False, mla=True, defaults={"first_k_dense_replace": 3}),
+            aliases=("kimi_k2",),  # Kimi K2 (architectures DeepseekV3ForCausalLM)
         ),
         _family(
             "gpt_oss",

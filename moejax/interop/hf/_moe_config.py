@@ -199,8 +199,8 @@ _READERS: dict[str, Callable[[_Fields], dict]] = {
 
 
 def family_of(config: Mapping[str, Any]) -> str:
-    """The family (a key of `FAMILIES`) of a `config.json`, from `model_type` (or `architectures`
-    when it is absent).
+    """The family (a key of `FAMILIES`) of a `config.json`, from `model_type` (a family's own or
+    one of its `aliases`; or `architectures` when it is absent).
 
     Raises:
       CheckpointError: naming the `model_type` / `architectures` value and the families moejax
@@ -208,12 +208,14 @@ def family_of(config: Mapping[str, Any]) -> str:
 
     >>> family_of({"model_type": "switch_transformers"})
     'switch'
+    >>> family_of({"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]})
+    'deepseek_v3'
     """
     if not isinstance(config, Mapping):
         raise CheckpointError(f"{CONFIG_FILE} is a JSON {type(config).__name__}, need an object")
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
-    by_type = {f.model_type: f for f in FAMILIES.values()}
+    by_type = {t: f for f in FAMILIES.values() for t in (f.model_type, *f.aliases)}
     if model_type is not None:
         if model_type not in by_type:
             raise CheckpointError(
