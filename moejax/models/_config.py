@@ -133,6 +133,11 @@ class LMConfig:
         `num_kv_heads == num_heads`, `head_dim == mla.qk_head_dim`, no `qk_norm` and no
         attention biases; RoPE then covers the `mla.qk_rope_head_dim` rotary features.
       rope_scaling: None, or a `RopeScaling` that stretches the RoPE frequencies.
+      partial_rotary_factor: the share of each head's features RoPE rotates: the first
+        `rope_dim = int(head_dim * partial_rotary_factor)` (rotate-half within them, frequencies
+        over `rope_dim`), the rest pass through (GLM-4.5: 0.5; Hugging Face's
+        `partial_rotary_factor`). In (0, 1]; 1 (the default) rotates all. MLA has its own
+        rotary features (`mla.qk_rope_head_dim`) and needs 1.
       dtype: compute dtype of activations and matmuls (`"bfloat16"`: mixed precision; the
         parameters stay in `param_dtype`, the router, softmaxes, norms' statistics and the loss
         stay fp32).
@@ -163,6 +168,7 @@ class LMConfig:
     sliding_window: int | None = None
     mla: MLAConfig | None = None
     rope_scaling: RopeScaling | None = None
+    partial_rotary_factor: float = 1.0
     dtype: ComputeDtype = "float32"
     param_dtype: str = "float32"
     embed_init_std: float = 1.0
@@ -205,6 +211,7 @@ class LMConfig:
             _bad("qk_norm", self.qk_norm, f"must be None or one of {QK_NORMS}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             _bad("rope_scaling", self.rope_scaling, "must be None or a RopeScaling")
+        self._check_partial_rotary()
         if self.layer_types is not None or self.sliding_window is not None:
             self._check_layer_types()
         if self.mla is not None:
@@ -274,6 +281,22 @@ class LMConfig:
         if self.moe_every != 1:
             _bad("moe_every", self.moe_every, "must be 1 when mlp_layer_types is given")
 
+    def _check_partial_rotary(self) -> None:
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+            _bad("partial_rotary_factor", f, "must be a number in (0, 1]")
+        if f == 1:
+            return
+        if self.mla is not None:
+            _bad("partial_rotary_factor", f, "must be 1 with mla (mla.qk_rope_head_dim says it)")
+        rotated = int(self.head_dim * f)
+        if rotated < 2 or rotated % 2:
+            _bad(
+                "partial_rotary_factor", f,
+                f"rotates int(head_dim={self.head_dim} * {f}) = {rotated} features: need an "
+                "even number >= 2 (RoPE rotates pairs)",
+            )  # fmt: skip
+
     # Derived sizes -------------------------------------------------------------------------------
     @property
     def mlp_kinds(self) -> tuple[str, ...]:
@@ -286,8 +309,11 @@ class LMConfig:
 
     @property
     def rope_dim(self) -> int:
-        """The features of a head RoPE rotates: `head_dim`, or MLA's `qk_rope_head_dim`."""
-        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+        """The features of a head RoPE rotates: the first `int(head_dim *
+        partial_rotary_factor)` (all of `head_dim` by default), or MLA's `qk_rope_head_dim`."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

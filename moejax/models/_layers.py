@@ -160,18 +160,23 @@ def rope_tables(
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate feature pairs `(i, i + Dh/2)` of every head by the position's angles.
+    """Rotate feature pairs `(i, i + R/2)` of the first `R = 2 * cos.shape[-1]` features of every
+    head by the position's angles; features past `R` pass through unchanged (partial rotary,
+    `LMConfig.partial_rotary_factor`; `R = Dh` rotates all).
 
     This is the "rotate-half" layout of the Hugging Face Llama/Mixtral code: the two halves of
-    the head dim are the real and imaginary parts.
+    the rotated features are the real and imaginary parts.
 
     Args:
       x: `[B, S, heads, Dh]`.
-      cos, sin: `[S, Dh/2]` from `rope_tables`.
+      cos, sin: `[S, R/2]` from `rope_tables`, `R <= Dh`.
 
     Returns:
       `[B, S, heads, Dh]` in `x.dtype` (rotation in fp32).
     """
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]], axis=-1)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
@@ -207,7 +212,7 @@ def attention(
         `"q_norm", "k_norm": {"scale"}` (`[Dh]` for `qk_norm="head"`, `[H, Dh]` resp.
         `[Hkv, Dh]` for `"full"`).
       x: `[B, S, D]` (already normalised).
-      cos, sin: `[S, Dh/2]` RoPE tables.
+      cos, sin: `[S, R/2]` RoPE tables (`apply_rope`: the first `R` features of a head rotate).
       mesh: with a mesh the core runs under `shard_map` (batch over the token axes, heads over
         `model`); the projections are left to the surrounding `jit`.
       implementation: the core's, `"auto"`, `"xla"` or `"pallas"`.
