@@ -1,8 +1,8 @@
 """Tiny `config.json` of each family, shared by the interop tests and the fixture script.
 
 Sizes are small enough for committed fixtures; each family's routing features are switched on
-(DeepSeek-V3: 4 groups, 2 kept; GPT-OSS: a clamp limit low enough to be active; Switch: a capacity
-that drops tokens).
+(DeepSeek-V3 and GLM-4.5: 4 groups, 2 kept; GPT-OSS: a clamp limit low enough to be active;
+Switch: a capacity that drops tokens).
 """
 
 from __future__ import annotations
@@ -86,6 +86,21 @@ CONFIGS: dict[str, dict] = {
         "norm_topk_prob": True,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
+        "hidden_act": "silu",
+        "dtype": "float32",
+    },
+    "glm4_moe": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_size": D,
+        "moe_intermediate_size": F,
+        "n_routed_experts": E,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True,
         "hidden_act": "silu",
         "dtype": "float32",
     },

@@ -208,7 +208,8 @@ CONFIGS = {
 }
 
 
-# Whole decoders the numpy transcription above does not cover (MLA, MTP, sinks, windows):
+# Whole decoders the numpy transcription above does not cover (MLA, MTP, partial RoPE, sinks,
+# windows):
 # `test_hf_fidelity.py` compares them with transformers' own outputs.
 CONFIGS_2026 = {
     "deepseek_v3": _BASE
@@ -244,6 +245,27 @@ CONFIGS_2026 = {
             "mscale": 1.0,
             "mscale_all_dim": 1.0,
         },  # fmt: skip
+    },
+    "glm4_moe": _BASE
+    | {
+        "model_type": "glm4_moe",
+        "architectures": ["Glm4MoeForCausalLM"],
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,  # [dense, moe, moe], then one MTP layer
+        "head_dim": 16,  # not hidden / heads
+        "partial_rotary_factor": 0.5,  # RoPE over 8 of the 16 features
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "intermediate_size": 40,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 1,
+        "rms_norm_eps": 1e-5,
     },
     "gpt_oss": _BASE
     | {

@@ -3,8 +3,10 @@ Qwen3-MoE, OLMoE and Qwen2-MoE models computed by transformers on torch CPU in f
 `test_hf_fidelity.py` compares moejax's against (CI then needs neither torch nor transformers);
 and `hf_model_fixtures_2026.npz`: the same for DeepSeek-V3 (MLA, a dense first layer, grouped
 sigmoid routing, shared experts, and its multi-token-prediction layer through transformers'
-`MtpModel`) and GPT-OSS (sinks, sliding windows shorter than the sequence), plus the tokens of
-transformers' greedy `generate` for Mixtral, Qwen3-MoE, DeepSeek-V3 and GPT-OSS; and
+`MtpModel`), GPT-OSS (sinks, sliding windows shorter than the sequence) and GLM-4.5 (q/k/v
+biases, per-head q/k norms, RoPE over half of each head, DeepSeek-V3's routing and its MTP layer),
+plus the tokens of transformers' greedy `generate` for Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS
+and GLM-4.5; and
 `hf_dense_fixtures.npz`: logits and gradients of tiny dense Llama, Qwen2 and Qwen3 models, for
 `test_hf_dense.py` (the dense section below).
 
@@ -23,14 +25,15 @@ indices `[T, K]` (`output_router_logits`), and the gradients of `sum(logits * R)
 parameter (transformers 5 names: experts fused as `mlp.experts.gate_up_proj`/`down_proj`).
 The weights are not stored (the test rebuilds them from the seed); their sha256 is.
 
-The 2026 file: DeepSeek-V3's tokens are `[B, S + 1]`, the main model reads the first `S` and
-its MTP layer the embeddings of tokens `1..S` with the main model's last hidden state (before the
-final norm), its logits `mtp_logits [B, S, V]`; gradients are of `sum(logits * R)` alone
-(`grad/`: the model with MTP off) and of `sum(logits * R) + sum(mtp_logits * R_mtp)`
-(`grad_mtp/`, every parameter, MTP layer named as stored: `model.layers.{L}.`).
+The 2026 file: DeepSeek-V3's and GLM-4.5's tokens are `[B, S + 1]`, the main model reads the
+first `S` and its MTP layer the embeddings of tokens `1..S` with the main model's last hidden
+state (before the final norm), its logits `mtp_logits [B, S, V]`; gradients are of
+`sum(logits * R)` alone (`grad/`: the model with MTP off) and of `sum(logits * R) +
+sum(mtp_logits * R_mtp)` (`grad_mtp/`, every parameter, MTP layer named as stored:
+`model.layers.{L}.`).
 
-Written with transformers 5.24.0, torch 2.14.1 (CPU); the 2026 file with transformers 5.18.0,
-torch 2.14.1 (CPU).
+Written with transformers 5.24.0, torch 2.14.1 (CPU), both files (the 2026 file's DeepSeek-V3
+and GPT-OSS arrays are bit-identical to those transformers 5.18.0 wrote).
 """
 
 from __future__ import annotations
@@ -49,10 +52,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "hf_model_fixtures.npz")
 OUT_2026 = os.path.join(HERE, "hf_model_fixtures_2026.npz")
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
-FAMILIES_2026 = ("deepseek_v3", "gpt_oss")
-GENERATE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+FAMILIES_2026 = ("deepseek_v3", "gpt_oss", "glm4_moe")
+GENERATE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe")
 SEED = {"mixtral": 11, "qwen3_moe": 12, "olmoe": 13, "qwen2_moe": 14, "deepseek_v3": 15,
-        "gpt_oss": 16}  # fmt: skip
+        "gpt_oss": 16, "glm4_moe": 17}  # fmt: skip
 BATCH, SEQ = 2, 10
 PROMPT, NEW_TOKENS = 5, 8  # greedy generation: [B, PROMPT] prompts, NEW_TOKENS tokens
 # rope_scaling cases (head_dim 64, rope_theta 5e5, max_position_embeddings 16384): transformers'
@@ -173,7 +176,7 @@ def _torch_2026(root: str, arrays: dict) -> None:
         loss = (logits * r).sum()
         grads = torch.autograd.grad(loss, list(params.values()), retain_graph=True)
         arrays.update({f"{family}/grad/{n}": g.numpy() for n, g in zip(params, grads, strict=True)})
-        if family != "deepseek_v3":
+        if not model.config.to_dict().get("num_nextn_predict_layers"):
             continue
         n_layers = model.config.num_hidden_layers
         # transformers finds MTP weights by the main model's ignore patterns (`layers\.61`)

@@ -124,7 +124,8 @@ def test_matches_transformers_forward_gradients_and_choice(family, implementatio
     assert_rel(aux.router_logits, io["logits"], FWD_RTOL, "router logits")
     index, weight = np.asarray(aux.topk_indices), np.asarray(aux.topk_weights)
     expected_index, expected_weight = io["topk_index"], io["topk_weight"]
-    if family == "deepseek_v3":  # DeepseekV3TopkRouter's topk is unsorted: compare as sets
+    grouped = hf.FAMILIES[family].correction_bias is not None  # DeepSeek-V3's router (GLM's)
+    if grouped:  # DeepseekV3TopkRouter's (and Glm4MoeTopkRouter's) topk is unsorted: as sets
         order, expected_order = np.argsort(index, -1), np.argsort(expected_index, -1)
         index, weight = np.take_along_axis(index, order, -1), np.take_along_axis(weight, order, -1)
         expected_index = np.take_along_axis(expected_index, expected_order, -1)
@@ -141,9 +142,7 @@ def test_matches_transformers_forward_gradients_and_choice(family, implementatio
     expected = {k.removeprefix("grad."): v for k, v in io.items() if k.startswith("grad.")}
     # The correction bias is a buffer (no gradient in torch; zero in moejax: it only chooses).
     no_grad = set(grads) - set(expected)
-    assert no_grad == (
-        {FUSED_PREFIX + "gate.e_score_correction_bias"} if family == "deepseek_v3" else set()
-    )
+    assert no_grad == ({FUSED_PREFIX + "gate.e_score_correction_bias"} if grouped else set())
     for name in no_grad:
         np.testing.assert_array_equal(grads[name], 0.0)
     assert set(expected) <= set(grads)
@@ -153,24 +152,25 @@ def test_matches_transformers_forward_gradients_and_choice(family, implementatio
 
 def test_fixture_data_exercise_every_family_feature():
     """Guards against hollow comparisons: on the fixtures' own tensors and inputs, DeepSeek-V3's
-    correction bias and group limit each change some token's experts, GPT-OSS's two clamps are
-    active, and Switch drops some tokens and keeps others."""
+    (and GLM-4.5's) correction bias and group limit each change some token's experts, GPT-OSS's
+    two clamps are active, and Switch drops some tokens and keeps others."""
     ref = load_reference()
-    io = read(FIXTURES / "deepseek_v3" / "io.safetensors")
-    state = read(FIXTURES / "deepseek_v3" / "fused.safetensors")
-    sd = {k.removeprefix(FUSED_PREFIX): v.astype(np.float64) for k, v in state.items()}
-    x = io["x"].reshape(-1, io["x"].shape[-1]).astype(np.float64)
-    cfg = CONFIGS["deepseek_v3"]
-    kw = dict(top_k=cfg["num_experts_per_tok"], n_group=cfg["n_group"], norm_topk_prob=True)
-    kw.update(topk_group=cfg["topk_group"], scaling=cfg["routed_scaling_factor"])
+    for family in ("deepseek_v3", "glm4_moe"):  # GLM-4.5's router is DeepSeek-V3's
+        io = read(FIXTURES / family / "io.safetensors")
+        state = read(FIXTURES / family / "fused.safetensors")
+        sd = {k.removeprefix(FUSED_PREFIX): v.astype(np.float64) for k, v in state.items()}
+        x = io["x"].reshape(-1, io["x"].shape[-1]).astype(np.float64)
+        cfg = CONFIGS[family]
+        kw = dict(top_k=cfg["num_experts_per_tok"], n_group=cfg["n_group"], norm_topk_prob=True)
+        kw.update(topk_group=cfg["topk_group"], scaling=cfg["routed_scaling_factor"])
 
-    def experts(sd, **changes):
-        return np.sort(ref.deepseek_v3_router(sd, x, **{**kw, **changes})[2], -1)
+        def experts(sd, x=x, kw=kw, **changes):
+            return np.sort(ref.deepseek_v3_router(sd, x, **{**kw, **changes})[2], -1)
 
-    np.testing.assert_array_equal(experts(sd), np.sort(io["topk_index"], -1))
-    unbiased = {**sd, "gate.e_score_correction_bias": 0 * sd["gate.e_score_correction_bias"]}
-    assert (experts(unbiased) != experts(sd)).any()
-    assert (experts(sd, topk_group=cfg["n_group"]) != experts(sd)).any()
+        np.testing.assert_array_equal(experts(sd), np.sort(io["topk_index"], -1), family)
+        bias = sd["gate.e_score_correction_bias"]
+        assert (experts({**sd, "gate.e_score_correction_bias": 0 * bias}) != experts(sd)).any()
+        assert (experts(sd, topk_group=cfg["n_group"]) != experts(sd)).any(), family
 
     io = read(FIXTURES / "gpt_oss" / "io.safetensors")
     state = read(FIXTURES / "gpt_oss" / "fused.safetensors")

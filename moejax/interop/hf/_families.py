@@ -34,12 +34,15 @@ class HFDecoder:
 
     Attributes:
       qk_norm: `LMConfig.qk_norm` (`"head"`: one RMSNorm per head, `"full"`: over all heads).
+      qk_norm_flag: None (`qk_norm` always), or the `config.json` field that turns `qk_norm`
+        on (GLM-4.5's `use_qk_norm`).
       qkv_bias: q/k/v projection biases: True, False, or the `config.json` field that says.
       out_bias: the output projection's bias, likewise.
       window_caps_length: `config.json` `sliding_window`, when set, caps `LMConfig.max_seq_len`
         (Mixtral: full attention equals the windowed one up to the window).
-      mla: multi-head latent attention (`LMConfig.mla`, DeepSeek-V3), with dense first layers
-        and multi-token-prediction layers `model.layers.{num_hidden_layers + k}`.
+      mla: multi-head latent attention (`LMConfig.mla`, DeepSeek-V3).
+      mtp: `num_nextn_predict_layers` multi-token-prediction layers stored as
+        `model.layers.{num_hidden_layers + k}` (DeepSeek-V3, GLM-4.5).
       sinks: attention sinks (`LMConfig.attention_sinks`, GPT-OSS `self_attn.sinks`).
       defaults: transformers' defaults of decoder fields where they differ from the common
         ones (`rope_theta` 10000, no rope scaling, no biases), applied to absent fields (a
@@ -51,7 +54,9 @@ class HFDecoder:
     out_bias: str | bool
     window_caps_length: bool = False
     mla: bool = False
+    mtp: bool = False
     sinks: bool = False
+    qk_norm_flag: str | None = None
     defaults: dict = dataclasses.field(default_factory=dict)
 
 
@@ -227,8 +232,40 @@ FAMILIES: dict[str, HFFamily] = {
             correction_bias="gate.e_score_correction_bias",
             shared="shared_experts",
             features=_features(score_correction_bias=_YES, shared=_YES),
-            decoder=HFDecoder(None, False, False, mla=True, defaults={"first_k_dense_replace": 3}),
+            decoder=HFDecoder(
+                None, False, False, mla=True, mtp=True, defaults={"first_k_dense_replace": 3}
+            ),
             aliases=("kimi_k2",),  # Kimi K2 (architectures DeepseekV3ForCausalLM)
+        ),
+        # GLM-4.5/4.6/4.7: DeepSeek-V3's MoE blocks and MTP layers, grouped-query attention
+        # with q/k/v biases, optional per-head q/k norms, RoPE over half of each head.
+        _family(
+            "glm4_moe",
+            "Glm4Moe",
+            "moe_intermediate_size",
+            "n_routed_experts",
+            {
+                "num_groups": "n_group",
+                "topk_groups": "topk_group",
+                "routed_scaling_factor": "routed_scaling_factor",
+                **_NORM,
+                "num_shared_experts": "n_shared_experts",
+            },
+            correction_bias="gate.e_score_correction_bias",
+            shared="shared_experts",
+            features=_features(score_correction_bias=_YES, shared=_YES),
+            decoder=HFDecoder(
+                "head",
+                "attention_bias",
+                False,
+                mtp=True,
+                qk_norm_flag="use_qk_norm",
+                defaults={
+                    "first_k_dense_replace": 1,
+                    "partial_rotary_factor": 0.5,
+                    "rms_norm_eps": 1e-5,
+                },
+            ),
         ),
         _family(
             "gpt_oss",

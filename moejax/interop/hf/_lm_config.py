@@ -12,10 +12,14 @@ model's forward pass sees only the resulting `LMConfig`. What differs by family 
 | `olmoe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` | `qk_norm="full"`, optional biases |
 | `qwen2_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared expert | q/k/v biases |
 | `deepseek_v3` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA, MTP layers |
+| `glm4_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | partial RoPE, MTP |
 | `gpt_oss` | `mlp` | fused only: interleaved `experts.gate_up_proj`, biases | sinks, windows |
 | `llama` | - (dense) | - | optional biases (`attention_bias`) |
 | `qwen2` | - (dense) | - | q/k/v biases |
 | `qwen3` | - (dense) | - | `qk_norm="head"`, optional biases |
+
+GLM-4.5's attention has optional q/k/v biases (`attention_bias`), per-head q/k norms when
+`use_qk_norm`, and RoPE over the first `partial_rotary_factor` (0.5) of each head.
 
 An FP8 block-scaled checkpoint's `quantization_config` is accepted by `lm_config_from_hf` (the
 model it describes is the dequantized one, `moejax.interop.hf._fp8`); fields in `UNIMPLEMENTED`
@@ -94,7 +98,9 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
     `HFDecoder` and `layer_types` / `sliding_window`. DeepSeek-V3 (`deepseek_v3`, also Kimi K2
     and Moonlight) adds MLA (`q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
     `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`) and `num_nextn_predict_layers` MTP
-    blocks (absent: none); GPT-OSS adds sinks and alternating sliding-window layers.
+    blocks (absent: none); GLM-4.5 (`glm4_moe`) DeepSeek-V3's MoE blocks and MTP blocks with
+    grouped-query attention, `partial_rotary_factor` (default 0.5) and `use_qk_norm`; GPT-OSS
+    adds sinks and alternating sliding-window layers.
 
     Raises:
       CheckpointError: not a JSON object, a count or size that is not an int >= 1 or is over
@@ -184,7 +190,7 @@ def _with_defaults(config: dict, dec: HFDecoder) -> dict:
     for key, value in dec.defaults.items():
         if key == "rope_scaling" and ("rope_scaling" in config or "rope_parameters" in config):
             continue
-        if key == "rope_theta" and (config.get("rope_theta") or params.get("rope_theta")):
+        if key in ("rope_theta", "partial_rotary_factor") and (config.get(key) or params.get(key)):
             continue
         if key == "first_k_dense_replace" and config.get("mlp_layer_types") is not None:
             continue  # the per-layer list says it all (the fields combine: a layer is MoE
@@ -234,6 +240,20 @@ def _mla(config: dict) -> MLAConfig:
         q_lora_rank=config.get("q_lora_rank", 1536),
         rope_interleave=bool(config.get("rope_interleave", True)),
     )
+
+
+def _partial_rotary(config: dict) -> float:
+    """`partial_rotary_factor` (transformers 4: top level; 5: in `rope_parameters`), 1.0 when
+    absent."""
+    params = config.get("rope_parameters") or {}
+    values = {
+        where: float(c["partial_rotary_factor"])
+        for where, c in (("", config), ("rope_parameters.", params))
+        if c.get("partial_rotary_factor") is not None
+    }
+    if len(set(values.values())) > 1:
+        raise CheckpointError(f"{CONFIG_FILE} partial_rotary_factor: {values} differ")
+    return next(iter(values.values()), 1.0)
 
 
 def _mtp_layers(config: dict) -> int:
@@ -307,11 +327,11 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
         moe_every=step if legacy else 1,
         mlp_layer_types=None if legacy else kinds,
         dense_d_ff=config.get("intermediate_size") if "dense" in kinds else None,
-        mtp_layers=_mtp_layers(config) if dec.mla else 0,
+        mtp_layers=_mtp_layers(config) if dec.mtp else 0,
         rope_theta=theta,
         norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=dec.qk_norm,
+        qk_norm=dec.qk_norm if dec.qk_norm_flag is None or config.get(dec.qk_norm_flag) else None,
         attention_bias=_flag(config, dec.qkv_bias),
         attention_out_bias=_flag(config, dec.out_bias),
         attention_sinks=dec.sinks,
@@ -319,6 +339,7 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
         sliding_window=window,
         mla=mla,
         rope_scaling=scaling,
+        partial_rotary_factor=_partial_rotary(config),
         param_dtype=param_dtype,
     )
     return cfg, family

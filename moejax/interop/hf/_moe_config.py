@@ -128,23 +128,35 @@ def _olmoe(f: _Fields) -> dict:
     return _softmax_topk(f, ("intermediate_size", 2048), (experts, 64), 8, "norm_topk_prob")
 
 
-def _deepseek_v3(f: _Fields) -> dict:
+# transformers' defaults of the sigmoid grouped routers' fields (`DeepseekV3Config`,
+# `Glm4MoeConfig`): hidden_size, moe_intermediate_size, n_routed_experts, num_experts_per_tok,
+# n_group, topk_group, routed_scaling_factor.
+_GROUPED_DEFAULTS = {
+    "deepseek_v3": (7168, 2048, 256, 8, 8, 4, 2.5),
+    "glm4_moe": (4096, 1408, 128, 8, 1, 1, 1.0),
+}
+
+
+def _sigmoid_grouped(f: _Fields) -> dict:
+    """DeepSeek-V3 and GLM-4.5: sigmoid scores with the correction bias, group-limited top-k,
+    renormalised and scaled, shared experts."""
+    d, d_ff, experts, k, groups, topk_groups, scale = _GROUPED_DEFAULTS[f.family]
     f.require("scoring_func", ("sigmoid",), "sigmoid", "the router's score function")
     f.require("topk_method", ("noaux_tc",), "noaux_tc", "the router's top-k method")
     shared = f.get("n_shared_experts", 1, to="num_shared_experts")
     if shared < 1 and "n_shared_experts" not in f.ignore:
-        f.bad("n_shared_experts", shared, "a DeepSeek-V3 MoE block has >= 1 shared experts")
+        f.bad("n_shared_experts", shared, "this family's MoE block has >= 1 shared experts")
     return {
-        "d_model": f.get("hidden_size", 7168, to="d_model"),
-        "d_ff": f.get("moe_intermediate_size", 2048, to="d_ff"),
-        "num_experts": f.get(("n_routed_experts", "num_local_experts"), 256, to="num_experts"),
-        "top_k": f.get("num_experts_per_tok", 8, to="top_k"),
+        "d_model": f.get("hidden_size", d, to="d_model"),
+        "d_ff": f.get("moe_intermediate_size", d_ff, to="d_ff"),
+        "num_experts": f.get(("n_routed_experts", "num_local_experts"), experts, to="num_experts"),
+        "top_k": f.get("num_experts_per_tok", k, to="top_k"),
         "router": "sigmoid",
         "score_correction_bias": True,
-        "num_groups": f.get("n_group", 8, to="num_groups"),
-        "topk_groups": f.get("topk_group", 4, to="topk_groups"),
+        "num_groups": f.get("n_group", groups, to="num_groups"),
+        "topk_groups": f.get("topk_group", topk_groups, to="topk_groups"),
         "routed_scaling_factor": float(
-            f.get("routed_scaling_factor", 2.5, to="routed_scaling_factor")
+            f.get("routed_scaling_factor", scale, to="routed_scaling_factor")
         ),
         "norm_topk_prob": f.get("norm_topk_prob", True, to="norm_topk_prob"),
         "num_shared_experts": shared,
@@ -192,7 +204,8 @@ _READERS: dict[str, Callable[[_Fields], dict]] = {
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "olmoe": _olmoe,
-    "deepseek_v3": _deepseek_v3,
+    "deepseek_v3": _sigmoid_grouped,
+    "glm4_moe": _sigmoid_grouped,
     "gpt_oss": _gpt_oss,
     "switch": _switch,
 }
