@@ -153,6 +153,7 @@ def configs(args):
         "delay_wgrad": {"on": True, "off": False}.get(args.delay_wgrad),
         "microbatches": args.microbatches,
         "max_skipped_fraction": args.max_skipped_fraction,
+        "moment_dtype": "bfloat16" if args.bf16_moments else None,
     }
     train_cfg = train_presets.get(args.preset)
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -184,6 +185,7 @@ FLAG_OF = {  # TrainConfig field -> the flag that sets it
     "expert_slots_per_device": "--expert-slots",
     "microbatches": "--microbatches",
     "max_skipped_fraction": "--max-skipped-fraction",
+    "moment_dtype": "--bf16-moments",
 }
 # Estimated seconds per train step on CPU per GFLOP of the step: the tiny preset's README job on
 # the 2-core development VM (see _cpu_warning).

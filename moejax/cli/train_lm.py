@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help=f"init and shuffling seed (default: {preset})")
     p.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 parameters)")
     p.add_argument(
+        "--bf16-moments",
+        action="store_true",
+        help="store Adam's two moments in bfloat16 (TrainConfig.moment_dtype; DeepSeek-V3's "
+        "recipe): 8 bytes of state per fp32 parameter instead of 12",
+    )
+    p.add_argument(
         "--expert-precision",
         choices=("bf16", "fp8"),
         help="routed experts' matmuls: fp8 = DeepSeek-V3 block-scaled e4m3, emulated where no "

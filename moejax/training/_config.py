@@ -24,6 +24,11 @@ class TrainConfig:
       weight_decay: AdamW decoupled weight decay, applied to matrices only (not to norm scales
         or biases).
       b1, b2, eps: Adam moments.
+      moment_dtype: the dtype Adam's two moments are stored in between steps: None (the
+        parameters' dtype, `LMConfig.param_dtype`) or `"bfloat16"` (DeepSeek-V3's recipe: with
+        fp32 parameters the state is 8 bytes per parameter instead of 12). The update is
+        computed in fp32 either way. bfloat16 resolves a relative change of 2^-8 at best, so
+        its second moment needs `1 - b2 >= 2^-8` (`b2 <= 0.996`) to decay at all.
       clip_norm: global-norm gradient clipping threshold (of the trainable parameters).
       load_balance: which balance loss `load_balance_weight` weighs (mean over MoE layers):
         `"micro_batch"`: the Switch form `E * sum_e f_e P_e` over the tokens of one forward
@@ -80,6 +85,7 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
+    moment_dtype: str | None = None
     clip_norm: float = 1.0
     load_balance: str = "micro_batch"
     load_balance_weight: float = 0.01
@@ -132,6 +138,15 @@ class TrainConfig:
                 _bad(name, getattr(self, name), "must lie in [0, 1)")
         if not self.eps > 0:
             _bad("eps", self.eps, "must be > 0")
+        if self.moment_dtype not in MOMENT_DTYPES:
+            _bad("moment_dtype", self.moment_dtype, f"must be one of {MOMENT_DTYPES}")
+        if self.moment_dtype == "bfloat16" and 1 - self.b2 < 2**-8:
+            _bad(
+                "b2", self.b2,
+                f"with moment_dtype='bfloat16' the second moment moves by 1 - b2 = "
+                f"{1 - self.b2:.2%} a step, under bfloat16's resolution (2^-8 = 0.39%): it would "
+                "stop decaying. Use b2 <= 0.996 or moment_dtype=None",
+            )  # fmt: skip
         if not self.clip_norm > 0:
             _bad("clip_norm", self.clip_norm, "must be > 0")
         if not 0 <= self.eval_fraction < 1:
@@ -153,6 +168,7 @@ class TrainConfig:
 
 
 LOAD_BALANCE_LOSSES = ("micro_batch", "sequence", "global_batch")
+MOMENT_DTYPES = (None, "bfloat16")
 _REMAT = ("none", "dots_saveable", "full")  # moejax.models.REMAT_POLICIES
 
 

@@ -11,6 +11,7 @@ does not count in the clipping norm.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from moejax.training._config import TrainConfig
@@ -54,9 +55,53 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     )
 
 
+def _moments_in(dtype, adam: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`adam` (`optax.scale_by_adam`) with both moments stored in `dtype` between steps and
+    computed in fp32: widened before `adam.update` (whose `b * moment` would otherwise round to
+    `dtype` before the gradient's term is added), rounded once after it."""
+
+    def init(params):
+        state = adam.init(params)
+        return state._replace(
+            mu=optax.tree.cast(state.mu, dtype), nu=optax.tree.cast(state.nu, dtype)
+        )
+
+    def update(updates, state, params=None):
+        wide = state._replace(
+            mu=optax.tree.cast(state.mu, jnp.float32), nu=optax.tree.cast(state.nu, jnp.float32)
+        )
+        updates, new = adam.update(updates, wide, params)
+        return updates, new._replace(
+            mu=optax.tree.cast(new.mu, dtype), nu=optax.tree.cast(new.nu, dtype)
+        )
+
+    return optax.GradientTransformation(init, update)
+
+
+def _adamw(cfg: TrainConfig) -> optax.GradientTransformation:
+    """`optax.adamw` (the same chain, so the same state tree), its moments in
+    `cfg.moment_dtype`."""
+    if cfg.moment_dtype is None:
+        return optax.adamw(
+            learning_rate_schedule(cfg),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    adam = optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    return optax.chain(
+        _moments_in(cfg.moment_dtype, adam),
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        optax.scale_by_learning_rate(learning_rate_schedule(cfg)),
+    )
+
+
 def make_optimizer(cfg: TrainConfig, *, clip: bool = True) -> optax.GradientTransformation:
     """`clip_by_global_norm -> adamw(schedule, mask=matrices)` on the trained leaves, zero
-    updates for the correction biases (module docstring).
+    updates for the correction biases (module docstring). Adam's moments are stored in
+    `cfg.moment_dtype` (None: the parameters' dtype).
 
     `clip=False` puts `optax.identity()` (the same empty state) in place of the clipping, for
     steps that clip by a norm of their own (replicated experts: `moejax.training.placed`).
@@ -66,13 +111,6 @@ def make_optimizer(cfg: TrainConfig, *, clip: bool = True) -> optax.GradientTran
     """
     adamw = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm) if clip else optax.identity(),
-        optax.adamw(
-            learning_rate_schedule(cfg),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask,
-        ),
+        _adamw(cfg),
     )
     return optax.multi_transform({TRAIN: adamw, FROZEN: optax.set_to_zero()}, param_labels)

@@ -257,6 +257,7 @@ def controller_factory(
     moe = model_cfg.moe
     shards = 1 if mesh is None else mesh_lib.token_shards(mesh)
     param_bytes = jnp.dtype(model_cfg.param_dtype).itemsize
+    moment_bytes = jnp.dtype(train_cfg.moment_dtype or model_cfg.param_dtype).itemsize
     workload = Workload(
         tokens_per_device=max(1, train_cfg.batch_size * seq_len // shards),
         top_k=moe.top_k,
@@ -265,7 +266,7 @@ def controller_factory(
         matmuls_per_expert=3 if moe.gated else 2,
         activation_bytes=jnp.dtype(model_cfg.dtype).itemsize,
         param_bytes=param_bytes,
-        state_bytes_per_param=3 * param_bytes,  # the parameter and Adam's two moments
+        state_bytes_per_param=param_bytes + 2 * moment_bytes,  # the parameter, Adam's moments
         num_groups=moe.num_groups,  # group-limited routing: the planner keeps groups on few nodes
         topk_groups=moe.topk_groups,
         replica_sync="packed",  # combine_replica_grads' all-reduce (docstring)
