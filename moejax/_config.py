@@ -62,7 +62,8 @@ class MoEConfig:
         `moejax.update_correction_bias`.
       num_groups: expert groups for group-limited routing (sigmoid router); 1 = off.
       topk_groups: groups kept per token (<= num_groups).
-      routed_scaling_factor: multiplies the routed weights (DeepSeek-V3: 2.5).
+      routed_scaling_factor: multiplies the routed weights of the token-choice routers
+        (DeepSeek-V3: 2.5; DeepSeek-V2-Lite's softmax router: 1.0); expert choice needs 1.
       activation: expert activation. `swiglu`: `silu(gate) * up` (Mixtral, Qwen, OLMoE,
         DeepSeek); `geglu`: `gelu(gate) * up`; `gelu`, `relu`: ungated (Switch: relu). GELU is
         the tanh approximation (transformers' `gelu_new` / `gelu_pytorch_tanh`, as in T5 v1.1 and
@@ -170,6 +171,8 @@ class MoEConfig:
         if self.expert_capacity is not None:
             _positive_int("expert_capacity", self.expert_capacity)
         _positive_finite("routed_scaling_factor", self.routed_scaling_factor)
+        if self.router == "expert_choice" and self.routed_scaling_factor != 1:
+            _bad("routed_scaling_factor", self.routed_scaling_factor, "must be 1 for expert_choice")
         if not _is_real(self.swiglu_limit) or not self.swiglu_limit > 0:  # inf = no clamp
             _bad("swiglu_limit", self.swiglu_limit, "must be a number > 0")
         _positive_finite("swiglu_alpha", self.swiglu_alpha)

@@ -77,7 +77,7 @@ def route(
         logits=logits,
         probs=probs,
         expert_index=index.astype(jnp.int32),
-        weight=weight,
+        weight=weight * config.routed_scaling_factor,  # x 1.0 (the default) is exact
         kept=jnp.ones(index.shape, bool),
     )
 
@@ -89,8 +89,9 @@ def replayed(
 
     Each router weighs the given experts as it weighs its own choice: `"softmax"` takes their
     softmax probabilities (renormalised with `norm_topk_prob`), `"sigmoid"` their unbiased scores
-    (renormalised with `norm_topk_prob`, times `routed_scaling_factor`), `"topk_softmax"` the
-    softmax over their logits. Replaying the router's own choice gives its routing bit for bit.
+    (renormalised with `norm_topk_prob`), `"topk_softmax"` the softmax over their logits; each
+    times `routed_scaling_factor`. Replaying the router's own choice gives its routing bit for
+    bit.
 
     Args:
       router_params: `router/...` parameters.
@@ -123,12 +124,11 @@ def replayed(
         weight = jnp.take_along_axis(scores, safe, axis=-1)
         if config.norm_topk_prob:
             weight = weight / (weight.sum(-1, keepdims=True) + 1e-20)
-        weight = weight * config.routed_scaling_factor
         probs = scores / scores.sum(-1, keepdims=True)
     else:  # topk_softmax
         weight = jax.nn.softmax(jnp.take_along_axis(logits, safe, axis=-1), axis=-1)
         probs = jax.nn.softmax(logits, axis=-1)
-    weight = jnp.where(valid[:, None], weight, jnp.nan)
+    weight = jnp.where(valid[:, None], weight * config.routed_scaling_factor, jnp.nan)
     kept = jnp.ones(index.shape, bool)
     return Routing(logits=logits, probs=probs, expert_index=safe, weight=weight, kept=kept)
 
@@ -176,9 +176,8 @@ def _sigmoid_route(router_params, logits, config):
     weight = jnp.take_along_axis(scores, index, axis=-1)
     if config.norm_topk_prob:
         weight = weight / (weight.sum(-1, keepdims=True) + 1e-20)
-    weight = weight * config.routed_scaling_factor
     probs = scores / scores.sum(-1, keepdims=True)
-    return index, weight, probs
+    return index, weight, probs  # `route` multiplies by routed_scaling_factor
 
 
 def _expert_choice(logits, config, num_sequences):

@@ -25,6 +25,9 @@ CONFIGS = {
         topk_groups=2,
         routed_scaling_factor=2.5,
     ),  # fmt: skip
+    "softmax_scaled": moejax.MoEConfig(  # DeepSeek-V2-Lite's router
+        **BASE, norm_topk_prob=False, routed_scaling_factor=2.0
+    ),
     "topk_softmax": moejax.MoEConfig(**BASE, router="topk_softmax", router_bias=True),
     "capacity": moejax.MoEConfig(**BASE, drop_policy="capacity", capacity_factor=0.75),
 }
@@ -193,3 +196,17 @@ def test_expert_choice_cannot_replay():
     params, x = _inputs(cfg)
     with pytest.raises(ValueError, match="expert_choice"):
         moejax.moe_apply(params, x, cfg, replay_experts=np.zeros((B, S, 2), np.int32))
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid", "topk_softmax"])
+def test_routed_scaling_factor_scales_every_token_choice_router(router):
+    """The same experts, weights times the factor (DeepSeek-V2-Lite scales softmax weights)."""
+    cfg = moejax.MoEConfig(**BASE, router=router, router_bias=router == "topk_softmax")
+    params, x = _inputs(cfg)
+    x = x.reshape(-1, cfg.d_model)
+    plain = moejax.route(params["router"], x, cfg)
+    scaled = moejax.route(params["router"], x, cfg.replace(routed_scaling_factor=2.0))
+    np.testing.assert_array_equal(scaled.expert_index, plain.expert_index)
+    np.testing.assert_array_equal(scaled.weight, 2.0 * plain.weight)
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        moejax.MoEConfig(**BASE, router="expert_choice", routed_scaling_factor=2.0)
