@@ -59,6 +59,13 @@ def qwen2_moe(**kw) -> MoEConfig:
 
 
 @_preset(
+    top_k=6, router="softmax", norm_topk_prob=False, routed_scaling_factor=1.0, num_shared_experts=2
+)
+def deepseek_v2(**kw) -> MoEConfig:
+    """DeepSeek-V2-Lite: softmax top-k without renormalisation ("greedy"), scaled, 2 shared."""
+
+
+@_preset(
     top_k=8,
     router="sigmoid",
     norm_topk_prob=True,
@@ -98,5 +105,15 @@ def expert_choice(**kw) -> MoEConfig:
 
 PRESETS = {
     f.__name__: f
-    for f in (mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, gpt_oss, switch, expert_choice)
+    for f in (
+        mixtral,
+        qwen3_moe,
+        olmoe,
+        qwen2_moe,
+        deepseek_v2,
+        deepseek_v3,
+        gpt_oss,
+        switch,
+        expert_choice,
+    )  # fmt: skip
 }

@@ -95,6 +95,12 @@ def to_hf_qwen2_moe(params):
     return sd
 
 
+def to_hf_deepseek_v2(params):
+    sd = to_hf_mixtral(params)
+    sd.update(_hf_mlp(params["shared"], "shared_experts"))
+    return sd
+
+
 def to_hf_deepseek_v3(params):
     sd = to_hf_mixtral(params)
     sd["gate.e_score_correction_bias"] = np.asarray(
@@ -198,6 +204,17 @@ def qwen2_moe_block(sd, x, *, top_k, norm_topk_prob=False):
     out = _experts_gate_up(sd, hidden, index, weights)
     shared = sigmoid(hidden @ sd["shared_expert_gate.weight"].T) * shared
     y = out + shared
+    return y.reshape(b, s, d), {"logits": logits, "index": index, "weight": weights}
+
+
+def deepseek_v2_block(sd, x, *, top_k, scaling, norm_topk_prob=False):
+    """`DeepseekV2Moe` with `topk_method="greedy"`: softmax top-k (unsorted: compare index sets)
+    scaled by `routed_scaling_factor`, routed experts + shared experts."""
+    b, s, d = x.shape
+    hidden = x.reshape(-1, d)
+    logits, weights, index = topk_router(sd, hidden, top_k, norm_topk_prob)
+    weights = weights * scaling
+    y = _experts_gate_up(sd, hidden, index, weights) + _mlp(sd, "shared_experts", hidden)
     return y.reshape(b, s, d), {"logits": logits, "index": index, "weight": weights}
 
 

@@ -54,6 +54,12 @@ FAMILIES = {
         hf.to_hf_qwen2_moe,
         functools.partial(hf.qwen2_moe_block, top_k=2, norm_topk_prob=False),
     ),
+    "deepseek_v2": Family(
+        presets.deepseek_v2(**SIZES, top_k=3, routed_scaling_factor=2.0),
+        hf.to_hf_deepseek_v2,
+        functools.partial(hf.deepseek_v2_block, top_k=3, scaling=2.0),
+        sorted_choice=False,  # DeepseekV2TopkRouter uses topk(sorted=False)
+    ),
     "deepseek_v3": Family(
         presets.deepseek_v3(**SIZES, top_k=3, num_groups=4, topk_groups=2),
         hf.to_hf_deepseek_v3,

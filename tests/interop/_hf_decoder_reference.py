@@ -246,6 +246,39 @@ CONFIGS_2026 = {
             "mscale_all_dim": 1.0,
         },  # fmt: skip
     },
+    "deepseek_v2": _BASE
+    | {
+        "model_type": "deepseek_v2",
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,  # [dense, moe, moe]
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,  # DeepSeek-V2-Lite: a full-rank query projection
+        "kv_lora_rank": 12,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+        "intermediate_size": 40,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 3,
+        "routed_scaling_factor": 2.0,
+        "norm_topk_prob": False,
+        "scoring_func": "softmax",
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },  # fmt: skip  (DeepSeek-V2-Lite's mscale)
+    },
     "glm4_moe": _BASE
     | {
         "model_type": "glm4_moe",

@@ -62,6 +62,15 @@ EXTRA = {
         v_head_dim=4,
         intermediate_size=24,
     ),
+    "deepseek_v2": dict(
+        first_k_dense_replace=0,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        intermediate_size=24,
+    ),
     "glm4_moe": dict(first_k_dense_replace=0, head_dim=8, intermediate_size=24),
     "gpt_oss": dict(head_dim=8),
     "switch": dict(
@@ -163,7 +172,7 @@ def check_features(family, io, state):
 # The order the one generator draws for the families: a family added later comes last, so the
 # earlier families' fixtures stay as they were.
 ORDER = ("deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "switch",
-         "glm4_moe")  # fmt: skip
+         "glm4_moe", "deepseek_v2")  # fmt: skip
 
 
 def main():

@@ -36,6 +36,10 @@ REFERENCE = {
         ref.to_hf_mixtral,
         functools.partial(ref.mixtral_block, top_k=3, norm_topk_prob=False),
     ),
+    "deepseek_v2": (
+        ref.to_hf_deepseek_v2,
+        functools.partial(ref.deepseek_v2_block, top_k=3, scaling=2.0),
+    ),
     "deepseek_v3": (
         ref.to_hf_deepseek_v3,
         functools.partial(
@@ -82,6 +86,9 @@ def test_config_reader_gives_each_family_its_preset():
         "qwen2_moe": presets.qwen2_moe(d_model=16, d_ff=8, num_experts=8, top_k=2, shared_d_ff=12),
         "qwen3_moe": presets.qwen3_moe(d_model=16, d_ff=8, num_experts=8, top_k=3),
         "olmoe": presets.olmoe(d_model=16, d_ff=8, num_experts=8, top_k=3),
+        "deepseek_v2": presets.deepseek_v2(
+            d_model=16, d_ff=8, num_experts=8, top_k=3, routed_scaling_factor=2.0
+        ),
         "deepseek_v3": presets.deepseek_v3(
             d_model=16,
             d_ff=8,

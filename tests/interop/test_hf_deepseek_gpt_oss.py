@@ -168,6 +168,70 @@ def test_published_configs_give_the_published_sizes(config, total, active):
         assert lm_config_from_hf(minimal)[0] == cfg
 
 
+DSV2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "ep_size": 1,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 6,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "aux_loss_alpha": 0.001,
+    "seq_aux": True,
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}  # fmt: skip  (deepseek-ai/DeepSeek-V2-Lite config.json)
+
+
+def test_deepseek_v2_lite_reads_as_published_and_refuses_v2s_group_routing():
+    """DeepSeek-V2-Lite 15.7B (2.4B active): MLA with a full-rank query, softmax top-6 without
+    renormalisation, two shared experts, one dense first layer. The 236B models' group-limited
+    greedy routing (groups scored by their best expert) is refused, naming the field."""
+    cfg, family = lm_config_from_hf(DSV2_LITE)
+    counts = models.param_counts(cfg)
+    assert family == "deepseek_v2"
+    assert (round(counts.total / 1e9, 2), round(counts.active / 1e9, 2)) == (15.71, 2.45)
+    assert cfg.mla.q_lora_rank is None and cfg.mla.rope_interleave and cfg.mtp_layers == 0
+    assert cfg.mlp_kinds == ("dense",) + ("moe",) * 26
+    assert cfg.moe.router == "softmax" and not cfg.moe.norm_topk_prob
+    assert cfg.moe.num_shared_experts == 2 and cfg.moe.top_k == 6
+    v2 = DSV2_LITE | {"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}
+    with pytest.raises(hf.CheckpointError, match="topk_method='group_limited_greedy'"):
+        lm_config_from_hf(v2)
+
+
 def test_dense_first_layers_from_any_spelling():
     """`first_k_dense_replace` (its default 3 when absent) or transformers 5's
     `mlp_layer_types`; `moe_layer_freq` combines with them."""

@@ -237,6 +237,22 @@ FAMILIES: dict[str, HFFamily] = {
             ),
             aliases=("kimi_k2",),  # Kimi K2 (architectures DeepseekV3ForCausalLM)
         ),
+        # DeepSeek-V2-Lite (and Coder-V2-Lite): MLA (rope interleaved, a full-rank query when
+        # q_lora_rank is null), softmax routing without groups ("greedy"), shared experts.
+        _family(
+            "deepseek_v2",
+            "DeepseekV2",
+            "moe_intermediate_size",
+            "n_routed_experts",
+            {
+                "routed_scaling_factor": "routed_scaling_factor",
+                **_NORM,
+                "num_shared_experts": "n_shared_experts",
+            },
+            shared="shared_experts",
+            features=_features(shared=_YES),
+            decoder=HFDecoder(None, False, False, mla=True, defaults={"first_k_dense_replace": 0}),
+        ),
         # GLM-4.5/4.6/4.7: DeepSeek-V3's MoE blocks and MTP layers, grouped-query attention
         # with q/k/v biases, optional per-head q/k norms, RoPE over half of each head.
         _family(

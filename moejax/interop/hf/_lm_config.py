@@ -12,6 +12,7 @@ model's forward pass sees only the resulting `LMConfig`. What differs by family 
 | `olmoe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` | `qk_norm="full"`, optional biases |
 | `qwen2_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared expert | q/k/v biases |
 | `deepseek_v3` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA, MTP layers |
+| `deepseek_v2` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA |
 | `glm4_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | partial RoPE, MTP |
 | `gpt_oss` | `mlp` | fused only: interleaved `experts.gate_up_proj`, biases | sinks, windows |
 | `llama` | - (dense) | - | optional biases (`attention_bias`) |

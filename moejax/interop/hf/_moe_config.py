@@ -164,6 +164,27 @@ def _sigmoid_grouped(f: _Fields) -> dict:
     }
 
 
+def _deepseek_v2(f: _Fields) -> dict:
+    """DeepSeek-V2-Lite: softmax over E, top-k, scaled; renormalised when `norm_topk_prob` (as
+    DeepSeek's own code does; published configs say false, transformers never renormalises)."""
+    f.require("scoring_func", ("softmax",), "softmax", "the router's score function")
+    f.require(
+        "topk_method", ("greedy",), "greedy",
+        "the router's top-k method (group_limited_greedy, DeepSeek-V2's 236B models, scores a "
+        "group by its best softmax probability; moejax's group-limited routing is DeepSeek-V3's "
+        "sigmoid one, groups scored by their top-2 sum)",
+    )  # fmt: skip
+    if f.config.get("mlp_bias") and "mlp_bias" not in f.ignore:
+        f.bad("mlp_bias", True, "moejax's experts and shared experts have no biases here")
+    experts = ("n_routed_experts", "num_experts")
+    kw = _softmax_topk(f, ("moe_intermediate_size", 1407), (experts, 64), 6, "norm_topk_prob", 4096)
+    shared = f.get("n_shared_experts", 2, to="num_shared_experts")
+    if shared < 1 and "n_shared_experts" not in f.ignore:
+        f.bad("n_shared_experts", shared, "this family's MoE block has >= 1 shared experts")
+    scale = float(f.get("routed_scaling_factor", 1.0, to="routed_scaling_factor"))
+    return {**kw, "routed_scaling_factor": scale, "num_shared_experts": shared}
+
+
 def _gpt_oss(f: _Fields) -> dict:
     # GptOssExperts ignores hidden_act: its clamped SwiGLU is written out in the module.
     return {
@@ -204,6 +225,7 @@ _READERS: dict[str, Callable[[_Fields], dict]] = {
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "olmoe": _olmoe,
+    "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _sigmoid_grouped,
     "glm4_moe": _sigmoid_grouped,
     "gpt_oss": _gpt_oss,
