@@ -260,6 +260,8 @@ ROUND_TRIPS = {
     "deepseek_v3_fused": (ref.CONFIGS_2026["deepseek_v3"], "fused"),
     "kimi_k2_tiny": (KIMI_TINY, "per_expert"),
     "gpt_oss": (ref.CONFIGS_2026["gpt_oss"], "fused"),
+    "glm4_moe": (ref.CONFIGS_2026["glm4_moe"], "per_expert"),  # with its MTP layer
+    "deepseek_v2": (ref.CONFIGS_2026["deepseek_v2"], "per_expert"),
 }
 
 
