@@ -1,6 +1,7 @@
 """Whole DeepSeek-V3 (MLA, dense first layers, MTP layers, Kimi-K2-style single-group routing)
-and GPT-OSS (sinks, sliding windows, biases) checkpoints: published configs give the published
-sizes, load -> save -> load is bit-identical in both expert layouts, FP8 block-scaled weights
+and GPT-OSS (sinks, sliding windows, biases) checkpoints, and DeepSeek-V2-Lite's and GLM-4.5's
+round trips: published configs give the published sizes, load -> save -> load is bit-identical
+in both expert layouts, FP8 block-scaled weights
 are dequantized on load, and config fields moejax does not implement are one error each, before
 anything is read or written. (Logits and gradients against transformers: test_hf_fidelity.py.)"""
 
