@@ -10,6 +10,8 @@ Run: python -m pallas_kernels.targets --install   (once; the compilers)
      python experiments/plan_scale.py --preset deepseek_v3_4l --fsdp-expert --microbatches 4
                                                   (DeepSeek-V3's widths, 4 layers: one dense
                                                    layer then MoE; does one layer-unit fit?)
+     ... --bf16-moments                           (Adam's moments in bf16: 8 bytes of state
+                                                   per fp32 parameter instead of 12)
 Per preset and target it prints each layout's row, then the training state one device stores
 (parameters + Adam moments, from the partition specs, no compile) per layer of each kind and,
 for a reduced-depth preset (`presets.FULL_DEPTH`), at the published depth. Ends with one line
@@ -51,6 +53,8 @@ def main() -> None:
     )
     parser.add_argument("--microbatches", type=int, nargs="+",
                         help="only layouts with these micro-batch counts")  # fmt: skip
+    parser.add_argument("--bf16-moments", action="store_true",
+                        help="Adam's moments in bf16 (TrainConfig.moment_dtype)")  # fmt: skip
     args = parser.parse_args()
     for platform in {fit.TARGETS[t].platform for t in args.target}:
         if (why := targets.missing(platform)) is not None:
@@ -61,6 +65,8 @@ def main() -> None:
         model_cfg, train_cfg = presets.get(name), train_presets.get(name)
         if args.batch:
             train_cfg = train_cfg.replace(batch_size=args.batch)
+        if args.bf16_moments:
+            train_cfg = train_cfg.replace(moment_dtype="bfloat16")
         for target_name in args.target:
             target = fit.TARGETS[target_name]
             group = []
@@ -80,7 +86,9 @@ def main() -> None:
                 print(fit.markdown([row]).splitlines()[-1], flush=True)
                 group.append(row)
             full = presets.FULL_DEPTH.get(name)
-            state = fit.state_line(name, model_cfg, target, layouts[0], full)
+            state = fit.state_line(
+                name, model_cfg, target, layouts[0], full, train_cfg.moment_dtype
+            )
             print(state, flush=True)
             rows += group
             summary += [fit.summary_line(group)] if group else []

@@ -168,9 +168,9 @@ _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
     """The training state one device stores between steps, as laid out by
-    `lm_partition_specs` on a layout's mesh: every parameter and Adam's two moments (optax
-    keeps them in the parameter's dtype), by block; gradients and activations, which live
-    within the step, are not in it (the compiled `PlanRow` has them).
+    `lm_partition_specs` on a layout's mesh: every parameter and Adam's two moments (in the
+    parameter's dtype, or `TrainConfig.moment_dtype`), by block; gradients and activations,
+    which live within the step, are not in it (the compiled `PlanRow` has them).
 
     Attributes:
       per_kind: bytes per device of one layer of each FFN kind (`"dense"`, `"moe"`): a
@@ -186,9 +186,13 @@ class StateBytes:
         return self.other + sum(self.per_kind[k] for k in kinds)
 
 
-def state_bytes(model_cfg: LMConfig, target: Target, layout: Layout) -> StateBytes:
-    """`StateBytes` of `model_cfg` on `layout` (no compile: shapes and partition specs only)."""
+def state_bytes(
+    model_cfg: LMConfig, target: Target, layout: Layout, moment_dtype: str | None = None
+) -> StateBytes:
+    """`StateBytes` of `model_cfg` on `layout` (no compile: shapes and partition specs only),
+    Adam's moments in `moment_dtype` (None: each parameter's dtype)."""
     import jax
+    import numpy as np
 
     from moejax.models import abstract_params, lm_partition_specs
 
@@ -207,7 +211,8 @@ def state_bytes(model_cfg: LMConfig, target: Target, layout: Layout) -> StateByt
             if entry
             for a in (entry if isinstance(entry, tuple) else (entry,))
         )
-        return 3 * leaf.size * leaf.dtype.itemsize // split
+        moment = np.dtype(moment_dtype or leaf.dtype).itemsize
+        return leaf.size * (leaf.dtype.itemsize + 2 * moment) // split
 
     def tree_bytes(tree, tree_specs) -> int:
         is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
@@ -225,15 +230,22 @@ def state_bytes(model_cfg: LMConfig, target: Target, layout: Layout) -> StateByt
 
 
 def state_line(
-    preset: str, model_cfg: LMConfig, target: Target, layout: Layout, full_depth=None
+    preset: str,
+    model_cfg: LMConfig,
+    target: Target,
+    layout: Layout,
+    full_depth=None,
+    moment_dtype: str | None = None,
 ) -> str:
     """One line: the state per device of each layer kind of `model_cfg` on `layout` and,
-    with `full_depth` (FFN kinds of the published model), the whole model's state against HBM."""
-    state = state_bytes(model_cfg, target, layout)
+    with `full_depth` (FFN kinds of the published model), the whole model's state against HBM;
+    Adam's moments in `moment_dtype` (None: the parameters' dtype; the line says bf16)."""
+    state = state_bytes(model_cfg, target, layout, moment_dtype)
+    moments = "Adam moments" if moment_dtype is None else f"{moment_dtype} Adam moments"
     gib = 2**30
     kinds = ", ".join(f"{kind} layer {b / gib:.2f}" for kind, b in state.per_kind.items())
     line = (
-        f"{preset} {target.name} {layout.mesh_name}: parameters + Adam moments per device, GiB: "
+        f"{preset} {target.name} {layout.mesh_name}: parameters + {moments} per device, GiB: "
         f"{kinds}, embeddings and head {state.other / gib:.2f}"
     )
     if full_depth is not None:

@@ -50,6 +50,19 @@ def test_deepseek_v3_layer_unit_state_and_verdicts_on_64_devices(target):
     assert line.endswith(f"(3 dense, 58 moe): 153.8/{tgt.hbm_bytes / GIB:.1f} GiB does not fit")
 
 
+def test_bf16_moments_store_two_thirds_of_the_state():
+    """fp32 parameters with bf16 moments: 4 + 2 + 2 bytes a parameter instead of 4 + 4 + 4; the
+    published 61 layers then store 102.5 GiB a device (153.8 with fp32 moments)."""
+    tgt = fit.TARGETS["h100x64"]
+    fp32, bf16 = fit.state_bytes(CFG, tgt, LAYOUT), fit.state_bytes(CFG, tgt, LAYOUT, "bfloat16")
+    full = presets.FULL_DEPTH[NAME]
+    assert bf16.at_depth(full) == pytest.approx(fp32.at_depth(full) * 8 / 12, rel=1e-6)
+    assert bf16.at_depth(full) == pytest.approx(102.5 * GIB, rel=0.001)
+    line = fit.state_line(NAME, CFG, tgt, LAYOUT, full, "bfloat16")
+    assert "parameters + bfloat16 Adam moments per device" in line
+    assert line.endswith("(3 dense, 58 moe): 102.5/79.1 GiB does not fit")
+
+
 def test_state_bytes_refuses_a_layout_of_another_size():
     with pytest.raises(ValueError, match="has 64 devices, h100x8 has 8"):
         fit.state_bytes(CFG, fit.TARGETS["h100x8"], LAYOUT)
