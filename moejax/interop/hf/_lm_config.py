@@ -99,9 +99,10 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
     `HFDecoder` and `layer_types` / `sliding_window`. DeepSeek-V3 (`deepseek_v3`, also Kimi K2
     and Moonlight) adds MLA (`q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
     `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`) and `num_nextn_predict_layers` MTP
-    blocks (absent: none); GLM-4.5 (`glm4_moe`) DeepSeek-V3's MoE blocks and MTP blocks with
-    grouped-query attention, `partial_rotary_factor` (default 0.5) and `use_qk_norm`; GPT-OSS
-    adds sinks and alternating sliding-window layers.
+    blocks (absent: none); DeepSeek-V2-Lite (`deepseek_v2`) the same MLA (a full-rank query
+    when `q_lora_rank` is null) without MTP; GLM-4.5 (`glm4_moe`) DeepSeek-V3's MoE blocks and
+    MTP blocks with grouped-query attention, `partial_rotary_factor` (default 0.5) and
+    `use_qk_norm`; GPT-OSS adds sinks and alternating sliding-window layers.
 
     Raises:
       CheckpointError: not a JSON object, a count or size that is not an int >= 1 or is over
