@@ -25,9 +25,6 @@ CONFIGS = {
         topk_groups=2,
         routed_scaling_factor=2.5,
     ),  # fmt: skip
-    "softmax_scaled": moejax.MoEConfig(  # DeepSeek-V2-Lite's router
-        **BASE, norm_topk_prob=False, routed_scaling_factor=2.0
-    ),
     "topk_softmax": moejax.MoEConfig(**BASE, router="topk_softmax", router_bias=True),
     "capacity": moejax.MoEConfig(**BASE, drop_policy="capacity", capacity_factor=0.75),
 }
@@ -208,5 +205,10 @@ def test_routed_scaling_factor_scales_every_token_choice_router(router):
     scaled = moejax.route(params["router"], x, cfg.replace(routed_scaling_factor=2.0))
     np.testing.assert_array_equal(scaled.expert_index, plain.expert_index)
     np.testing.assert_array_equal(scaled.weight, 2.0 * plain.weight)
+    # replaying the router's own choice weighs it the same, scaled
+    again = moejax.route(
+        params["router"], x, cfg.replace(routed_scaling_factor=2.0), replay=scaled.expert_index
+    )
+    np.testing.assert_array_equal(again.weight, scaled.weight)
     with pytest.raises(ValueError, match="routed_scaling_factor"):
         moejax.MoEConfig(**BASE, router="expert_choice", routed_scaling_factor=2.0)
