@@ -173,6 +173,7 @@ def configs(args):
     return model_cfg, train_cfg
 
 
+SWITCHES = frozenset({"--bf16-moments"})  # flags of FLAG_OF that take no value
 FLAG_OF = {  # TrainConfig field -> the flag that sets it
     "steps": "--steps",
     "batch_size": "--batch-size",

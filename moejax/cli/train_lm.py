@@ -45,7 +45,7 @@ import os
 import sys
 
 from moejax.cli._parser import OneLineParser
-from moejax.cli.train_inputs import FLAG_OF, setup
+from moejax.cli.train_inputs import FLAG_OF, SWITCHES, setup
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -445,7 +445,9 @@ def _flag_prefix(err, args) -> str:
     if err.field.startswith("model."):
         return "--init-from: " if args.init_from else f"--preset={args.preset}: "
     flag = FLAG_OF.get(err.field)
-    return f"{flag}={err.current}: " if flag else ""
+    if flag is None:
+        return ""
+    return f"{flag}: " if flag in SWITCHES else f"{flag}={err.current}: "
 
 
 def _hint(err) -> str:

@@ -5,7 +5,8 @@ Refused (`ResumeMismatch`, naming the field and both values; nothing is changed)
 that decide which tokens the saved data position points at. `batch_size`, `seq_len` and
 `eval_fraction` size the batches and the training split the position counts in; `seed` orders
 the shuffle of every epoch, so another seed would silently continue on other batches (the
-iterator would keep the saved seed and ignore the new one). The model must be the same too
+iterator would keep the saved seed and ignore the new one). And `moment_dtype`: the saved Adam
+moments are stored in it (their checksums are of those bytes). The model must be the same too
 (`Checkpointer`: `ResumeMismatch` on a `model.*` field).
 
 Applied, with one line listing each change (`notices`): everything else. Optimiser and schedule
@@ -24,15 +25,22 @@ import dataclasses
 from moejax.training._config import TrainConfig
 from moejax.training.checkpoint import ResumeMismatch
 
-REFUSED = ("batch_size", "seq_len", "seed", "eval_fraction")
+_BATCHES = "it decides which batches come next"
+REFUSED = {  # field -> why a resumed run keeps the saved value
+    "batch_size": _BATCHES,
+    "seq_len": _BATCHES,
+    "seed": _BATCHES,
+    "eval_fraction": _BATCHES,
+    "moment_dtype": "the saved Adam moments are stored in it",
+}
 
 
 def _changed(saved: dict, train_cfg: TrainConfig) -> list[tuple[str, object, object]]:
     out = []
     for f in dataclasses.fields(train_cfg):
-        if f.name not in saved:  # a field added after the checkpoint was written
-            continue
-        a, b = saved[f.name], getattr(train_cfg, f.name)
+        # a field added after the checkpoint was written: the run had its default's behaviour
+        a = saved.get(f.name, f.default)
+        b = getattr(train_cfg, f.name)
         if a != b:
             out.append((f.name, a, b))
     return out
@@ -53,8 +61,8 @@ def check(meta: dict, train_cfg: TrainConfig, path: str) -> list[str]:
         if name in REFUSED:
             raise ResumeMismatch(
                 f"checkpoint {path} was written with TrainConfig.{name}={a!r}, this run has "
-                f"{b!r}: a resumed run keeps it (it decides which batches come next); use "
-                f"{a!r} or another run directory",
+                f"{b!r}: a resumed run keeps it ({REFUSED[name]}); use {a!r} or another run "
+                "directory",
                 field=name,
                 saved=a,
                 current=b,

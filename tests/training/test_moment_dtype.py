@@ -147,3 +147,14 @@ def test_micro_lm_trains_with_bf16_moments_as_with_fp32_ones():
     gap = np.abs(np.subtract(losses[None], losses["bfloat16"]))
     assert losses[None][-1] < losses[None][0] - 0.5  # it trains
     assert gap.max() <= 0.01, gap
+
+
+def test_resume_keeps_the_saved_moment_dtype_even_of_an_older_checkpoint():
+    """The saved moments are stored in it; a checkpoint written before the field existed had
+    the default (the parameters' dtype)."""
+    from moejax.training import ResumeMismatch, resume
+
+    older = {"step": 4, "train": {"seed": 0}}
+    with pytest.raises(ResumeMismatch, match=r"TrainConfig\.moment_dtype=None, this run has"):
+        resume.check(older, TrainConfig(moment_dtype="bfloat16"), "run/checkpoints/4")
+    assert resume.check(older, TrainConfig(), "run/checkpoints/4") == []

@@ -133,6 +133,9 @@ def saved_run(tmp_path_factory):
         (["--seq-len", "8"], "--seq-len=8: checkpoint {ckpt} was written with TrainConfig.seq_len"),
         (["--preset", "tiny"], "--preset=tiny: checkpoint {ckpt} was written for a different "
          "model: "),
+        (["--bf16-moments"], "--bf16-moments: checkpoint {ckpt} was written with "
+         "TrainConfig.moment_dtype=None, this run has 'bfloat16': a resumed run keeps it (the "
+         "saved Adam moments are stored in it)"),
     ],
 )  # fmt: skip
 def test_resume_refuses_another_model_batch_or_seed(capsys, saved_run, args, says):
