@@ -171,6 +171,22 @@ def _dense(name: str, architecture_prefix: str, decoder: HFDecoder) -> HFFamily:
 _NORM = {"norm_topk_prob": "norm_topk_prob"}
 
 
+# DeepSeek-V3's MoE block (GLM-4.5's too): the sigmoid grouped router's fields, its correction
+# bias, shared experts.
+_SIGMOID_GROUPED = dict(
+    keys={
+        "num_groups": "n_group",
+        "topk_groups": "topk_group",
+        "routed_scaling_factor": "routed_scaling_factor",
+        **_NORM,
+        "num_shared_experts": "n_shared_experts",
+    },
+    correction_bias="gate.e_score_correction_bias",
+    shared="shared_experts",
+    features=_features(score_correction_bias=_YES, shared=_YES),
+)
+
+
 def _alternating_windows(config: dict) -> list[str]:
     """GPT-OSS's `layer_types` when absent: sliding at even layers, full at odd ones."""
     n = config.get("num_hidden_layers") or 0
@@ -222,16 +238,7 @@ FAMILIES: dict[str, HFFamily] = {
             "DeepseekV3",
             "moe_intermediate_size",
             "n_routed_experts",
-            {
-                "num_groups": "n_group",
-                "topk_groups": "topk_group",
-                "routed_scaling_factor": "routed_scaling_factor",
-                **_NORM,
-                "num_shared_experts": "n_shared_experts",
-            },
-            correction_bias="gate.e_score_correction_bias",
-            shared="shared_experts",
-            features=_features(score_correction_bias=_YES, shared=_YES),
+            **_SIGMOID_GROUPED,
             decoder=HFDecoder(
                 None, False, False, mla=True, mtp=True, defaults={"first_k_dense_replace": 3}
             ),
@@ -260,16 +267,7 @@ FAMILIES: dict[str, HFFamily] = {
             "Glm4Moe",
             "moe_intermediate_size",
             "n_routed_experts",
-            {
-                "num_groups": "n_group",
-                "topk_groups": "topk_group",
-                "routed_scaling_factor": "routed_scaling_factor",
-                **_NORM,
-                "num_shared_experts": "n_shared_experts",
-            },
-            correction_bias="gate.e_score_correction_bias",
-            shared="shared_experts",
-            features=_features(score_correction_bias=_YES, shared=_YES),
+            **_SIGMOID_GROUPED,
             decoder=HFDecoder(
                 "head",
                 "attention_bias",
