@@ -80,6 +80,20 @@ def deepseek_v3(**kw) -> MoEConfig:
 
 
 @_preset(
+    top_k=8,
+    router="sigmoid",
+    norm_topk_prob=True,
+    score_correction_bias=True,
+    num_groups=1,
+    topk_groups=1,
+    routed_scaling_factor=1.0,
+    num_shared_experts=0,
+)
+def minimax_m2(**kw) -> MoEConfig:
+    """MiniMax-M2: sigmoid scores, correction bias, top-8 renormalised; no groups, no shared."""
+
+
+@_preset(
     top_k=4, router="topk_softmax", router_bias=True, activation="clamped_swiglu", expert_bias=True
 )
 def gpt_oss(**kw) -> MoEConfig:
@@ -112,6 +126,7 @@ PRESETS = {
         qwen2_moe,
         deepseek_v2,
         deepseek_v3,
+        minimax_m2,
         gpt_oss,
         switch,
         expert_choice,

@@ -7,9 +7,10 @@ Sources, read line by line (transcribed, not imported, so CI needs neither torch
   `MixtralTopKRouter` / `MixtralExperts` / `MixtralSparseMoeBlock`, the identical
   `Qwen3MoeTopKRouter`, `OlmoeTopKRouter` (with `norm_topk_prob`), `Qwen2MoeSparseMoeBlock`
   (+ `Qwen2MoeMLP` shared expert and `shared_expert_gate`), `DeepseekV3TopkRouter` /
-  `DeepseekV3MoE`, `GptOssTopKRouter` / `GptOssExperts` / `GptOssMLP`,
-  `SwitchTransformersTop1Router` / `SwitchTransformersSparseMLP`, and the Switch/Mixtral
-  `load_balancing_loss_func` and `router_z_loss_func`.
+  `DeepseekV3MoE`, `MiniMaxM2TopKRouter` / `MiniMaxM2SparseMoeBlock` (5.24.0),
+  `GptOssTopKRouter` / `GptOssExperts` / `GptOssMLP`, `SwitchTransformersTop1Router` /
+  `SwitchTransformersSparseMLP`, and the Switch/Mixtral `load_balancing_loss_func` and
+  `router_z_loss_func`.
 - Expert choice and GShard-style top-k capacity: flaxformer's `ExpertsChooseMaskedRouter` and
   `TokensChooseMaskedRouter` (google/flaxformer `flaxformer/architectures/moe/routing.py`, as
   copied into huggingface/transformers `src/transformers/models/switchtransformers/router_flax.py`
@@ -107,6 +108,14 @@ def to_hf_deepseek_v3(params):
         params["router"]["score_correction_bias"], np.float64
     )
     sd.update(_hf_mlp(params["shared"], "shared_experts"))
+    return sd
+
+
+def to_hf_minimax_m2(params):
+    sd = to_hf_mixtral(params)
+    sd["e_score_correction_bias"] = np.asarray(
+        params["router"]["score_correction_bias"], np.float64
+    )
     return sd
 
 
@@ -246,6 +255,26 @@ def deepseek_v3_block(sd, x, **router_kw):
     hidden = x.reshape(-1, d)
     logits, weights, index = deepseek_v3_router(sd, hidden, **router_kw)
     y = _experts_gate_up(sd, hidden, index, weights) + _mlp(sd, "shared_experts", hidden)
+    return y.reshape(b, s, d), {"logits": logits, "index": index, "weight": weights}
+
+
+def minimax_m2_router(sd, hidden, *, top_k):
+    """`MiniMaxM2TopKRouter.forward`: sigmoid scores, the correction bias picks the top-k, the
+    chosen scores renormalised. Its topk uses `sorted=False`: compare index sets."""
+    router_logits = hidden @ sd["gate.weight"].T
+    scores = sigmoid(router_logits)
+    topk_indices = topk(scores + sd["e_score_correction_bias"], top_k)[1]
+    topk_weights = np.take_along_axis(scores, topk_indices, 1)
+    topk_weights = topk_weights / topk_weights.sum(-1, keepdims=True)
+    return router_logits, topk_weights, topk_indices
+
+
+def minimax_m2_block(sd, x, *, top_k):
+    """`MiniMaxM2SparseMoeBlock` (eval: no jitter): its router, Mixtral's experts."""
+    b, s, d = x.shape
+    hidden = x.reshape(-1, d)
+    logits, weights, index = minimax_m2_router(sd, hidden, top_k=top_k)
+    y = _experts_gate_up(sd, hidden, index, weights)
     return y.reshape(b, s, d), {"logits": logits, "index": index, "weight": weights}
 
 

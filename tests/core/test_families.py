@@ -73,6 +73,12 @@ FAMILIES = {
         ),
         sorted_choice=False,  # DeepseekV3TopkRouter uses topk(sorted=False)
     ),
+    "minimax_m2": Family(
+        presets.minimax_m2(**SIZES, top_k=3),
+        hf.to_hf_minimax_m2,
+        functools.partial(hf.minimax_m2_block, top_k=3),
+        sorted_choice=False,  # MiniMaxM2TopKRouter uses topk(sorted=False)
+    ),
     "gpt_oss": Family(
         presets.gpt_oss(**SIZES, top_k=2, swiglu_limit=1.0),
         hf.to_hf_gpt_oss,
@@ -169,6 +175,13 @@ def test_test_data_exercise_every_published_feature():
     assert (experts(unbiased) != experts(sd)).any()
     assert (experts(sd, topk_group=4) != experts(sd)).any()  # all groups kept = no limit
 
+    # MiniMax-M2: the correction bias (no groups) changes some token's experts.
+    fam = FAMILIES["minimax_m2"]
+    sd = fam.to_published(make_params(fam.config))
+    unbiased = {**sd, "e_score_correction_bias": 0 * sd["e_score_correction_bias"]}
+    choice = [np.sort(hf.minimax_m2_router(s, x, top_k=3)[2], axis=-1) for s in (sd, unbiased)]
+    assert (choice[0] != choice[1]).any()
+
     # GPT-OSS: both clamps are active on some pre-activations.
     p = make_params(FAMILIES["gpt_oss"].config)["experts"]
     gate = np.einsum("td,edf->etf", x, p["w_gate"]) + np.asarray(p["b_gate"])[:, None]
@@ -261,6 +274,14 @@ def _transformers_module(name):
             routed_scaling_factor=2.5,
             norm_topk_prob=True,
         )
+    elif name == "minimax_m2":
+        from transformers.models.minimax_m2.modeling_minimax_m2 import (
+            MiniMaxM2SparseMoeBlock as cls,
+        )
+
+        cfg = transformers.MiniMaxM2Config(
+            **sizes, intermediate_size=24, num_local_experts=8, router_jitter_noise=0.0
+        )
     elif name == "gpt_oss":
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as cls
 
@@ -280,7 +301,9 @@ def _transformers_module(name):
     return cls(cfg).eval()
 
 
-TRANSFORMERS_FAMILIES = ["deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+TRANSFORMERS_FAMILIES = [
+    "deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", [*TRANSFORMERS_FAMILIES, "switch"])

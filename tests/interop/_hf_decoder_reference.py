@@ -300,6 +300,23 @@ CONFIGS_2026 = {
         "num_nextn_predict_layers": 1,
         "rms_norm_eps": 1e-5,
     },
+    "minimax_m2": _BASE
+    | {
+        "model_type": "minimax_m2",
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "head_dim": 16,  # not hidden / heads
+        "rotary_dim": 8,  # RoPE over 8 of the 16 features (MiniMax-M2's own field)
+        "intermediate_size": 16,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 3,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",  # over all heads: 4 query, 2 key heads
+        "attn_type_list": [1, 1],
+        "shared_intermediate_size": 0,
+        "router_jitter_noise": 0.0,
+    },
     "gpt_oss": _BASE
     | {
         "model_type": "gpt_oss",

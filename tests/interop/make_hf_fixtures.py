@@ -44,6 +44,7 @@ FUSED_PREFIX = "model.layers.0.mlp."
 # Where save_pretrained puts the MoE block (the published checkpoint names).
 SAVED_PREFIX = {
     "mixtral": "model.layers.0.block_sparse_moe.",
+    "minimax_m2": "model.layers.0.block_sparse_moe.",
     "switch": "encoder.block.1.layer.1.mlp.",
 }
 # Whole-model fields that keep the model tiny (attention, vocabulary, one MoE layer).
@@ -72,6 +73,7 @@ EXTRA = {
         intermediate_size=24,
     ),
     "glm4_moe": dict(first_k_dense_replace=0, head_dim=8, intermediate_size=24),
+    "minimax_m2": dict(head_dim=8),
     "gpt_oss": dict(head_dim=8),
     "switch": dict(
         vocab_size=32,
@@ -172,7 +174,7 @@ def check_features(family, io, state):
 # The order the one generator draws for the families: a family added later comes last, so the
 # earlier families' fixtures stay as they were.
 ORDER = ("deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "switch",
-         "glm4_moe", "deepseek_v2")  # fmt: skip
+         "glm4_moe", "deepseek_v2", "minimax_m2")  # fmt: skip
 
 
 def main():

@@ -5,9 +5,10 @@ and `hf_model_fixtures_2026.npz`: the same for DeepSeek-V3 (MLA, a dense first l
 sigmoid routing, shared experts, and its multi-token-prediction layer through transformers'
 `MtpModel`), GPT-OSS (sinks, sliding windows shorter than the sequence) and GLM-4.5 (q/k/v
 biases, per-head q/k norms, RoPE over half of each head, DeepSeek-V3's routing and its MTP layer)
-and DeepSeek-V2-Lite (MLA with a full-rank query, scaled softmax routing), plus the tokens of
-transformers' greedy `generate` for Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS, GLM-4.5 and
-DeepSeek-V2; and
+and DeepSeek-V2-Lite (MLA with a full-rank query, scaled softmax routing) and MiniMax-M2 (q/k
+norms over all heads with grouped-query attention, `rotary_dim`, sigmoid routing with the
+correction bias), plus the tokens of transformers' greedy `generate` for Mixtral, Qwen3-MoE,
+DeepSeek-V3, GPT-OSS, GLM-4.5, DeepSeek-V2 and MiniMax-M2; and
 `hf_dense_fixtures.npz`: logits and gradients of tiny dense Llama, Qwen2 and Qwen3 models, for
 `test_hf_dense.py` (the dense section below).
 
@@ -53,10 +54,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "hf_model_fixtures.npz")
 OUT_2026 = os.path.join(HERE, "hf_model_fixtures_2026.npz")
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
-FAMILIES_2026 = ("deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2")
-GENERATE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2")
+FAMILIES_2026 = ("deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2", "minimax_m2")
+GENERATE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2",
+            "minimax_m2")  # fmt: skip
 SEED = {"mixtral": 11, "qwen3_moe": 12, "olmoe": 13, "qwen2_moe": 14, "deepseek_v3": 15,
-        "gpt_oss": 16, "glm4_moe": 17, "deepseek_v2": 18}  # fmt: skip
+        "gpt_oss": 16, "glm4_moe": 17, "deepseek_v2": 18, "minimax_m2": 19}  # fmt: skip
 BATCH, SEQ = 2, 10
 PROMPT, NEW_TOKENS = 5, 8  # greedy generation: [B, PROMPT] prompts, NEW_TOKENS tokens
 # rope_scaling cases (head_dim 64, rope_theta 5e5, max_position_embeddings 16384): transformers'

@@ -62,6 +62,7 @@ REFERENCE = {
             scaling=1.5,
         ),
     ),
+    "minimax_m2": (ref.to_hf_minimax_m2, functools.partial(ref.minimax_m2_block, top_k=3)),
     "gpt_oss": (ref.to_hf_gpt_oss, functools.partial(ref.gpt_oss_block, top_k=2, limit=1.0)),
     "switch": (ref.to_hf_switch, functools.partial(ref.switch_block, expert_capacity=3)),
 }
@@ -108,6 +109,7 @@ def test_config_reader_gives_each_family_its_preset():
             num_shared_experts=2,
             routed_scaling_factor=1.5,
         ),
+        "minimax_m2": presets.minimax_m2(d_model=16, d_ff=8, num_experts=8, top_k=3),
         "gpt_oss": presets.gpt_oss(d_model=16, d_ff=8, num_experts=8, top_k=2, swiglu_limit=1.0),
         "switch": presets.switch(d_model=16, d_ff=8, num_experts=8, expert_capacity=3),
     }

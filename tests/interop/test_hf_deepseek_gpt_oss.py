@@ -263,6 +263,8 @@ ROUND_TRIPS = {
     "gpt_oss": (ref.CONFIGS_2026["gpt_oss"], "fused"),
     "glm4_moe": (ref.CONFIGS_2026["glm4_moe"], "per_expert"),  # with its MTP layer
     "deepseek_v2": (ref.CONFIGS_2026["deepseek_v2"], "per_expert"),
+    "minimax_m2": (ref.CONFIGS_2026["minimax_m2"], "per_expert"),
+    "minimax_m2_fused": (ref.CONFIGS_2026["minimax_m2"], "fused"),
 }
 
 

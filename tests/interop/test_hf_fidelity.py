@@ -3,8 +3,9 @@
 Qwen3-MoE, OLMoE and Qwen2-MoE loaded from a bf16 checkpoint directory, logits within 1e-5 and
 gradients of `sum(logits * R)` within 1e-4 (relative to each array's largest magnitude), every
 MoE layer's top-k expert choices identical. The same for DeepSeek-V3 and GLM-4.5 (MTP off and
-on), GPT-OSS and DeepSeek-V2-Lite (`hf_model_fixtures_2026.npz`, transformers 5.24.0), their
-sharded forward on the 2x4 mesh, and greedy generation against transformers' `generate`."""
+on), GPT-OSS, DeepSeek-V2-Lite and MiniMax-M2 (`hf_model_fixtures_2026.npz`, transformers
+5.24.0), their sharded forward on the 2x4 mesh, and greedy generation against transformers'
+`generate`."""
 
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ CASES_2026 = [
     pytest.param("glm4_moe", False, id="glm4_moe", marks=pytest.mark.slow),  # as dsv3
     pytest.param("glm4_moe", True, id="glm4_moe_mtp"),
     pytest.param("deepseek_v2", False, id="dsv2"),
+    pytest.param("minimax_m2", False, id="minimax_m2"),
 ]
 
 
@@ -201,12 +203,15 @@ def test_greedy_tokens_equal_transformers_generate(expected_2026, family, tmp_pa
 
 
 def test_fixtures_2026_are_small():
-    assert os.path.getsize(fixtures.OUT_2026) < 1_300_000
+    assert os.path.getsize(fixtures.OUT_2026) < 1_400_000
 
 
 @pytest.mark.parametrize(
     "family",
-    [pytest.param(f, marks=pytest.mark.slow) for f in ("deepseek_v3", "glm4_moe", "deepseek_v2")]
+    [
+        pytest.param(f, marks=pytest.mark.slow)
+        for f in ("deepseek_v3", "glm4_moe", "deepseek_v2", "minimax_m2")
+    ]
     + ["gpt_oss"],
 )  # MLA on a mesh in the default run: tests/models/test_mla.py
 def test_2026_sharded_forward_on_the_2x4_mesh_equals_one_device(expected_2026, family, tmp_path):

@@ -30,8 +30,8 @@ FUSED_PREFIX = "model.layers.0.mlp."
 SWITCH_PREFIX = "encoder.block.1.layer.1.mlp."
 FWD_RTOL, GRAD_RTOL = 1e-5, 1e-4
 # Routers whose top-k transformers takes with `sorted=False` (DeepseekV2TopkRouter,
-# DeepseekV3TopkRouter, Glm4MoeTopkRouter): their choices compare as sets.
-UNSORTED_TOPK = {"deepseek_v2", "deepseek_v3", "glm4_moe"}
+# DeepseekV3TopkRouter, Glm4MoeTopkRouter, MiniMaxM2TopKRouter): their choices compare as sets.
+UNSORTED_TOPK = {"deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2"}
 
 
 def prefix(family, layout):
@@ -127,7 +127,7 @@ def test_matches_transformers_forward_gradients_and_choice(family, implementatio
     assert_rel(aux.router_logits, io["logits"], FWD_RTOL, "router logits")
     index, weight = np.asarray(aux.topk_indices), np.asarray(aux.topk_weights)
     expected_index, expected_weight = io["topk_index"], io["topk_weight"]
-    grouped = hf.FAMILIES[family].correction_bias is not None  # DeepSeek-V3's router (GLM's)
+    bias = hf.FAMILIES[family].correction_bias  # DeepSeek-V3's, GLM-4.5's, MiniMax-M2's
     if family in UNSORTED_TOPK:  # compare as sets
         order, expected_order = np.argsort(index, -1), np.argsort(expected_index, -1)
         index, weight = np.take_along_axis(index, order, -1), np.take_along_axis(weight, order, -1)
@@ -145,7 +145,7 @@ def test_matches_transformers_forward_gradients_and_choice(family, implementatio
     expected = {k.removeprefix("grad."): v for k, v in io.items() if k.startswith("grad.")}
     # The correction bias is a buffer (no gradient in torch; zero in moejax: it only chooses).
     no_grad = set(grads) - set(expected)
-    assert no_grad == ({FUSED_PREFIX + "gate.e_score_correction_bias"} if grouped else set())
+    assert no_grad == ({FUSED_PREFIX + bias} if bias else set())
     for name in no_grad:
         np.testing.assert_array_equal(grads[name], 0.0)
     assert set(expected) <= set(grads)
@@ -155,7 +155,8 @@ def test_matches_transformers_forward_gradients_and_choice(family, implementatio
 
 def test_fixture_data_exercise_every_family_feature():
     """Guards against hollow comparisons: on the fixtures' own tensors and inputs, DeepSeek-V3's
-    (and GLM-4.5's) correction bias and group limit each change some token's experts, GPT-OSS's
+    (and GLM-4.5's) correction bias and group limit each change some token's experts, as
+    MiniMax-M2's correction bias does, GPT-OSS's
     two clamps are active, and Switch drops some tokens and keeps others."""
     ref = load_reference()
     for family in ("deepseek_v3", "glm4_moe"):  # GLM-4.5's router is DeepSeek-V3's
@@ -174,6 +175,18 @@ def test_fixture_data_exercise_every_family_feature():
         bias = sd["gate.e_score_correction_bias"]
         assert (experts({**sd, "gate.e_score_correction_bias": 0 * bias}) != experts(sd)).any()
         assert (experts(sd, topk_group=cfg["n_group"]) != experts(sd)).any(), family
+
+    io = read(FIXTURES / "minimax_m2" / "io.safetensors")
+    state = read(FIXTURES / "minimax_m2" / "fused.safetensors")
+    sd = {k.removeprefix(FUSED_PREFIX): v.astype(np.float64) for k, v in state.items()}
+    x = io["x"].reshape(-1, io["x"].shape[-1]).astype(np.float64)
+    k = CONFIGS["minimax_m2"]["num_experts_per_tok"]
+    choice = [
+        np.sort(ref.minimax_m2_router(s, x, top_k=k)[2], -1)
+        for s in (sd, {**sd, "e_score_correction_bias": 0 * sd["e_score_correction_bias"]})
+    ]
+    np.testing.assert_array_equal(choice[0], np.sort(io["topk_index"], -1))
+    assert (choice[0] != choice[1]).any()  # MiniMax-M2's correction bias changes some choice
 
     io = read(FIXTURES / "gpt_oss" / "io.safetensors")
     state = read(FIXTURES / "gpt_oss" / "fused.safetensors")

@@ -281,6 +281,21 @@ FAMILIES: dict[str, HFFamily] = {
                 },
             ),
         ),
+        # MiniMax-M2 (M2.1, M2.5): Mixtral's module and tensor names, a sigmoid router with
+        # DeepSeek-V3's correction bias (stored beside the gate) but no groups, no scaling and
+        # no shared experts; grouped-query attention with q/k RMSNorm over all heads, RoPE over
+        # the first `rotary_dim` features of each head.
+        _family(
+            "minimax_m2",
+            "MiniMaxM2",
+            "intermediate_size",
+            "num_local_experts",
+            projections=("w1", "w3", "w2"),
+            correction_bias="e_score_correction_bias",
+            features=_features(score_correction_bias=_YES),
+            prefix={"per_expert": "model.layers.{layer}.block_sparse_moe.", "fused": _DECODER},
+            decoder=HFDecoder("full", False, False, defaults={"rope_theta": 5e6, "head_dim": 128}),
+        ),
         _family(
             "gpt_oss",
             "GptOss",

@@ -19,6 +19,8 @@ from moejax.interop.hf._errors import CheckpointError
 
 FP8_DTYPES = ("F8_E4M3",)  # safetensors dtype names of the weights `dequantize_fp8` reads
 SCALE_SUFFIX = "_scale_inv"
+# `quantization_config.fmt` spellings of e4m3 (DeepSeek-V3's "e4m3", MiniMax-M2's torch name)
+E4M3_NAMES = ("e4m3", "float8_e4m3fn")
 
 
 def fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
@@ -40,7 +42,7 @@ def fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
             f"config.json quantization_config.quant_method={method!r}: moejax dequantizes only "
             "FP8 block-scaled checkpoints on load (quant_method 'fp8'); dequantize this one first"
         )
-    if fmt != "e4m3":
+    if fmt not in E4M3_NAMES:
         raise CheckpointError(
             f"config.json quantization_config.fmt={fmt!r}: only e4m3 FP8 weights are dequantized"
         )

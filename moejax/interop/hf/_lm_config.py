@@ -14,13 +14,15 @@ model's forward pass sees only the resulting `LMConfig`. What differs by family 
 | `deepseek_v3` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA, MTP layers |
 | `deepseek_v2` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA |
 | `glm4_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | partial RoPE, MTP |
+| `minimax_m2` | `block_sparse_moe` | `w1`, `w3`, `w2` | `qk_norm="full"`, partial RoPE |
 | `gpt_oss` | `mlp` | fused only: interleaved `experts.gate_up_proj`, biases | sinks, windows |
 | `llama` | - (dense) | - | optional biases (`attention_bias`) |
 | `qwen2` | - (dense) | - | q/k/v biases |
 | `qwen3` | - (dense) | - | `qk_norm="head"`, optional biases |
 
 GLM-4.5's attention has optional q/k/v biases (`attention_bias`), per-head q/k norms when
-`use_qk_norm`, and RoPE over the first `partial_rotary_factor` (0.5) of each head.
+`use_qk_norm`, and RoPE over the first `partial_rotary_factor` (0.5) of each head. MiniMax-M2's
+has q/k RMSNorms over all heads together and RoPE over the first `rotary_dim` features.
 
 An FP8 block-scaled checkpoint's `quantization_config` is accepted by `lm_config_from_hf` (the
 model it describes is the dequantized one, `moejax.interop.hf._fp8`); fields in `UNIMPLEMENTED`
@@ -102,7 +104,8 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
     blocks (absent: none); DeepSeek-V2-Lite (`deepseek_v2`) the same MLA (a full-rank query
     when `q_lora_rank` is null) without MTP; GLM-4.5 (`glm4_moe`) DeepSeek-V3's MoE blocks and
     MTP blocks with grouped-query attention, `partial_rotary_factor` (default 0.5) and
-    `use_qk_norm`; GPT-OSS adds sinks and alternating sliding-window layers.
+    `use_qk_norm`; MiniMax-M2 (`minimax_m2`) q/k norms over all heads and `rotary_dim`; GPT-OSS
+    adds sinks and alternating sliding-window layers.
 
     Raises:
       CheckpointError: not a JSON object, a count or size that is not an int >= 1 or is over
@@ -137,6 +140,13 @@ def _is_hash(config) -> bool:
     return isinstance(types, list | tuple) and any(str(t).startswith("hash") for t in types)
 
 
+_RESIDUAL_SCALES = tuple(
+    f"layernorm_{where}_{ab}"
+    for where in ("full_attention", "linear_attention", "mlp")
+    for ab in ("alpha", "beta")
+)
+
+
 # Fields of published configs that change the model in ways moejax does not implement:
 # (field, test of the config, what it would need). `check_implemented` names the first present.
 UNIMPLEMENTED: tuple[tuple[str, Callable[[Mapping], bool], str], ...] = (
@@ -163,6 +173,19 @@ UNIMPLEMENTED: tuple[tuple[str, Callable[[Mapping], bool], str], ...] = (
         "moe_latent_size", lambda c: c.get("moe_latent_size") is not None,
         "latent MoE (Nemotron-H: experts compute in a down-projected latent) would need latent "
         "projections around the experts",
+    ),
+    (
+        "attn_type_list", lambda c: any(t != 1 for t in c.get("attn_type_list") or ()),
+        "linear (lightning) attention layers (MiniMax-01's attn_type_list entries 0) would need "
+        "that attention in moejax.models; MiniMax-M2's layers are all 1 (softmax attention)",
+    ),
+    *(
+        (
+            key, lambda c, key=key: c.get(key) not in (None, 1),
+            "MiniMax-01's scaled residuals (layernorm_*_alpha / _beta other than 1) would need "
+            "residual scales in moejax.models' decoder layer",
+        )
+        for key in _RESIDUAL_SCALES
     ),
     (
         "hc_mult", lambda c: c.get("hc_mult") not in (None, 1),
@@ -244,15 +267,19 @@ def _mla(config: dict) -> MLAConfig:
     )
 
 
-def _partial_rotary(config: dict) -> float:
-    """`partial_rotary_factor` (transformers 4: top level; 5: in `rope_parameters`), 1.0 when
-    absent."""
+def _partial_rotary(config: dict, head_dim: int) -> float:
+    """`partial_rotary_factor` (transformers 4: top level; 5: in `rope_parameters`), or
+    `rotary_dim / head_dim` (MiniMax-M2's `rotary_dim`); 1.0 when absent."""
     params = config.get("rope_parameters") or {}
     values = {
-        where: float(c["partial_rotary_factor"])
+        where + "partial_rotary_factor": float(c["partial_rotary_factor"])
         for where, c in (("", config), ("rope_parameters.", params))
         if c.get("partial_rotary_factor") is not None
     }
+    if (rotary_dim := config.get("rotary_dim")) is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 1:
+            raise CheckpointError(f"{CONFIG_FILE} rotary_dim={rotary_dim!r}: need an int >= 1")
+        values["rotary_dim / head_dim"] = rotary_dim / head_dim
     if len(set(values.values())) > 1:
         raise CheckpointError(f"{CONFIG_FILE} partial_rotary_factor: {values} differ")
     return next(iter(values.values()), 1.0)
@@ -341,7 +368,7 @@ def _from_fields(config: dict, param_dtype: str) -> tuple[LMConfig, str]:
         sliding_window=window,
         mla=mla,
         rope_scaling=scaling,
-        partial_rotary_factor=_partial_rotary(config),
+        partial_rotary_factor=_partial_rotary(config, head_dim),
         param_dtype=param_dtype,
     )
     return cfg, family

@@ -185,6 +185,33 @@ def _deepseek_v2(f: _Fields) -> dict:
     return {**kw, "routed_scaling_factor": scale, "num_shared_experts": shared}
 
 
+def _minimax_m2(f: _Fields) -> dict:
+    """MiniMax-M2: sigmoid scores, the correction bias picks the top-k, the chosen scores
+    renormalised (`MiniMaxM2TopKRouter`); no groups, no scaling, no shared expert."""
+    _no_jitter(f, 0.0)
+    f.require("scoring_func", ("sigmoid",), "sigmoid", "the router's score function")
+    f.require(
+        "use_routing_bias", (True,), True,
+        "the correction bias added to the scores that choose the experts (transformers' "
+        "MiniMaxM2SparseMoeBlock always has it)",
+    )  # fmt: skip
+    shared = f.get("shared_intermediate_size", 0)
+    if shared and "shared_intermediate_size" not in f.ignore:
+        f.bad("shared_intermediate_size", shared, "MiniMax-M2's MoE block has no shared expert")
+    return {
+        "d_model": f.get("hidden_size", 3072, to="d_model"),
+        "d_ff": f.get("intermediate_size", 1536, to="d_ff"),
+        "num_experts": f.get(("num_local_experts", "num_experts"), 256, to="num_experts"),
+        "top_k": f.get("num_experts_per_tok", 8, to="top_k"),
+        "router": "sigmoid",
+        "score_correction_bias": True,
+        "num_groups": 1,
+        "topk_groups": 1,
+        "norm_topk_prob": True,
+        "activation": _gated_activation(f),
+    }
+
+
 def _gpt_oss(f: _Fields) -> dict:
     # GptOssExperts ignores hidden_act: its clamped SwiGLU is written out in the module.
     return {
@@ -228,6 +255,7 @@ _READERS: dict[str, Callable[[_Fields], dict]] = {
     "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _sigmoid_grouped,
     "glm4_moe": _sigmoid_grouped,
+    "minimax_m2": _minimax_m2,
     "gpt_oss": _gpt_oss,
     "switch": _switch,
 }
@@ -342,6 +370,8 @@ def moe_config_to_hf(cfg: MoEConfig, family: str) -> dict[str, Any]:
         out["hidden_act"] = _ACT_NAMES.get(cfg.activation, cfg.activation)
     if fam.name == "deepseek_v3":
         out.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    if fam.name == "minimax_m2":
+        out.update(scoring_func="sigmoid", use_routing_bias=True)
     out["dtype"] = cfg.param_dtype
     try:
         back, _ = moe_config_from_hf(out)
