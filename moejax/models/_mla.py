@@ -52,6 +52,10 @@ class MLAConfig:
       v_head_dim: `Dv`, the per-head value width (may differ from `Dn + Dr`).
       q_lora_rank: `Rq`, the query latent's width; None: a full-rank query projection.
       rope_interleave: rotary pairs are adjacent features (DeepSeek-V3), not halves.
+      latent_norm_eps: the epsilon of the query and key/value latents' RMSNorms; None: the
+        model's `LMConfig.norm_eps`. Hugging Face's DeepSeek-V2/V3 and GLM-4.7-Flash modules
+        leave these two at RMSNorm's default 1e-6 whatever `rms_norm_eps` says, so
+        `lm_config_from_hf` sets 1e-6.
     """
 
     kv_lora_rank: int
@@ -60,12 +64,18 @@ class MLAConfig:
     v_head_dim: int
     q_lora_rank: int | None = None
     rope_interleave: bool = True
+    latent_norm_eps: float | None = None
 
     def __post_init__(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _positive(name, getattr(self, name))
         if self.q_lora_rank is not None:
             _positive("q_lora_rank", self.q_lora_rank)
+        eps = self.latent_norm_eps
+        if eps is not None and (
+            isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1
+        ):
+            raise ValueError(f"MLAConfig.latent_norm_eps={eps!r}: must be None or in (0, 1)")
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim}: must be even (RoPE pairs)"
@@ -136,7 +146,7 @@ def _interleaved_to_halves(x: jax.Array) -> jax.Array:
 def _queries(p, x, cfg):
     if "wq" in p:
         return jnp.einsum("bsd,dhk->bshk", x, p["wq"])
-    a = rms_norm(x @ p["wq_a"], p["q_a_norm"]["scale"], cfg.norm_eps)
+    a = rms_norm(x @ p["wq_a"], p["q_a_norm"]["scale"], _latent_eps(cfg))
     return jnp.einsum("bsr,rhk->bshk", a, p["wq_b"])
 
 
@@ -144,7 +154,12 @@ def _latent(p, x, cfg):
     """`(c [B, S, Rkv] normalised, k_rope [B, S, Dr] before RoPE)`."""
     kv = x @ p["wkv_a"]
     c, k_rope = kv[..., : cfg.mla.kv_lora_rank], kv[..., cfg.mla.kv_lora_rank :]
-    return rms_norm(c, p["kv_a_norm"]["scale"], cfg.norm_eps), k_rope
+    return rms_norm(c, p["kv_a_norm"]["scale"], _latent_eps(cfg)), k_rope
+
+
+def _latent_eps(cfg) -> float:
+    eps = cfg.mla.latent_norm_eps
+    return cfg.norm_eps if eps is None else eps
 
 
 def _rotate(x, cos, sin, interleave: bool):

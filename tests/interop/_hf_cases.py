@@ -1,8 +1,8 @@
 """Tiny `config.json` of each family, shared by the interop tests and the fixture script.
 
 Sizes are small enough for committed fixtures; each family's routing features are switched on
-(DeepSeek-V3 and GLM-4.5: 4 groups, 2 kept; GPT-OSS: a clamp limit low enough to be active;
-Switch: a capacity that drops tokens).
+(DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash: 4 groups, 2 kept; GPT-OSS: a clamp limit low enough to
+be active; Switch: a capacity that drops tokens).
 """
 
 from __future__ import annotations
@@ -115,6 +115,21 @@ CONFIGS: dict[str, dict] = {
         "n_group": 4,
         "topk_group": 2,
         "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "dtype": "float32",
+    },
+    "glm4_moe_lite": {
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "model_type": "glm4_moe_lite",
+        "hidden_size": D,
+        "moe_intermediate_size": F,
+        "n_routed_experts": E,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 1.8,
         "norm_topk_prob": True,
         "hidden_act": "silu",
         "dtype": "float32",

@@ -300,6 +300,31 @@ CONFIGS_2026 = {
         "num_nextn_predict_layers": 1,
         "rms_norm_eps": 1e-5,
     },
+    "glm4_moe_lite": _BASE
+    | {
+        "model_type": "glm4_moe_lite",
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,  # [dense, moe, moe] (transformers' default), one MTP layer
+        "num_key_value_heads": 4,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 12,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 10,  # != qk_nope + qk_rope (GLM-4.7-Flash: 256 = 192 + 64)
+        "intermediate_size": 40,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 3,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.8,
+        "norm_topk_prob": True,
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": 1,
+        "rms_norm_eps": 1e-5,
+    },
     "minimax_m2": _BASE
     | {
         "model_type": "minimax_m2",

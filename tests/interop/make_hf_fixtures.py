@@ -73,6 +73,15 @@ EXTRA = {
         intermediate_size=24,
     ),
     "glm4_moe": dict(first_k_dense_replace=0, head_dim=8, intermediate_size=24),
+    "glm4_moe_lite": dict(
+        mlp_layer_types=["sparse"],  # its default makes the first layer dense
+        kv_lora_rank=8,
+        q_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        intermediate_size=24,
+    ),
     "minimax_m2": dict(head_dim=8),
     "gpt_oss": dict(head_dim=8),
     "switch": dict(
@@ -174,7 +183,7 @@ def check_features(family, io, state):
 # The order the one generator draws for the families: a family added later comes last, so the
 # earlier families' fixtures stay as they were.
 ORDER = ("deepseek_v3", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "switch",
-         "glm4_moe", "deepseek_v2", "minimax_m2")  # fmt: skip
+         "glm4_moe", "deepseek_v2", "minimax_m2", "glm4_moe_lite")  # fmt: skip
 
 
 def main():

@@ -5,10 +5,12 @@ and `hf_model_fixtures_2026.npz`: the same for DeepSeek-V3 (MLA, a dense first l
 sigmoid routing, shared experts, and its multi-token-prediction layer through transformers'
 `MtpModel`), GPT-OSS (sinks, sliding windows shorter than the sequence) and GLM-4.5 (q/k/v
 biases, per-head q/k norms, RoPE over half of each head, DeepSeek-V3's routing and its MTP layer)
-and DeepSeek-V2-Lite (MLA with a full-rank query, scaled softmax routing) and MiniMax-M2 (q/k
+and DeepSeek-V2-Lite (MLA with a full-rank query, scaled softmax routing), MiniMax-M2 (q/k
 norms over all heads with grouped-query attention, `rotary_dim`, sigmoid routing with the
-correction bias), plus the tokens of transformers' greedy `generate` for Mixtral, Qwen3-MoE,
-DeepSeek-V3, GPT-OSS, GLM-4.5, DeepSeek-V2 and MiniMax-M2; and
+correction bias) and GLM-4.7-Flash (DeepSeek-V3's MLA, routing and MTP layer, whose MTP
+transformers reads only when told its fields), plus the tokens of transformers' greedy
+`generate` for Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS, GLM-4.5, DeepSeek-V2, MiniMax-M2 and
+GLM-4.7-Flash; and
 `hf_dense_fixtures.npz`: logits and gradients of tiny dense Llama, Qwen2 and Qwen3 models, for
 `test_hf_dense.py` (the dense section below).
 
@@ -54,11 +56,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "hf_model_fixtures.npz")
 OUT_2026 = os.path.join(HERE, "hf_model_fixtures_2026.npz")
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
-FAMILIES_2026 = ("deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2", "minimax_m2")
+FAMILIES_2026 = ("deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2", "minimax_m2",
+                 "glm4_moe_lite")  # fmt: skip
 GENERATE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2",
-            "minimax_m2")  # fmt: skip
+            "minimax_m2", "glm4_moe_lite")  # fmt: skip
 SEED = {"mixtral": 11, "qwen3_moe": 12, "olmoe": 13, "qwen2_moe": 14, "deepseek_v3": 15,
-        "gpt_oss": 16, "glm4_moe": 17, "deepseek_v2": 18, "minimax_m2": 19}  # fmt: skip
+        "gpt_oss": 16, "glm4_moe": 17, "deepseek_v2": 18, "minimax_m2": 19,
+        "glm4_moe_lite": 20}  # fmt: skip
 BATCH, SEQ = 2, 10
 PROMPT, NEW_TOKENS = 5, 8  # greedy generation: [B, PROMPT] prompts, NEW_TOKENS tokens
 # rope_scaling cases (head_dim 64, rope_theta 5e5, max_position_embeddings 16384): transformers'
@@ -184,6 +188,10 @@ def _torch_2026(root: str, arrays: dict) -> None:
         n_layers = model.config.num_hidden_layers
         # transformers finds MTP weights by the main model's ignore patterns (`layers\.61`)
         model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n_layers}\..*"]
+        if family == "glm4_moe_lite":  # its config has no MTP fields; its layer is DeepSeek's
+            n_mtp = model.config.num_nextn_predict_layers
+            model.config.num_mtp_layers = n_mtp
+            model.config.mtp_mlp_layer_types = ["sparse"] * n_mtp
         mtp = MtpModel.from_pretrained(model)
         mtp.set_attn_implementation("eager")
         mtp.eval()

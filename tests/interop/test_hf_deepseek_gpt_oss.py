@@ -264,6 +264,7 @@ ROUND_TRIPS = {
     "glm4_moe": (ref.CONFIGS_2026["glm4_moe"], "per_expert"),  # with its MTP layer
     "deepseek_v2": (ref.CONFIGS_2026["deepseek_v2"], "per_expert"),
     "minimax_m2": (ref.CONFIGS_2026["minimax_m2"], "per_expert"),
+    "glm4_moe_lite": (ref.CONFIGS_2026["glm4_moe_lite"], "per_expert"),  # with its MTP layer
     "minimax_m2_fused": (ref.CONFIGS_2026["minimax_m2"], "fused"),
 }
 

@@ -2,10 +2,10 @@
 `make_hf_model_fixtures.py` with transformers 5.24.0 / torch 2.14.1): for a tiny random Mixtral,
 Qwen3-MoE, OLMoE and Qwen2-MoE loaded from a bf16 checkpoint directory, logits within 1e-5 and
 gradients of `sum(logits * R)` within 1e-4 (relative to each array's largest magnitude), every
-MoE layer's top-k expert choices identical. The same for DeepSeek-V3 and GLM-4.5 (MTP off and
-on), GPT-OSS, DeepSeek-V2-Lite and MiniMax-M2 (`hf_model_fixtures_2026.npz`, transformers
-5.24.0), their sharded forward on the 2x4 mesh, and greedy generation against transformers'
-`generate`."""
+MoE layer's top-k expert choices identical. The same for DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash
+(MTP off and on), GPT-OSS, DeepSeek-V2-Lite and MiniMax-M2 (`hf_model_fixtures_2026.npz`,
+transformers 5.24.0), their sharded forward on the 2x4 mesh, and greedy generation against
+transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -137,6 +137,8 @@ CASES_2026 = [
     pytest.param("glm4_moe", True, id="glm4_moe_mtp"),
     pytest.param("deepseek_v2", False, id="dsv2"),
     pytest.param("minimax_m2", False, id="minimax_m2"),
+    pytest.param("glm4_moe_lite", False, id="glm47_flash", marks=pytest.mark.slow),  # as dsv3
+    pytest.param("glm4_moe_lite", True, id="glm47_flash_mtp"),
 ]
 
 
@@ -203,14 +205,14 @@ def test_greedy_tokens_equal_transformers_generate(expected_2026, family, tmp_pa
 
 
 def test_fixtures_2026_are_small():
-    assert os.path.getsize(fixtures.OUT_2026) < 1_400_000
+    assert os.path.getsize(fixtures.OUT_2026) < 1_900_000
 
 
 @pytest.mark.parametrize(
     "family",
     [
         pytest.param(f, marks=pytest.mark.slow)
-        for f in ("deepseek_v3", "glm4_moe", "deepseek_v2", "minimax_m2")
+        for f in ("deepseek_v3", "glm4_moe", "deepseek_v2", "minimax_m2", "glm4_moe_lite")
     ]
     + ["gpt_oss"],
 )  # MLA on a mesh in the default run: tests/models/test_mla.py

@@ -30,8 +30,9 @@ FUSED_PREFIX = "model.layers.0.mlp."
 SWITCH_PREFIX = "encoder.block.1.layer.1.mlp."
 FWD_RTOL, GRAD_RTOL = 1e-5, 1e-4
 # Routers whose top-k transformers takes with `sorted=False` (DeepseekV2TopkRouter,
-# DeepseekV3TopkRouter, Glm4MoeTopkRouter, MiniMaxM2TopKRouter): their choices compare as sets.
-UNSORTED_TOPK = {"deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2"}
+# DeepseekV3TopkRouter, Glm4MoeTopkRouter (GLM-4.7-Flash's too), MiniMaxM2TopKRouter): their
+# choices compare as sets.
+UNSORTED_TOPK = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2"}
 
 
 def prefix(family, layout):
@@ -159,7 +160,7 @@ def test_fixture_data_exercise_every_family_feature():
     MiniMax-M2's correction bias does, GPT-OSS's
     two clamps are active, and Switch drops some tokens and keeps others."""
     ref = load_reference()
-    for family in ("deepseek_v3", "glm4_moe"):  # GLM-4.5's router is DeepSeek-V3's
+    for family in ("deepseek_v3", "glm4_moe", "glm4_moe_lite"):  # GLM's router is DeepSeek's
         io = read(FIXTURES / family / "io.safetensors")
         state = read(FIXTURES / family / "fused.safetensors")
         sd = {k.removeprefix(FUSED_PREFIX): v.astype(np.float64) for k, v in state.items()}

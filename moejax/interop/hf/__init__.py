@@ -2,10 +2,10 @@
 
 One table, `FAMILIES` (`HFFamily` records): `mixtral`, `qwen2_moe`, `qwen3_moe`, `olmoe`,
 `deepseek_v2`, `deepseek_v3` (also Kimi K2's `model_type` `kimi_k2`), `glm4_moe`,
-`minimax_m2`, `gpt_oss`, `switch` (Switch Transformers) name their MoE blocks' tensors there,
-and the nine whose whole decoders moejax reads (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2-Lite, DeepSeek-V3 and GLM-4.5 with their MTP layers, MiniMax-M2, GPT-OSS) carry an
-`HFDecoder`; so do the dense decoders `llama`,
+`glm4_moe_lite`, `minimax_m2`, `gpt_oss`, `switch` (Switch Transformers) name their MoE blocks'
+tensors there, and the ten whose whole decoders moejax reads (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, DeepSeek-V2-Lite, DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash with their MTP layers,
+MiniMax-M2, GPT-OSS) carry an `HFDecoder`; so do the dense decoders `llama`,
 `qwen2`, `qwen3` (`HFFamily.dense`: no MoE block; they load as all-dense `LMConfig`s, the
 sources of `moejax.models.upcycle`). Block tensors come in two layouts: `"per_expert"` (one
 Linear per expert, as published checkpoints store them) and `"fused"` (transformers 5's stacked

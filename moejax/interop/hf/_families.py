@@ -235,7 +235,7 @@ FAMILIES: dict[str, HFFamily] = {
         ),
         _family(
             "deepseek_v3",
-            "DeepseekV3",
+            "DeepseekV3For",  # not DeepseekV32*
             "moe_intermediate_size",
             "n_routed_experts",
             **_SIGMOID_GROUPED,
@@ -264,7 +264,7 @@ FAMILIES: dict[str, HFFamily] = {
         # with q/k/v biases, optional per-head q/k norms, RoPE over half of each head.
         _family(
             "glm4_moe",
-            "Glm4Moe",
+            "Glm4MoeFor",  # not Glm4MoeLite*
             "moe_intermediate_size",
             "n_routed_experts",
             **_SIGMOID_GROUPED,
@@ -279,6 +279,23 @@ FAMILIES: dict[str, HFFamily] = {
                     "partial_rotary_factor": 0.5,
                     "rms_norm_eps": 1e-5,
                 },
+            ),
+        ),
+        # GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's MLA attention, MoE blocks and MTP layers
+        # with GLM's defaults (one dense first layer, one group).
+        _family(
+            "glm4_moe_lite",
+            "Glm4MoeLiteFor",
+            "moe_intermediate_size",
+            "n_routed_experts",
+            **_SIGMOID_GROUPED,
+            decoder=HFDecoder(
+                None,
+                False,
+                False,
+                mla=True,
+                mtp=True,
+                defaults={"first_k_dense_replace": 1, "rms_norm_eps": 1e-5},
             ),
         ),
         # MiniMax-M2 (M2.1, M2.5): Mixtral's module and tensor names, a sigmoid router with

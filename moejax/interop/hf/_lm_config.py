@@ -14,6 +14,7 @@ model's forward pass sees only the resulting `LMConfig`. What differs by family 
 | `deepseek_v3` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA, MTP layers |
 | `deepseek_v2` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA |
 | `glm4_moe` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | partial RoPE, MTP |
+| `glm4_moe_lite` | `mlp` | `gate_proj`, `up_proj`, `down_proj` + shared experts | MLA, MTP layers |
 | `minimax_m2` | `block_sparse_moe` | `w1`, `w3`, `w2` | `qk_norm="full"`, partial RoPE |
 | `gpt_oss` | `mlp` | fused only: interleaved `experts.gate_up_proj`, biases | sinks, windows |
 | `llama` | - (dense) | - | optional biases (`attention_bias`) |
@@ -104,8 +105,9 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
     blocks (absent: none); DeepSeek-V2-Lite (`deepseek_v2`) the same MLA (a full-rank query
     when `q_lora_rank` is null) without MTP; GLM-4.5 (`glm4_moe`) DeepSeek-V3's MoE blocks and
     MTP blocks with grouped-query attention, `partial_rotary_factor` (default 0.5) and
-    `use_qk_norm`; MiniMax-M2 (`minimax_m2`) q/k norms over all heads and `rotary_dim`; GPT-OSS
-    adds sinks and alternating sliding-window layers.
+    `use_qk_norm`; GLM-4.7-Flash (`glm4_moe_lite`) DeepSeek-V3's MLA, MoE and MTP blocks;
+    MiniMax-M2 (`minimax_m2`) q/k norms over all heads and `rotary_dim`; GPT-OSS adds sinks and
+    alternating sliding-window layers.
 
     Raises:
       CheckpointError: not a JSON object, a count or size that is not an int >= 1 or is over
@@ -264,6 +266,7 @@ def _mla(config: dict) -> MLAConfig:
         v_head_dim=_get(config, "v_head_dim", 128),
         q_lora_rank=config.get("q_lora_rank", 1536),
         rope_interleave=bool(config.get("rope_interleave", True)),
+        latent_norm_eps=1e-6,  # transformers' q_a_layernorm / kv_a_layernorm: RMSNorm's default
     )
 
 

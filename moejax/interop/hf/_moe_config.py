@@ -129,17 +129,18 @@ def _olmoe(f: _Fields) -> dict:
 
 
 # transformers' defaults of the sigmoid grouped routers' fields (`DeepseekV3Config`,
-# `Glm4MoeConfig`): hidden_size, moe_intermediate_size, n_routed_experts, num_experts_per_tok,
-# n_group, topk_group, routed_scaling_factor.
+# `Glm4MoeConfig`, `Glm4MoeLiteConfig`): hidden_size, moe_intermediate_size, n_routed_experts,
+# num_experts_per_tok, n_group, topk_group, routed_scaling_factor.
 _GROUPED_DEFAULTS = {
     "deepseek_v3": (7168, 2048, 256, 8, 8, 4, 2.5),
     "glm4_moe": (4096, 1408, 128, 8, 1, 1, 1.0),
+    "glm4_moe_lite": (2048, 1536, 64, 4, 1, 1, 1.8),
 }
 
 
 def _sigmoid_grouped(f: _Fields) -> dict:
-    """DeepSeek-V3 and GLM-4.5: sigmoid scores with the correction bias, group-limited top-k,
-    renormalised and scaled, shared experts."""
+    """DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash: sigmoid scores with the correction bias,
+    group-limited top-k, renormalised and scaled, shared experts."""
     d, d_ff, experts, k, groups, topk_groups, scale = _GROUPED_DEFAULTS[f.family]
     f.require("scoring_func", ("sigmoid",), "sigmoid", "the router's score function")
     f.require("topk_method", ("noaux_tc",), "noaux_tc", "the router's top-k method")
@@ -255,6 +256,7 @@ _READERS: dict[str, Callable[[_Fields], dict]] = {
     "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _sigmoid_grouped,
     "glm4_moe": _sigmoid_grouped,
+    "glm4_moe_lite": _sigmoid_grouped,
     "minimax_m2": _minimax_m2,
     "gpt_oss": _gpt_oss,
     "switch": _switch,
