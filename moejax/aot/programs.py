@@ -159,7 +159,8 @@ def layer_program(config, mesh_, strategy, *, tokens: int, seq_len: int = 512, d
 
 def train_step_program(model_cfg, train_cfg, mesh_, *, strategy="auto", batch_split: int = 1):
     """`(fn, args)`: the LM train step (`moejax.training.train_step`, implementation "auto") on
-    an abstract state and batch placed on `mesh_` (`strategy` and `batch_split` as there)."""
+    an abstract state and batch placed on `mesh_` (`strategy` and `batch_split` as there); the
+    batch is `[batch_size, S + 1]` tokens, `S = train_cfg.seq_len or model_cfg.max_seq_len`."""
     import functools
 
     from moejax import training
@@ -179,7 +180,7 @@ def train_step_program(model_cfg, train_cfg, mesh_, *, strategy="auto", batch_sp
         state_lib.state_shardings(model_cfg, train_cfg, mesh_),
     )
     batch = jax.ShapeDtypeStruct(
-        (train_cfg.batch_size, model_cfg.max_seq_len + 1),
+        (train_cfg.batch_size, (train_cfg.seq_len or model_cfg.max_seq_len) + 1),
         jnp.int32,
         sharding=state_lib.batch_sharding(mesh_),
     )

@@ -51,6 +51,13 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
 }
 
 
+def real_size(**overrides) -> TrainConfig:
+    """The real-size recipe above for a model that is not a preset (`plan_scale.py
+    --hf-config`): global batch 1024, `dots_saveable`, scanned layers, 2 micro-batches;
+    `overrides` replace fields (learning rate 3e-4 unless given)."""
+    return TrainConfig(**{**_REAL_SIZE, "learning_rate": 3e-4, **overrides})
+
+
 def get(name: str) -> TrainConfig:
     """The training preset `name`.
 

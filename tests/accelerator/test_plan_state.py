@@ -66,3 +66,50 @@ def test_bf16_moments_store_two_thirds_of_the_state():
 def test_state_bytes_refuses_a_layout_of_another_size():
     with pytest.raises(ValueError, match="has 64 devices, h100x8 has 8"):
         fit.state_bytes(CFG, fit.TARGETS["h100x8"], LAYOUT)
+
+
+def _plan_scale(monkeypatch, capsys, *argv):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "experiments" / "plan_scale.py"
+    monkeypatch.setattr(sys, "argv", [str(script), *argv])
+    runpy.run_path(str(script), run_name="__main__")
+    return capsys.readouterr().out
+
+
+def test_plan_scale_sizes_a_hugging_face_config_without_compiling(tmp_path, monkeypatch, capsys):
+    """`--hf-config` with `--state-only`: MiniMax-M2 (228.7 B parameters) from its config.json
+    alone, with bf16 moments: 8 bytes a parameter over 64 H100s is 26.6 GiB a device, which fits;
+    on one node of 8 it does not."""
+    import json
+
+    from moejax import models
+    from moejax.interop.hf import lm_config_from_hf
+
+    sys_path = str(__import__("pathlib").Path(__file__).parents[1] / "interop")
+    monkeypatch.syspath_prepend(sys_path)
+    from test_hf_minimax import MINIMAX_M2
+
+    path = tmp_path / "MiniMax-M2"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(MINIMAX_M2))
+    out = _plan_scale(
+        monkeypatch, capsys, "--hf-config", str(path), "--target", "h100x8", "h100x64",
+        "--state-only", "--bf16-moments",
+    )  # fmt: skip
+    lines = [line for line in out.splitlines() if line.startswith("minimax_m2:MiniMax-M2 ")]
+    assert len(lines) == 2, out
+    params = models.param_counts(lm_config_from_hf(MINIMAX_M2)[0]).total
+    by_hand = params * 8 / 64 / GIB  # what FSDP x expert splits evenly; norms are whole
+    assert "(62 moe): 213.0/79.1 GiB does not fit" in lines[0]
+    total = float(lines[1].split("(62 moe): ")[1].split("/")[0])
+    assert total == pytest.approx(by_hand, rel=0.01) and lines[1].endswith(" fits")
+
+
+def test_plan_scale_names_the_config_field_it_cannot_read(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "minimax_m2", "attn_type_list": [0, 1], "hidden_size": 8}')
+    with pytest.raises(SystemExit, match="attn_type_list"):
+        _plan_scale(monkeypatch, capsys, "--hf-config", str(path), "--state-only")
