@@ -174,6 +174,11 @@ COMMANDS: dict[str, Plan] = {
     "HOST:PORT --num-processes 8 --process-id I --data corpus/": Plan(
         "skip", "64 accelerators (tests/accelerator compiles its train step deviceless)"
     ),
+    "python experiments/plan_scale.py --hf-config path/to/GLM-4.7-Flash --target h100x64": Plan(
+        "skip",
+        "a downloaded config and ~10 min of 64-device compiles; tests/accelerator/"
+        "test_plan_state.py runs --hf-config --state-only on MiniMax-M2's published config",
+    ),
     "python -m pallas_kernels.targets --install": Plan("skip", _INSTALL),
     "python experiments/compile_report.py > compile_report.md": Plan(
         "skip", "about 15 to 30 min of compiles on 2 cores; tests/accelerator compiles the same"
