@@ -21,6 +21,19 @@ ref = load_reference()
 FAMILIES = sorted(CONFIGS)
 PREFIX = "model.layers.1.mlp."
 
+
+def _sigmoid_grouped(config):
+    """DeepSeek-V3's reference block with `config`'s routing fields."""
+    return ref.to_hf_deepseek_v3, functools.partial(
+        ref.deepseek_v3_block,
+        top_k=config["num_experts_per_tok"],
+        n_group=config["n_group"],
+        topk_group=config["topk_group"],
+        norm_topk_prob=config["norm_topk_prob"],
+        scaling=config["routed_scaling_factor"],
+    )
+
+
 # The reference layout writer and block of each family, with the CONFIGS sizes.
 REFERENCE = {
     "mixtral": (ref.to_hf_mixtral, functools.partial(ref.mixtral_block, top_k=2)),
@@ -40,39 +53,11 @@ REFERENCE = {
         ref.to_hf_deepseek_v2,
         functools.partial(ref.deepseek_v2_block, top_k=3, scaling=2.0),
     ),
-    "deepseek_v3": (
-        ref.to_hf_deepseek_v3,
-        functools.partial(
-            ref.deepseek_v3_block,
-            top_k=3,
-            n_group=4,
-            topk_group=2,
-            norm_topk_prob=True,
-            scaling=2.5,
-        ),
-    ),
-    "glm4_moe": (  # DeepSeek-V3's block (transformers' Glm4MoeMoE reuses its router)
-        ref.to_hf_deepseek_v3,
-        functools.partial(
-            ref.deepseek_v3_block,
-            top_k=3,
-            n_group=4,
-            topk_group=2,
-            norm_topk_prob=True,
-            scaling=1.5,
-        ),
-    ),
-    "glm4_moe_lite": (  # DeepSeek-V3's block (Glm4MoeLiteMoE is Glm4MoeMoE)
-        ref.to_hf_deepseek_v3,
-        functools.partial(
-            ref.deepseek_v3_block,
-            top_k=3,
-            n_group=4,
-            topk_group=2,
-            norm_topk_prob=True,
-            scaling=1.8,
-        ),
-    ),
+    # DeepSeek-V3's block; transformers' Glm4MoeMoE (and GLM-4.7-Flash's) reuses its router
+    **{
+        family: _sigmoid_grouped(CONFIGS[family])
+        for family in ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+    },
     "minimax_m2": (ref.to_hf_minimax_m2, functools.partial(ref.minimax_m2_block, top_k=3)),
     "gpt_oss": (ref.to_hf_gpt_oss, functools.partial(ref.gpt_oss_block, top_k=2, limit=1.0)),
     "switch": (ref.to_hf_switch, functools.partial(ref.switch_block, expert_capacity=3)),
