@@ -241,6 +241,7 @@ COMMAND_LINE_TESTS = {
     "training/test_notebook.py",
     "accelerator/test_gpu_check.py",
     "accelerator/test_step_profile.py",
+    "accelerator/test_plan_scale_cli.py",
 }
 
 
