@@ -23,7 +23,7 @@ model's forward pass sees only the resulting `LMConfig`. What differs by family 
 
 GLM-4.5's attention has optional q/k/v biases (`attention_bias`), per-head q/k norms when
 `use_qk_norm`, and RoPE over the first `partial_rotary_factor` (0.5) of each head. MiniMax-M2's
-has q/k RMSNorms over all heads together and RoPE over the first `rotary_dim` features.
+attention has q/k RMSNorms over all heads together and RoPE over the first `rotary_dim` features.
 
 An FP8 block-scaled checkpoint's `quantization_config` is accepted by `lm_config_from_hf` (the
 model it describes is the dequantized one, `moejax.interop.hf._fp8`); fields in `UNIMPLEMENTED`
