@@ -78,6 +78,8 @@ CASES = [(f, layout) for f in FAMILIES for layout in layouts(f)]
 
 
 def test_config_reader_gives_each_family_its_preset():
+    sizes = dict(d_model=16, d_ff=8, num_experts=8, top_k=3)
+    grouped = functools.partial(presets.deepseek_v3, **sizes, num_groups=4, topk_groups=2)
     expected = {
         "mixtral": presets.mixtral(d_model=16, d_ff=8, num_experts=8),
         "qwen2_moe": presets.qwen2_moe(d_model=16, d_ff=8, num_experts=8, top_k=2, shared_d_ff=12),
@@ -86,34 +88,9 @@ def test_config_reader_gives_each_family_its_preset():
         "deepseek_v2": presets.deepseek_v2(
             d_model=16, d_ff=8, num_experts=8, top_k=3, routed_scaling_factor=2.0
         ),
-        "deepseek_v3": presets.deepseek_v3(
-            d_model=16,
-            d_ff=8,
-            num_experts=8,
-            top_k=3,
-            num_groups=4,
-            topk_groups=2,
-            num_shared_experts=2,
-        ),
-        "glm4_moe": presets.deepseek_v3(
-            d_model=16,
-            d_ff=8,
-            num_experts=8,
-            top_k=3,
-            num_groups=4,
-            topk_groups=2,
-            num_shared_experts=2,
-            routed_scaling_factor=1.5,
-        ),
-        "glm4_moe_lite": presets.deepseek_v3(
-            d_model=16,
-            d_ff=8,
-            num_experts=8,
-            top_k=3,
-            num_groups=4,
-            topk_groups=2,
-            routed_scaling_factor=1.8,
-        ),
+        "deepseek_v3": grouped(num_shared_experts=2),
+        "glm4_moe": grouped(num_shared_experts=2, routed_scaling_factor=1.5),
+        "glm4_moe_lite": grouped(routed_scaling_factor=1.8),
         "minimax_m2": presets.minimax_m2(d_model=16, d_ff=8, num_experts=8, top_k=3),
         "gpt_oss": presets.gpt_oss(d_model=16, d_ff=8, num_experts=8, top_k=2, swiglu_limit=1.0),
         "switch": presets.switch(d_model=16, d_ff=8, num_experts=8, expert_capacity=3),

@@ -171,8 +171,8 @@ def _dense(name: str, architecture_prefix: str, decoder: HFDecoder) -> HFFamily:
 _NORM = {"norm_topk_prob": "norm_topk_prob"}
 
 
-# DeepSeek-V3's MoE block (GLM-4.5's too): the sigmoid grouped router's fields, its correction
-# bias, shared experts.
+# DeepSeek-V3's MoE block (GLM-4.5's and GLM-4.7-Flash's too): the sigmoid grouped router's
+# fields, its correction bias, shared experts.
 _SIGMOID_GROUPED = dict(
     keys={
         "num_groups": "n_group",
