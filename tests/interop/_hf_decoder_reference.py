@@ -369,6 +369,14 @@ CONFIGS_2026 = {
 }
 
 
+def stored(draw: np.ndarray, dtype) -> np.ndarray:
+    """A float64 `draw` as a stored tensor of `dtype`, rounded to float32 first: float64 ->
+    float32 is numpy's own IEEE rounding and float32 -> bfloat16 one round-to-nearest-even, so
+    the bytes do not depend on how a dependency casts float64 to a 16-bit type (ml_dtypes 0.6
+    rounded through float32, 0.7 rounds once: `1 + 2**-8 + 2**-30` gave 1.0, then 1.0078125)."""
+    return np.asarray(draw, np.float64).astype(np.float32).astype(dtype)
+
+
 def random_state_dict(config: dict, seed: int = 0, dtype=ml_dtypes.bfloat16) -> dict:
     """Random tensors of every name of `config`'s model (the family's published layout, with
     DeepSeek-V3's MTP copies of the embedding and head), stored `dtype`."""
@@ -384,7 +392,7 @@ def random_state_dict(config: dict, seed: int = 0, dtype=ml_dtypes.bfloat16) -> 
             else:
                 t = rng.standard_normal(shape) * (shape[-1] ** -0.5)
             # float32 as published (transformers keeps the router bias buffer in fp32)
-            out[name] = t.astype(np.float32 if name.endswith(FP32_TENSORS) else dtype)
+            out[name] = stored(t, np.float32 if name.endswith(FP32_TENSORS) else dtype)
     for copy, original in mtp_copies(cfg).items():
         out[copy] = out[original]
     return out
