@@ -8,6 +8,8 @@ Public surface (everything else is private and may change):
   the values of `implementation=` and `resolve_implementation` maps `"auto"` to one of them.
 - `route` -> `Routing`, `load_balance_loss`, `z_loss`, `update_correction_bias`: the routing
   phase and its auxiliary quantities.
+- `record_to_json`, `record_from_json`: every config record (`MoEConfig`, `moejax.models.
+  LMConfig`, `moejax.training.TrainConfig`, ...) as JSON and back, nested records rebuilt.
 - `MoE` (Flax NNX, also `moejax.nnx.MoE`) and `moejax.linen.MoE` (Flax Linen): module shells
   over `moe_apply`; the submodules `moejax.nnx` and `moejax.linen` are loaded by `import moejax`.
 
@@ -34,6 +36,8 @@ from moejax._routing import z_loss as z_loss
 from moejax._types import MoEAux as MoEAux
 from moejax._types import Routing as Routing
 from moejax.nnx import MoE as MoE
+from moejax.records import record_from_json as record_from_json
+from moejax.records import record_to_json as record_to_json
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -49,6 +53,8 @@ __all__ = [
     "nnx",
     "param_specs",
     "presets",
+    "record_from_json",
+    "record_to_json",
     "resolve_implementation",
     "route",
     "update_correction_bias",

@@ -242,6 +242,7 @@ COMMAND_LINE_TESTS = {
     "accelerator/test_gpu_check.py",
     "accelerator/test_step_profile.py",
     "accelerator/test_plan_scale_cli.py",
+    "interop/_paths.py",
 }
 
 

@@ -88,6 +88,7 @@ from moejax.placement.detector import ChangeDetector
 from moejax.placement.planner import plan as _plan
 from moejax.placement.realized import FallTracker
 from moejax.placement.table import Placement
+from moejax.records import record_from_json, record_to_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +259,9 @@ class PlacementController:
           "table"}`` per layer (the current tables: take it before the first observation).
         """
         return {
-            "hardware": dataclasses.asdict(self.hardware),
-            "workload": dataclasses.asdict(self.workload),
-            "config": dataclasses.asdict(self.config),
+            "hardware": record_to_json(self.hardware),
+            "workload": record_to_json(self.workload),
+            "config": record_to_json(self.config),
             "placements": [
                 {
                     "num_experts": p.num_experts,
@@ -288,10 +289,10 @@ class PlacementController:
             Placement(np.asarray(p["table"], np.int64), *(p[k] for k in _SHAPE))
             for p in spec["placements"]
         ]
-        config = ControllerConfig(**{**spec["config"], **overrides})
-        return cls(
-            placements, HardwareModel(**spec["hardware"]), Workload(**spec["workload"]), config
-        )
+        config = record_from_json(ControllerConfig, spec["config"])
+        config = dataclasses.replace(config, **overrides)
+        hardware = record_from_json(HardwareModel, spec["hardware"])
+        return cls(placements, hardware, record_from_json(Workload, spec["workload"]), config)
 
     @property
     def num_layers(self) -> int:
@@ -448,7 +449,7 @@ class PlacementController:
         on.
         """
         return {
-            "hardware": dataclasses.asdict(self.hardware),
+            "hardware": record_to_json(self.hardware),
             "tables": [p.slot_to_expert.tolist() for p in self.placements],
             "ema": None if self._ema is None else self._ema.tolist(),
             "recent": [c.tolist() for c in self._recent],
@@ -478,7 +479,7 @@ class PlacementController:
             raise ValueError(f"controller state holds tables of shapes {shapes}, expected {want}")
         self.placements = [p.with_table(t) for p, t in zip(self.placements, tables, strict=True)]
         # The figures decided on so far (a measured model would be timed anew on resume).
-        self.hardware = HardwareModel(**state["hardware"])
+        self.hardware = record_from_json(HardwareModel, state["hardware"])
         if self._default_planner:
             self.planner = functools.partial(_plan, hardware=self.hardware, workload=self.workload)
         self._ema = None if state["ema"] is None else np.asarray(state["ema"], np.float64)

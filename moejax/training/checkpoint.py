@@ -57,6 +57,7 @@ import jax
 import numpy as np
 
 from moejax.models import LMConfig
+from moejax.records import flatten, record_from_json, record_to_json, unflatten
 from moejax.training._config import TrainConfig
 from moejax.training.checksums import CHECKSUM_FORMAT as CHECKSUM_FORMAT
 from moejax.training.checksums import array_checksum as array_checksum
@@ -125,13 +126,9 @@ class Restored:
 
 
 def _flat_config(cfg) -> dict:
-    out = {}
-    for key, value in dataclasses.asdict(cfg).items():
-        if isinstance(value, dict):
-            out.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            out[key] = value
-    return out
+    """`cfg` as the metadata stores it: its JSON form (`moejax.record_to_json`) flattened to
+    dotted keys (`"moe.d_ff"`, `"mla.kv_lora_rank"`)."""
+    return flatten(record_to_json(cfg))
 
 
 def read_model_config(step_dir: str) -> LMConfig:
@@ -144,24 +141,10 @@ def read_model_config(step_dir: str) -> LMConfig:
     """
     import json
 
-    from moejax import MoEConfig
-    from moejax.models import MLAConfig, RopeScaling
-
     try:
         with open(os.path.join(step_dir, "meta", "metadata")) as f:
             flat = json.load(f)["model"]
-        fields: dict = {}
-        for key, value in flat.items():
-            outer, _, inner = key.partition(".")
-            if inner:
-                fields.setdefault(outer, {})[inner] = value
-            else:
-                fields[key] = value
-        fields["moe"] = MoEConfig(**fields["moe"])
-        for name, kind in (("rope_scaling", RopeScaling), ("mla", MLAConfig)):
-            if isinstance(fields.get(name), dict):
-                fields[name] = kind(**fields[name])
-        return LMConfig(**fields)
+        return record_from_json(LMConfig, unflatten(flat))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{step_dir}: no readable model metadata ({err})") from None
 

@@ -51,6 +51,7 @@ import numpy as np
 from moejax.placement import Placement, PlacementController, migration_sources
 from moejax.placement.controller import SPEC_FILE
 from moejax.placement.decision import event_record
+from moejax.records import record_to_json
 from moejax.training import placed
 
 EVENTS_FILE = "placement_events.jsonl"
@@ -219,7 +220,7 @@ class PlacementRuntime:
         hw = getattr(self.controller, "hardware", None)
         walls = {e["applied_after_step"]: e["migration_wall_s"] for e in self.events}
         return {
-            "hardware": None if hw is None else dataclasses.asdict(hw),
+            "hardware": None if hw is None else record_to_json(hw),
             "platform": None if self.mesh is None else self.mesh.devices.flat[0].platform,
             "replacements": len(self.events),
             # Migrations as priced by the cost model and as timed here (one gather per step).

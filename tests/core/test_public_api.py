@@ -11,6 +11,7 @@ PACKAGES = [
     "moejax.parallel",
     "moejax.placement",
     "moejax.hardware",
+    "moejax.records",
     "moejax.aot",
     "moejax.aot.schedule",
     "pallas_kernels",

@@ -5,7 +5,7 @@ from (`experiments/train_lm.py --init-from DIR`) and that converts back: `conver
 checkpoint's parameters, for the way back).
 
 ```
-DIR/model.json          {"format", "family", "config": LMConfig as JSON}
+DIR/model.json          {"format", "family", "config": LMConfig as JSON (`moejax.record_to_json`)}
 DIR/hf_config.json      the original config.json (written back on the way to Hugging Face)
 DIR/params/             the parameter tree (orbax StandardCheckpointer), experts in logical order
 DIR/checksums.json      the CRC-32 of every parameter's bytes (`moejax.training.checkpoint`)
@@ -21,40 +21,23 @@ a warning) and refuses NaN/Inf parameters unless `allow_nonfinite`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
 
 import jax
 
-from moejax import MoEConfig
 from moejax.interop.hf._config import COUNT_CAPS
 from moejax.interop.hf._errors import ConvertedDirError, NonFiniteError
 from moejax.interop.hf._model import load_hf_model, save_hf_model
 from moejax.interop.hf._moe_config import family_of
 from moejax.interop.hf._outputs import OutputDir, check_output
-from moejax.models import LMConfig, RopeScaling, abstract_params, lm_partition_specs
+from moejax.models import LMConfig, abstract_params, lm_partition_specs
+from moejax.records import record_from_json, record_to_json
 
 FORMAT = "moejax-hf-converted/1"
 MODEL_JSON, HF_CONFIG_JSON, PARAMS_DIR = "model.json", "hf_config.json", "params"
 CHECKSUMS_JSON = "checksums.json"
-
-
-def lm_config_to_json(cfg: LMConfig) -> dict:
-    """`LMConfig` as a JSON-able dict (nested `moe`, `rope_scaling`)."""
-    return dataclasses.asdict(cfg)
-
-
-def lm_config_from_json(obj: dict) -> LMConfig:
-    """The inverse of `lm_config_to_json`."""
-    obj, moe = dict(obj), dict(obj["moe"])
-    if "dispatch" in moe and "drop_policy" not in moe:  # written before the rename (CHANGELOG)
-        moe["drop_policy"] = moe.pop("dispatch")
-    obj["moe"] = MoEConfig(**moe)
-    if obj.get("rope_scaling") is not None:
-        obj["rope_scaling"] = RopeScaling(**obj["rope_scaling"])
-    return LMConfig(**obj)
 
 
 def save_converted(
@@ -86,7 +69,7 @@ def save_converted(
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(os.path.join(out.tmp, PARAMS_DIR), params)
         ckptr.wait_until_finished()
-        model = {"format": FORMAT, "family": family, "config": lm_config_to_json(cfg)}
+        model = {"format": FORMAT, "family": family, "config": record_to_json(cfg)}
         sums = {"format": CHECKSUM_FORMAT, "algorithm": "crc32", "arrays": state_checksums(params)}
         for name, obj in ((MODEL_JSON, model), (HF_CONFIG_JSON, hf_config), (CHECKSUMS_JSON, sums)):
             with open(os.path.join(out.tmp, name), "w") as f:
@@ -116,7 +99,7 @@ def read_converted(path: str) -> tuple[LMConfig, dict, str]:
         got = model.get("format") if isinstance(model, dict) else type(model).__name__
         raise ConvertedDirError(f"{model_file}: format {got!r}, need {FORMAT!r}")
     try:
-        cfg = lm_config_from_json(model["config"])
+        cfg = record_from_json(LMConfig, model["config"])
     except (KeyError, TypeError, ValueError) as err:
         raise ConvertedDirError(f"{model_file}: not a model config ({err!r})") from None
     _check_caps(cfg, model_file)
