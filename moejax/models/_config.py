@@ -24,6 +24,11 @@ MlpKind = Literal["dense", "moe"]
 MLP_KINDS: tuple[str, ...] = MlpKind.__args__
 AttentionKind = Literal["full_attention", "sliding_attention"]
 ATTENTION_KINDS: tuple[str, ...] = AttentionKind.__args__
+MtpInput = Literal[
+    "final_norm",  # h^0 = the final norm's output (what the unembedding reads): serving stacks
+    "pre_norm",  # h^0 = the last block's output, before the final norm (MaxText)
+]
+MTP_INPUTS: tuple[str, ...] = MtpInput.__args__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +112,16 @@ class LMConfig:
         active expert width per token, so dense and MoE layers cost the same FLOPs per token).
       mtp_layers: multi-token-prediction blocks (DeepSeek-V3's `num_nextn_predict_layers`):
         block `k` (1-based) predicts token `t + k + 1` from the previous block's hidden state
-        (the main model's last, before its final norm, for `k = 1`) and the embedding of token
+        (the main model's for `k = 1`; which one: `mtp_input`) and the embedding of token
         `t + k`, sharing the embedding and unembedding (`moejax.models._mtp`). Training only
         (`TrainConfig.mtp_loss_weight`); `lm_forward` runs them when given `mtp_tokens`,
         generation never does.
+      mtp_input: the hidden state each MTP block reads from the one before. `"final_norm"`
+        (the default): the main model's final-normed state, the one its unembedding reads,
+        and each block's normed output for the next, as vLLM, SGLang, Megatron-Core and
+        transformers' `MtpModel` drafting feed them: a block trained so serves as their draft
+        model. `"pre_norm"`: the last block's output before the final norm, and each block's
+        output before its norm (MaxText).
       rope_theta: RoPE base frequency.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: use the embedding matrix (transposed) as the unembedding.
@@ -157,6 +168,7 @@ class LMConfig:
     mlp_layer_types: tuple[MlpKind, ...] | None = None
     dense_d_ff: int | None = None
     mtp_layers: int = 0
+    mtp_input: MtpInput = "final_norm"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -191,6 +203,8 @@ class LMConfig:
             _bad("mtp_layers", self.mtp_layers, "must be an int >= 0")
         if self.mtp_layers < 0:
             _bad("mtp_layers", self.mtp_layers, "must be an int >= 0")
+        if self.mtp_input not in MTP_INPUTS:
+            _bad("mtp_input", self.mtp_input, f"must be one of {MTP_INPUTS}")
         if not isinstance(self.moe, MoEConfig):
             _bad("moe", type(self.moe).__name__, "must be a moejax.MoEConfig")
         if self.moe.d_model != self.d_model:

@@ -273,7 +273,8 @@ def lm_forward(
         )
         return y
 
-    mtp_logits = _mtp.mtp_logits(mtp, h, mtp_tokens, embed["embedding"], unembed, cfg, mtp_block)
+    h0 = _mtp.main_state(h, x, cfg)
+    mtp_logits = _mtp.mtp_logits(mtp, h0, mtp_tokens, embed["embedding"], unembed, cfg, mtp_block)
     return logits, stats, mtp_logits
 
 

@@ -77,6 +77,11 @@ _META_KEYS = ("step", "model", "data", "placement")
 # Model fields that change neither the state's shapes nor the function trained: a checkpoint
 # may be resumed with other values (e.g. bf16 compute, another kernel block size).
 _RESUMABLE_FIELDS = frozenset({"dtype", "moe.block_size"})
+# Model fields added since, whose value in a checkpoint written before them was not "off": what
+# that checkpoint trained with, from its other fields.
+_BEFORE_THEY_EXISTED = {
+    "mtp_input": lambda saved: "pre_norm" if saved.get("mtp_layers") else "final_norm",
+}
 
 
 class CheckpointError(ValueError):
@@ -433,9 +438,11 @@ class Checkpointer:
         for key in sorted(set(here) | set(saved)):
             if key in _RESUMABLE_FIELDS:
                 continue
-            if key not in saved and here.get(key) in (None, False):
+            older = key not in saved and key in _BEFORE_THEY_EXISTED
+            if key not in saved and not older and here.get(key) in (None, False):
                 continue  # a model option added after the checkpoint was written, left off
-            a, b = saved.get(key, "<missing>"), here.get(key, "<missing>")
+            a = _BEFORE_THEY_EXISTED[key](saved) if older else saved.get(key, "<missing>")
+            b = here.get(key, "<missing>")
             if a != b and not (isinstance(a, list) and tuple(a) == b):
                 raise ResumeMismatch(
                     f"checkpoint {path} was written for a different model: "

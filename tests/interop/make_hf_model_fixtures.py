@@ -34,7 +34,9 @@ first `S` and its MTP layer the embeddings of tokens `1..S` with the main model'
 state (before the final norm), its logits `mtp_logits [B, S, V]`; gradients are of
 `sum(logits * R)` alone (`grad/`: the model with MTP off) and of `sum(logits * R) +
 sum(mtp_logits * R_mtp)` (`grad_mtp/`, every parameter, MTP layer named as stored:
-`model.layers.{L}.`).
+`model.layers.{L}.`); `mtp_logits_final_norm` are the MTP layer's logits from the final-normed
+state instead (`model.model.norm(h)`), what serving stacks pass a draft layer. Greedy `generate`
+tokens of OLMoE and Qwen2-MoE were added later (every other array bit-identical).
 
 Written with transformers 5.24.0, torch 2.14.1 (CPU), both files (the 2026 file's DeepSeek-V3
 and GPT-OSS arrays are bit-identical to those transformers 5.18.0 wrote).
@@ -59,7 +61,7 @@ FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 FAMILIES_2026 = ("deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2", "minimax_m2",
                  "glm4_moe_lite")  # fmt: skip
 GENERATE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "deepseek_v2",
-            "minimax_m2", "glm4_moe_lite")  # fmt: skip
+            "minimax_m2", "glm4_moe_lite", "olmoe", "qwen2_moe")  # fmt: skip
 SEED = {"mixtral": 11, "qwen3_moe": 12, "olmoe": 13, "qwen2_moe": 14, "deepseek_v3": 15,
         "gpt_oss": 16, "glm4_moe": 17, "deepseek_v2": 18, "minimax_m2": 19,
         "glm4_moe_lite": 20}  # fmt: skip
@@ -197,6 +199,9 @@ def _torch_2026(root: str, arrays: dict) -> None:
         mtp.eval()
         mtp_logits = _mtp_logits(model, mtp, tokens[:, 1:], hidden[0])
         arrays[f"{family}/mtp_logits"] = mtp_logits.detach().numpy()
+        # as the serving stacks draft: from the final-normed state the head reads
+        normed = _mtp_logits(model, mtp, tokens[:, 1:], model.model.norm(hidden[0]))
+        arrays[f"{family}/mtp_logits_final_norm"] = normed.detach().numpy()
         shared = {id(p) for p in params.values()}
         own = {
             f"model.layers.{n_layers}."

@@ -145,8 +145,11 @@ CASES_2026 = [
 @pytest.mark.parametrize(("family", "mtp"), CASES_2026)
 def test_2026_logits_grads_and_topk_match_transformers(expected_2026, family, mtp, tmp_path):
     config = _checkpoint_2026(expected_2026, family, tmp_path, mtp)
-    cfg, params, _ = load_hf_model(str(tmp_path))
-    assert cfg.mtp_layers == int(mtp) and family_of(config) == family
+    served, params, _ = load_hf_model(str(tmp_path))
+    assert served.mtp_layers == int(mtp) and family_of(config) == family
+    assert served.mtp_input == "final_norm"  # what a converted model trains and serves
+    # the gradients' fixture fed transformers' MTP layer the state before the final norm
+    cfg = served.replace(mtp_input="pre_norm")
     tokens, r, r_mtp = fixtures.inputs_2026(config, fixtures.SEED[family])
     tokens = jnp.asarray(tokens)
     s = fixtures.SEQ
@@ -160,6 +163,9 @@ def test_2026_logits_grads_and_topk_match_transformers(expected_2026, family, mt
             return jnp.sum(logits * r) + jnp.sum(mtp_logits[0] * r_mtp), (logits, mtp_logits[0])
 
         (_, (logits, mtp_logits)), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        if mtp:  # and from the final-normed state, as the serving stacks draft
+            _, _, normed = models.lm_forward(p, tokens[:, :s], served, mtp_tokens=tokens)
+            mtp_logits = (mtp_logits, normed[0])
         h = models.moe_layer_inputs(p, tokens[:, :s], cfg)
         index = [
             moejax.route(p["layers"][i]["moe"]["router"], x.reshape(-1, cfg.d_model), cfg.moe)
@@ -170,7 +176,9 @@ def test_2026_logits_grads_and_topk_match_transformers(expected_2026, family, mt
     logits, mtp_logits, grads, indices = jax.jit(run)(params)
     assert _rel(logits, expected_2026[f"{family}/logits"]) <= 1e-5
     if mtp:
-        assert _rel(mtp_logits, expected_2026[f"{family}/mtp_logits"]) <= 1e-5
+        assert _rel(mtp_logits[0], expected_2026[f"{family}/mtp_logits"]) <= 1e-5
+        want = expected_2026[f"{family}/mtp_logits_final_norm"]
+        assert _rel(mtp_logits[1], want) <= 1e-5
     hf_grads = _hf_grads(grads, cfg, family)
     for name in [n for n in hf_grads if n.endswith("e_score_correction_bias")]:
         # a buffer in transformers; it only picks experts, so its gradient is zero here too

@@ -79,3 +79,24 @@ def test_checkpoints_from_before_the_options_still_resume(tmp_path):
         Checkpointer(str(tmp_path / "b"), BASE.replace(qk_norm="head"), train)._check_model(
             old_meta, "ckpt"
         )
+
+
+def test_checkpoints_from_before_mtp_input_resume_only_without_mtp(tmp_path):
+    """Before `mtp_input` existed the MTP blocks read the pre-norm state: such a checkpoint with
+    MTP blocks is refused naming the field (the default is now the final-normed state); one
+    without them resumes."""
+    from moejax.training import CheckpointError
+    from moejax.training import presets as train_presets
+    from moejax.training.checkpoint import Checkpointer, _flat_config
+
+    train = train_presets.get("micro")
+    for cfg in (BASE, BASE.replace(mtp_layers=1)):
+        old_meta = {k: v for k, v in _flat_config(cfg).items() if k != "mtp_input"}
+        check = Checkpointer(str(tmp_path / str(cfg.mtp_layers)), cfg, train)._check_model
+        if not cfg.mtp_layers:
+            check(old_meta, "ckpt")
+            continue
+        with pytest.raises(CheckpointError, match="mtp_input='pre_norm' there, 'final_norm'"):
+            check(old_meta, "ckpt")
+        pre = Checkpointer(str(tmp_path / "pre"), cfg.replace(mtp_input="pre_norm"), train)
+        pre._check_model(old_meta, "ckpt")

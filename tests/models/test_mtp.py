@@ -1,6 +1,7 @@
-"""Multi-token prediction: the blocks against a hand-written reference of DeepSeek-V3's
-equations, the weighted MTP loss of `lm_loss` (positions without a target left out), the main
-model untouched, generation skipping the blocks."""
+"""Multi-token prediction: the blocks against a hand-written reference of DeepSeek-V3's equations
+(fed the final-normed state, as serving stacks draft, or the state before it), the weighted MTP
+loss of `lm_loss` (positions without a target left out), the main model untouched, generation
+skipping the blocks."""
 
 import functools
 
@@ -45,20 +46,26 @@ def _next_tokens(window, s, m):
 
 
 def _reference(params, tokens, nexts, cfg):
-    """h^0 = the main model's last hidden state (before its final norm); block k:
-    h^k = Block_k(W_eh [enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)]), logits from norm(h^k)."""
+    """Block k: h^k = Block_k(W_eh [enorm(Emb(t_{i+k})); hnorm(s^{k-1}_i)]), logits from
+    norm(h^k). `s^{k-1}` is, for `mtp_input="final_norm"`, the final-normed main state (k = 1)
+    and norm(h^{k-1}) after; for `"pre_norm"` the raw last block's output and h^{k-1}."""
     s = tokens.shape[1]
     cos, sin = rope_tables(s, cfg.head_dim, cfg.rope_theta)
     emb = params["embed"]["embedding"]
     h = emb[tokens]
     for layer in params["layers"]:
         h = _block(layer, h, cfg, cos, sin)
+    if cfg.mtp_input == "final_norm":
+        h = rms_norm(h, params["final_norm"]["scale"], cfg.norm_eps)
     out = []
     for nxt, p in zip(nexts, params["mtp"], strict=True):
         e = rms_norm(emb[nxt], p["enorm"]["scale"], cfg.norm_eps)
         z = jnp.concatenate([e, rms_norm(h, p["hnorm"]["scale"], cfg.norm_eps)], -1)
         h = _block(p["block"], z @ p["eh_proj"]["kernel"], cfg, cos, sin)
-        out.append(rms_norm(h, p["norm"]["scale"], cfg.norm_eps) @ params["unembed"]["kernel"])
+        normed = rms_norm(h, p["norm"]["scale"], cfg.norm_eps)
+        out.append(normed @ params["unembed"]["kernel"])
+        if cfg.mtp_input == "final_norm":
+            h = normed
     return jnp.stack(out)
 
 
@@ -66,19 +73,24 @@ def _window(b=2, s=16, seed=0):
     return np.random.default_rng(seed).integers(0, 256, (b, s + 1)).astype(np.int32)
 
 
-def test_mtp_blocks_equal_the_reference_and_leave_the_main_model_alone():
-    params = init_lm_params(CFG, jax.random.key(0))
+@pytest.mark.parametrize("mtp_input", ["final_norm", "pre_norm"])
+def test_mtp_blocks_equal_the_reference_and_leave_the_main_model_alone(mtp_input):
+    cfg = CFG.replace(mtp_input=mtp_input)
+    params = init_lm_params(cfg, jax.random.key(0))
     plain = init_lm_params(CFG.replace(mtp_layers=0), jax.random.key(0))
     assert "mtp" not in plain and len(params["mtp"]) == 2
     jax.tree.map(np.testing.assert_array_equal, {**params, "mtp": None}, {**plain, "mtp": None})
     window = _window()
     tokens = jnp.asarray(window[:, :-1])
-    fwd = jax.jit(functools.partial(lm_forward, cfg=CFG))
+    fwd = jax.jit(functools.partial(lm_forward, cfg=cfg))
     logits, _, mtp = fwd(params, tokens, mtp_tokens=jnp.asarray(window))
     assert mtp.shape == (2, 2, 16, 256)
     assert_close(logits, fwd(params, tokens)[0])  # the main model's logits are unchanged
     nexts = _next_tokens(window, 16, 2)
-    assert_close(mtp, jax.jit(_reference, static_argnums=3)(params, tokens, nexts, CFG))
+    assert_close(mtp, jax.jit(_reference, static_argnums=3)(params, tokens, nexts, cfg))
+    if mtp_input == "pre_norm":  # the two conventions are different functions
+        other = jax.jit(functools.partial(lm_forward, cfg=CFG))
+        assert not np.allclose(other(params, tokens, mtp_tokens=jnp.asarray(window))[2], mtp)
 
 
 def test_weighted_mtp_loss_counts_the_positions_that_have_a_target():
