@@ -3,6 +3,7 @@
 - `train_lm`: train an MoE language model (the README's main job); its inputs (flags, configs,
   mesh, corpus, starting weights) are read by `train_inputs`.
 - `convert_hf`: Hugging Face directory <-> converted directory (`moejax.interop.hf`).
+- `generate`: sample from a run, a checkpoint step or a converted directory.
 - `simulate_placement`: placement strategies through the cost model, and the reference cases
   (`moejax.placement.reference_cases`).
 - `replay_placement`: a placed run's routing trace through its placement controller.

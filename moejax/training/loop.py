@@ -300,9 +300,8 @@ def _train(
         if saved is not None:  # the saved tables apply here: so does their controller's state
             placements, resumed = saved, meta.get("controller")
     else:
-        state = init_train_state(model_cfg, train_cfg, mesh)
-        if init_params is not None:
-            state = dataclasses.replace(state, params=init_params(mesh))
+        params = None if init_params is None else init_params(mesh)
+        state = init_train_state(model_cfg, train_cfg, mesh, params=params)
     placing, state = PlacementRuntime.start(
         state,
         placements,

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import socket
 import time
 
@@ -88,11 +89,13 @@ class RunLock:
         self.path = os.path.join(self.run_dir, LOCK_NAME)
         self.log = log or (lambda line: None)
         self._fd: int | None = None
+        self.created = False  # whether `acquire` created the directory
 
     def acquire(self) -> None:
         """Take the lock; RunDirBusy naming the holder if another process has it."""
         import fcntl
 
+        self.created = not os.path.exists(self.run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
@@ -130,17 +133,27 @@ class RunLock:
             return {}
         return info if isinstance(info, dict) else {}
 
-    def release(self) -> None:
+    def release(self, *, failed: bool = False) -> None:
         """Empty the lock file (released) and drop the lock. The file stays: removing it
-        would let a process that opened it before the removal lock a file no one else sees."""
+        would let a process that opened it before the removal lock a file no one else sees.
+        Except after a run that `failed` before writing anything into the directory it
+        created: the directory goes, so a refused run leaves nothing behind."""
         if self._fd is None:
             return
         import fcntl
 
+        if failed and self.created and _only_the_lock(self.run_dir):
+            shutil.rmtree(self.run_dir)
         os.ftruncate(self._fd, 0)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def _only_the_lock(run_dir: str) -> bool:
+    """Whether `run_dir` holds no file but its lock (empty folders aside)."""
+    files = [os.path.join(d, f) for d, _, names in os.walk(run_dir) for f in names]
+    return files == [os.path.join(run_dir, LOCK_NAME)]
 
 
 _HELD: dict[str, list] = {}  # real path -> [RunLock or None, depth]: this process's locks
@@ -158,10 +171,14 @@ def run_lock(run_dir: str, log=None, *, lazy: bool = False):
         block ends (a script around `train` holds it over its own outputs without creating the
         directory before `train` has checked its inputs).
 
+    A block that raises, in a directory the lock created and nothing else wrote to, removes the
+    directory (`RunLock.release`).
+
     Raises:
       RunDirError: a foreign directory. RunDirBusy: another run holds it.
     """
     key = os.path.realpath(run_dir)
+    failed = True
     entry = _HELD.setdefault(key, [None, 0])
     entry[1] += 1
     try:
@@ -170,10 +187,12 @@ def run_lock(run_dir: str, log=None, *, lazy: bool = False):
             lock = RunLock(run_dir, log)
             lock.acquire()
             entry[0] = lock
+        failed = True
         yield
+        failed = False
     finally:
         entry[1] -= 1
         if entry[1] == 0:
             del _HELD[key]
             if entry[0] is not None:
-                entry[0].release()
+                entry[0].release(failed=failed)

@@ -46,9 +46,10 @@ class TrainState:
     rng: jax.Array
 
 
-def _init(model_cfg: LMConfig, train_cfg: TrainConfig) -> TrainState:
+def _init(model_cfg: LMConfig, train_cfg: TrainConfig, params=None) -> TrainState:
     key_params, key_rng = jax.random.split(jax.random.key(train_cfg.seed))
-    params = init_lm_params(model_cfg, key_params)
+    if params is None:
+        params = init_lm_params(model_cfg, key_params)
     zero = jnp.zeros((), jnp.int32)
     return TrainState(
         step=zero,
@@ -92,16 +93,22 @@ def state_shardings(model_cfg: LMConfig, train_cfg: TrainConfig, mesh) -> TrainS
     )
 
 
-def init_train_state(model_cfg: LMConfig, train_cfg: TrainConfig, mesh=None) -> TrainState:
+def init_train_state(
+    model_cfg: LMConfig, train_cfg: TrainConfig, mesh=None, params=None
+) -> TrainState:
     """Initial state from `train_cfg.seed`, created sharded on `mesh` (or on one device).
 
     The values do not depend on the mesh (jax's partitionable threefry), so runs on different
-    meshes or process counts start from the same parameters.
+    meshes or process counts start from the same parameters. Given `params` (a converted model,
+    on `mesh`'s parameter shardings), the state holds them and nothing is initialised randomly
+    but the step's rng: the same state as replacing the initialised parameters, without
+    computing (and holding) a random model first.
     """
     init = functools.partial(_init, model_cfg, train_cfg)
-    if mesh is None:
-        return jax.jit(init)()
-    return jax.jit(init, out_shardings=state_shardings(model_cfg, train_cfg, mesh))()
+    placed = {} if mesh is None else {"out_shardings": state_shardings(model_cfg, train_cfg, mesh)}
+    if params is None:
+        return jax.jit(init, **placed)()
+    return jax.jit(init, **placed)(params)
 
 
 def batch_sharding(mesh) -> NamedSharding:

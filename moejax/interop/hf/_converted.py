@@ -79,6 +79,10 @@ def save_converted(
 def read_converted(path: str) -> tuple[LMConfig, dict, str]:
     """`(LMConfig, hf_config, family)` of a converted model directory."""
     model_file = os.path.join(path, MODEL_JSON)
+    if not os.path.isdir(path):
+        what = "not a directory" if os.path.exists(path) else "no such directory"
+        raise ConvertedDirError(f"{path}: {what} (a converted model directory: experiments/"
+                                "convert_hf.py to-orbax writes one)")  # fmt: skip
     try:
         with open(model_file) as f:
             model = json.load(f)
@@ -168,7 +172,8 @@ def load_converted_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinit
             os.path.join(path, PARAMS_DIR), _target(cfg, mesh)
         )
     except Exception as err:  # orbax raises many types: one line naming the directory
-        first = (str(err).strip().splitlines() or [""])[0][:200]
+        first = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore")[0]
+        first = first[:200]
         raise ConvertedDirError(
             f"{path}: parameters cannot be read ({type(err).__name__}: {first})"
         ) from None
