@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moejax.cli import convert_hf, generate, train_lm
-from moejax.interop.hf import convert_to_orbax
+from moejax.interop.hf import convert_to_orbax, load_converted_params, read_converted
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,26 @@ def _write(path, text):
         f.write(text)
 
 
-def _flip_a_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+def _truncate(path):
+    """Cut the file to half its length: arrays whose bytes lay past the cut cannot be read."""
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _tamper(d):
+    """Rewrite the parameters through orbax with one value changed, keeping checksums.json: every
+    array reads, one holds other values than the checksums say. (A flipped byte in the file is
+    either, depending on where in the compressed stream the writer put that array's chunk.)"""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(d, "params")
+    params = load_converted_params(d, read_converted(d)[0])
+    experts = params["layers"][1]["moe"]["experts"]
+    experts["w_up"] = np.array(experts["w_up"])
+    experts["w_up"][3, 5, 7] += 1
+    shutil.rmtree(path)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path, params)
+    ckptr.wait_until_finished()
 
 
 # case -> (how the directory is spoiled, what the line says)
@@ -59,10 +73,11 @@ CASES = {
         lambda d: _edit_config(d, lambda c: c.update(expert_colour="blue")),
         "no field 'expert_colour'",
     ),
-    "params_flipped": (
-        lambda d: _flip_a_byte(_largest_file(os.path.join(d, "params"))),
-        "fails its checksum",
+    "params_truncated": (
+        lambda d: _truncate(_largest_file(os.path.join(d, "params"))),
+        "parameters cannot be read",
     ),
+    "params_tampered": (_tamper, "array layers[1].moe.experts.w_up fails its checksum"),
 }
 
 
