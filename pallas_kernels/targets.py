@@ -14,8 +14,10 @@ jax; `install_command()` is the same as text):
     (`nvidia-cuda-nvdisasm`: Mosaic GPU prints a kernel's SASS with `MOSAIC_GPU_DUMP_SASS=1`,
     `has_nvdisasm()`), all installed with `--no-deps`;
   * TPU: `libtpu` at the version jax's `[tpu]` extra pins.
-Run with `JAX_PLATFORMS=cpu` so jax initialises no GPU or TPU backend. `missing(platform)` says
-what is absent (tests skip on it).
+Run with `JAX_PLATFORMS=cpu` so jax initialises no GPU or TPU backend (the deviceless topologies
+load the plugin themselves); `use_cpu_unless_accelerator()` does that for a program that has not
+chosen its platforms, on a machine with no GPU or TPU. `missing(platform)` says what is absent
+(tests skip on it).
 """
 
 from __future__ import annotations
@@ -95,6 +97,51 @@ def install_requirements() -> list[str]:
 def install_command() -> str:
     """`install_requirements` as a pip command line."""
     return "pip install --no-deps " + " ".join(f"'{r}'" for r in install_requirements())
+
+
+# Where an accelerator shows itself before any backend starts (the files jax's own platform
+# discovery looks at, `jax._src.hardware_utils`): NVIDIA's device nodes (WSL2's /dev/dxg), AMD's
+# kernel driver, and TPU chips on the PCI bus (Google's vendor id) or as /dev/accel* / /dev/vfio.
+_GPU_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def accelerator_visible() -> bool:
+    """Whether this machine shows a GPU or a TPU (device files, the PCI bus); reads files only,
+    starts no jax backend."""
+    import glob
+
+    if any(os.path.exists(path) for path in _GPU_DEVICE_FILES):
+        return True
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if pathlib.Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def use_cpu_unless_accelerator() -> bool:
+    """Sets jax's platforms to "cpu" when nobody chose them (no `JAX_PLATFORMS` in the
+    environment, no `jax_platforms` set) and `accelerator_visible()` is False; True if it did.
+    Call it before the first computation (the commands and experiment scripts do).
+
+    Why: with the deviceless compilers installed (`--install`) and no platform chosen, jax starts
+    every backend it finds: the CUDA plugin fails its cuFFT check and libtpu finds no TPU, and
+    each prints a traceback or a page of errors before the run goes on, on the CPU, as it would
+    have anyway. Deviceless compiles lose nothing: `jax.experimental.topologies` loads the
+    plugin it compiles for itself, under `JAX_PLATFORMS=cpu` too. On a machine with a GPU or a
+    TPU nothing changes, so jax picks the accelerator as before.
+    """
+    if "JAX_PLATFORMS" in os.environ or jax.config.jax_platforms:
+        return False
+    if accelerator_visible():
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
 
 
 def _importable(name: str) -> bool:

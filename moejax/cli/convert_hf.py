@@ -38,6 +38,7 @@ import math
 import sys
 
 from moejax.cli._parser import OneLineParser
+from pallas_kernels.targets import use_cpu_unless_accelerator
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -122,6 +123,7 @@ def to_hf(args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
     from moejax.interop.hf import CheckpointError, NonFiniteError
     from moejax.training import CheckpointError as TrainCheckpointError
     from moejax.training.checkpoint import NonFiniteState

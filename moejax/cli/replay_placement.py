@@ -30,6 +30,7 @@ from moejax.placement import PlacementController, load_trace
 from moejax.placement.controller import SPEC_FILE
 from moejax.placement.replay import config_overrides, replay
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
+from pallas_kernels.targets import use_cpu_unless_accelerator
 
 
 def _phases(bounds: list[int], last: int) -> list[tuple[int, int]]:
@@ -38,6 +39,7 @@ def _phases(bounds: list[int], last: int) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="a run directory of train_lm.py --placement")
     parser.add_argument(

@@ -46,6 +46,7 @@ import sys
 
 from moejax.cli._parser import OneLineParser
 from moejax.cli.train_inputs import FLAG_OF, SWITCHES, setup
+from pallas_kernels.targets import use_cpu_unless_accelerator
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -385,6 +386,7 @@ def init_params_of(args, model_cfg):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
     try:
         try:  # reads only flags, devices and the corpus: every ValueError is an input error
             inputs = setup(args)

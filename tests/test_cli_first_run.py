@@ -1,0 +1,59 @@
+"""What a first run of the commands prints on a CPU machine, as a newcomer following README.md
+meets it: no accelerator plugin's tracebacks with the deviceless compilers installed and
+`JAX_PLATFORMS` unset; a missing compiler, or a missing path, is one line saying what to do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pallas_kernels import targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**extra) -> dict:
+    """The environment of a user's shell: no JAX_PLATFORMS (conftest.py sets it), this tree on
+    the path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return {**env, **extra}
+
+
+def _script(name: str) -> str:
+    return os.path.join(ROOT, "experiments", name)
+
+
+def test_a_cpu_training_run_prints_no_plugin_tracebacks(tmp_path):
+    # With `python -m pallas_kernels.targets --install` done (CI and the docs do it) and
+    # JAX_PLATFORMS unset, jax would start the CUDA plugin (no cuFFT: a traceback) and libtpu
+    # (no TPU worker: a page of errors) before training on the CPU; the command asks for the CPU
+    # itself when the machine shows no GPU or TPU.
+    if targets.accelerator_visible():
+        pytest.skip("this machine shows a GPU or TPU: jax is left to pick it")
+    argv = [sys.executable, _script("train_lm.py"), "--preset", "micro", "--steps", "2"]
+    argv += ["--out", str(tmp_path / "run"), "--no-progress", "--strategy", "default"]
+    argv += ["--max-bytes", "100000", "--eval-batches", "1"]
+    proc = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "over 8 cpu devices" in proc.stdout, proc.stdout[-2000:]
+    for noise in ("Traceback", "plugin", "libtpu", "TPU_WORKER_HOSTNAMES"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_platform_chosen_by_the_user_or_the_machine_is_kept():
+    # JAX_PLATFORMS set, or a GPU/TPU on the machine: jax's platforms are left as they are.
+    code = (
+        "import jax; from pallas_kernels import targets; first = "
+        "targets.use_cpu_unless_accelerator(); targets.accelerator_visible = lambda: True; "
+        "print(first, targets.use_cpu_unless_accelerator(), jax.config.jax_platforms)"
+    )
+    run = [sys.executable, "-c", code]
+    chosen = subprocess.run(run, env=_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+    assert chosen.stdout.split() == ["False", "False", "cpu"], chosen.stderr
+    code = code.replace("first = targets.use_cpu_unless_accelerator(); ", "first = None; ")
+    gpu = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True)
+    assert gpu.stdout.split() == ["None", "False", "None"], gpu.stderr
