@@ -166,22 +166,28 @@ def _ptxas() -> pathlib.Path | None:
     return None
 
 
+INSTALL_HINT = "python -m pallas_kernels.targets --install"
+
+
 def missing(platform: str) -> str | None:
-    """None if a deviceless compile for `platform` ("cuda" or "tpu") can run here, else what
-    is missing and how to install it."""
+    """None if a deviceless compile for `platform` ("cuda" or "tpu") can run here, else one
+    line: what is missing and how to install it (`INSTALL_HINT`, and the pip command it runs)."""
     if platform == "cuda":
         if not _importable("jax_plugins.xla_cuda13"):
-            return f"no CUDA plugin (jax_plugins.xla_cuda13); run: {install_command()}"
-        if _ptxas() is None:
-            return f"no ptxas (nvidia-cuda-nvcc); run: {install_command()}"
-        if not _importable("nvidia.cudnn"):
-            return f"no cuDNN (nvidia-cudnn-cu13); run: {install_command()}"
-        return None
-    if platform == "tpu":
-        if not _importable("libtpu"):
-            return f"no libtpu; run: {install_command()}"
-        return None
-    raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
+            absent = "no CUDA plugin (jax_plugins.xla_cuda13)"
+        elif _ptxas() is None:
+            absent = "no ptxas (nvidia-cuda-nvcc)"
+        elif not _importable("nvidia.cudnn"):
+            absent = "no cuDNN (nvidia-cudnn-cu13)"
+        else:
+            return None
+    elif platform == "tpu":
+        if _importable("libtpu"):
+            return None
+        absent = "no libtpu"
+    else:
+        raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
+    return f"{absent}; install the deviceless compilers: {INSTALL_HINT} (= {install_command()})"
 
 
 def gpu_mesh(shape, axis_names, topology: str | None = None):

@@ -57,3 +57,35 @@ def test_the_platform_chosen_by_the_user_or_the_machine_is_kept():
     code = code.replace("first = targets.use_cpu_unless_accelerator(); ", "first = None; ")
     gpu = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True)
     assert gpu.stdout.split() == ["None", "False", "None"], gpu.stderr
+
+
+# --- A missing compiler: one line saying how to install it -------------------------------------
+
+# The deviceless compile commands of README.md and docs/ (and BENCHMARKS.md's), each run with the
+# CUDA plugin or libtpu made unimportable as on a machine without `--install`.
+_HIDE = "import runpy, sys; sys.modules[{module!r}] = None; sys.argv = {argv!r}; "
+_HIDE += "runpy.run_path(sys.argv[0], run_name='__main__')"
+NEEDS_COMPILERS = {
+    "plan_scale h100": ("jax_plugins.xla_cuda13", "plan_scale.py", "--preset", "mixtral_8x7b",
+                        "--target", "h100x64"),
+    "plan_scale v5p": ("libtpu", "plan_scale.py", "--preset", "mixtral_8x7b", "--target",
+                       "v5p-64"),
+    "bench_overlap": ("jax_plugins.xla_cuda13", "bench_overlap.py", "--preset", "tiny"),
+    "step_breakdown": ("jax_plugins.xla_cuda13", "step_breakdown.py"),
+    "compile_report": ("jax_plugins.xla_cuda13", "compile_report.py"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(NEEDS_COMPILERS))
+def test_a_missing_compiler_is_one_line_with_the_install_command(case, tmp_path):
+    module, script, *args = NEEDS_COMPILERS[case]
+    code = _HIDE.format(module=module, argv=[_script(script), *args])
+    env = _env(JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: cannot compile for "), lines
+    assert f"install the deviceless compilers: {targets.INSTALL_HINT} (= pip install" in lines[0]
+    assert not os.listdir(tmp_path)
