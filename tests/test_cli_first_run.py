@@ -89,3 +89,65 @@ def test_a_missing_compiler_is_one_line_with_the_install_command(case, tmp_path)
     assert lines[0].startswith("error: cannot compile for "), lines
     assert f"install the deviceless compilers: {targets.INSTALL_HINT} (= pip install" in lines[0]
     assert not os.listdir(tmp_path)
+
+
+# --- A missing path: one line saying so ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag,says",
+    [
+        ("--data", "--data: corpus path {p}: no such file or directory"),
+        ("--init-from", "{p}: no such directory (a converted model directory"),
+        ("--upcycle-from", "--upcycle-from={p}: no such directory (a dense run directory"),
+    ],
+)
+def test_train_lm_names_a_missing_path(flag, says, tmp_path, capsys):
+    from moejax.cli import train_lm
+
+    missing = tmp_path / "nowhere"
+    out = tmp_path / "run"
+    code = train_lm.main(["--preset", "micro", "--out", str(out), flag, str(missing)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {says.format(p=missing)}"), err
+    assert not out.exists()
+
+
+def test_convert_hf_names_a_missing_path(tmp_path, capsys):
+    from moejax.cli import convert_hf
+
+    missing = tmp_path / "nowhere"
+    for argv, says in (
+        (["to-orbax", str(missing), str(tmp_path / "a")], f"in '{missing}': no such directory"),
+        (["to-hf", str(missing), str(tmp_path / "b")], f"{missing}: no such directory"),
+    ):
+        assert convert_hf.main([*argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {says}") and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_the_placement_commands_name_a_missing_path(tmp_path, capsys):
+    from moejax.cli import replay_placement, simulate_placement
+
+    missing = tmp_path / "nowhere"
+    with pytest.raises(SystemExit) as exit_:
+        replay_placement.main([str(missing)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {missing}: no such directory (a run directory of train_lm.py")
+    code = simulate_placement.main(["--trace", f"{missing}.npy", "--out", str(tmp_path / "o")])
+    printed = capsys.readouterr()
+    assert code == 2 and printed.err == f"error: --trace {missing}.npy: no such file\n"
+    assert printed.out == "" and sorted(os.listdir(tmp_path)) == []
+
+
+def test_plan_scale_names_a_missing_hf_config(tmp_path):
+    missing = tmp_path / "GLM-4.7-Flash"
+    argv = [sys.executable, _script("plan_scale.py"), "--hf-config", str(missing)]
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(
+        f"error: --hf-config {missing}: in '{missing}': no such file or directory"
+    ), proc.stderr

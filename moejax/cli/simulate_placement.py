@@ -241,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                 print_reference(reference_cases.reference_case(name, args.seed))
         return 0
 
+    if args.trace and not os.path.isfile(args.trace):
+        what = "not a file" if os.path.exists(args.trace) else "no such file"
+        print(f"error: --trace {args.trace}: {what}", file=sys.stderr)
+        return 2
     if args.out is None:
         # One directory per trace: a second simulation does not overwrite the first one's.
         name = "synthetic"

@@ -250,9 +250,12 @@ def setup(args):
         raise InputError(f"{flag}: {err}") from None
     strategy = strategy_of(args, model_cfg, train_cfg, mesh)
     if args.data:
-        corpus = data.load_corpus(
-            args.data, vocab_size=model_cfg.vocab_size, max_bytes=args.max_bytes
-        )
+        try:
+            corpus = data.load_corpus(
+                args.data, vocab_size=model_cfg.vocab_size, max_bytes=args.max_bytes
+            )
+        except data.DataError as err:
+            raise InputError(f"--data: {err}") from None
     else:
         corpus = data.default_corpus(args.max_bytes or data.DEFAULT_MAX_BYTES)
     if args.placement and not train_cfg.expert_slots_per_device:
@@ -297,6 +300,10 @@ def strategy_of(args, model_cfg, train_cfg, mesh):
 
 def checkpoint_step(path: str) -> str:
     """The newest finished step directory of a run directory (or `path`, a step directory)."""
+    if not os.path.isdir(path):
+        what = "not a directory" if os.path.exists(path) else "no such directory"
+        raise InputError(f"--upcycle-from={path}: {what} (a dense run directory, or a Hugging "
+                         "Face dense checkpoint directory)")  # fmt: skip
     for ckpts in (os.path.join(path, "checkpoints"), path):
         steps = [n for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
         steps = [n for n in steps if os.path.isdir(os.path.join(ckpts, n, "state"))]
