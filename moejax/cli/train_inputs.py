@@ -102,9 +102,24 @@ def mesh_spec(text: str, axes: str | None) -> tuple[tuple[int, ...], tuple[str, 
     return shape, names
 
 
+DEFAULT_MESH, DENSE_MESH = "2,4", "data=8"  # data x expert; all data for one-expert layers
+
+
+def default_mesh(args) -> str:
+    """`--mesh` when not given: 2,4 (data x expert), or data=8 for a dense preset (one expert
+    per layer, as `micro_dense`), whose expert cannot be split over an expert axis."""
+    from moejax.models import presets
+
+    model = presets.PRESETS.get(args.preset)
+    dense = model is not None and model.moe.num_experts == 1
+    return DENSE_MESH if dense and not (args.init_from or args.upcycle_from) else DEFAULT_MESH
+
+
 def setup_devices(args) -> tuple[int, ...]:
     """Simulated CPU devices for this process's share of the mesh, set before jax's backends
     start (XLA reads `XLA_FLAGS` when it creates the CPU backend, not when jax is imported)."""
+    if args.mesh is None:
+        args.mesh = default_mesh(args)
     shape, _ = mesh_spec(args.mesh, args.mesh_axes)
     total = math.prod(shape)
     if total % args.num_processes:

@@ -111,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mesh",
-        default="2,4",
         help="mesh: sizes (2,4 = data,expert by rank; see --mesh-axes) or named axes, e.g. "
-        "fsdp=2,expert=4 or data=2,fsdp=2,expert=2 (axes: data, fsdp, expert, model)",
+        "fsdp=2,expert=4 or data=2,fsdp=2,expert=2 (axes: data, fsdp, expert, model) "
+        "(default: 2,4; data=8 for a dense preset, whose one expert does not split: micro_dense)",
     )
     p.add_argument(
         "--mesh-axes",
