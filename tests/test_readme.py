@@ -189,6 +189,7 @@ COMMANDS: dict[str, Plan] = {
     "python experiments/train_lm.py --placement --out runs/tiny_placed": Plan(
         "flags", extra=_QUICK
     ),
+    "python experiments/train_lm.py --out runs/tiny": Plan("flags", extra=_QUICK),
     "python experiments/generate.py runs/tiny --prompt def ": Plan(
         "run", slow=True, setup=("tiny_run",), extra=("--max-new-tokens", "4", "--no-progress")
     ),
