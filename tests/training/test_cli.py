@@ -54,7 +54,7 @@ def test_empty_corpus_file(capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     code, err, out = _run(capsys, tmp_path, "--data", str(empty))
-    assert (code, err) == (2, f"error: corpus file is empty: {empty}")
+    assert (code, err) == (2, f"error: --data: corpus file is empty: {empty}")
     assert not out.exists()
 
 
