@@ -151,3 +151,12 @@ def test_plan_scale_names_a_missing_hf_config(tmp_path):
     assert proc.stderr.startswith(
         f"error: --hf-config {missing}: in '{missing}': no such file or directory"
     ), proc.stderr
+
+
+def test_the_compilers_command_prints_no_warning():
+    # `python -m pallas_kernels.targets` (`--install` when something is missing) imports the
+    # package, which imports `targets`, before running it: no runpy RuntimeWarning about it.
+    argv = [sys.executable, "-m", "pallas_kernels.targets"]
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith("cuda: ") and "\ntpu: " in proc.stdout
