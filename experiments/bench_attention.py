@@ -227,4 +227,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from pallas_kernels.targets import use_cpu_unless_accelerator
+
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks
     sys.exit(main())

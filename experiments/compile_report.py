@@ -132,7 +132,7 @@ def main() -> None:
         platforms |= {"cuda", "tpu"}
     for platform in sorted(platforms):
         if (why := targets.missing(platform)) is not None:
-            raise SystemExit(f"cannot compile for {platform}: {why}")
+            raise SystemExit(f"error: cannot compile for {platform}: {why}")
     if "tpu" in platforms:
         # libtpu prints a warning to stderr when it first loads: before the Markdown starts.
         aot.mesh("tpu", (2, 4), ("data", "expert"), generation="v5e")

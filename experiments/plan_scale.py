@@ -60,7 +60,7 @@ def _models(args) -> list[tuple[str, object, object, tuple | None]]:
         try:
             cfg, family = lm_config_from_hf(read_config(path))
         except CheckpointError as err:
-            raise SystemExit(f"--hf-config {path}: {err}") from None
+            raise SystemExit(f"error: --hf-config {path}: {err}") from None
         name = f"{family}:{pathlib.Path(path).name.removesuffix('.json')}"
         train_cfg = train_presets.real_size(seq_len=HF_SEQ_LEN)
         out.append((name, cfg.replace(dtype="bfloat16"), train_cfg, cfg.mlp_kinds))
@@ -98,7 +98,10 @@ def main() -> None:
     models = _models(args)  # config errors before any compiler is looked for
     for platform in {fit.TARGETS[t].platform for t in args.target}:
         if not args.state_only and (why := targets.missing(platform)) is not None:
-            raise SystemExit(f"cannot compile for {platform}: {why}")
+            raise SystemExit(
+                f"error: cannot compile for {platform}: {why}; or --state-only (no compile, no "
+                "compilers)"
+            )
     print(f"# plan_scale {datetime.date.today()} jax {jax.__version__}\n", flush=True)
     rows, summary = [], []
     for name, model_cfg, train_cfg, full in models:

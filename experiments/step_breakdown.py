@@ -27,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from moejax.aot import hlo, programs, schedule
 from moejax.models import presets
 from moejax.training import TrainConfig
-from pallas_kernels import introspect
+from pallas_kernels import introspect, targets
 
 EXPERT_KERNELS = frozenset({"gmm", "gmm_t", "tgmm", "gather_gmm", "fp8_gmm", "fp8_tgmm"})
 CLASSES = ("expert matmuls", "rest of the MoE layer", "attention", "everything else")
@@ -116,6 +116,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--top", type=int, default=0, help="list the fp8 step's costliest kernels")
     args = parser.parse_args(argv)
+    if (why := targets.missing("cuda")) is not None:
+        print(f"error: cannot compile for H100: {why}", file=sys.stderr)
+        return 2
     # Deviceless: compiled for H100 from the CPU backend, whatever JAX_PLATFORMS says.
     jax.config.update("jax_platforms", "cpu")
     base = model_config(args.model, args.layers, args.seq)

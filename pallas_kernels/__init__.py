@@ -19,6 +19,8 @@ FP8 (DeepSeek-V3's recipe): `pallas_kernels.fp8` quantizes to e4m3/e5m2 with fp3
 Mosaic GPU kernels of `pallas_kernels.fp8_mosaic_gpu` on Hopper, emulated elsewhere).
 """
 
+import warnings as _warnings
+
 from pallas_kernels.autotune import autotune_gmm as autotune_gmm
 from pallas_kernels.config import BACKENDS as BACKENDS
 from pallas_kernels.config import DEFAULT_CONFIG as DEFAULT_CONFIG
@@ -52,3 +54,11 @@ __all__ = [
     "reference_tgmm",
     "tgmm",
 ]
+
+# `python -m pallas_kernels.targets --install` (what the docs ask for) imports this package, whose
+# kernels import `targets`, and then runs `targets` as __main__: runpy warns that this "may result
+# in unpredictable behaviour". It does not here (`_main` reads no module state), so that one
+# warning is silenced.
+_warnings.filterwarnings(
+    "ignore", message="'pallas_kernels.targets' found in sys.modules", category=RuntimeWarning
+)

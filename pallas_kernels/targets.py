@@ -14,8 +14,10 @@ jax; `install_command()` is the same as text):
     (`nvidia-cuda-nvdisasm`: Mosaic GPU prints a kernel's SASS with `MOSAIC_GPU_DUMP_SASS=1`,
     `has_nvdisasm()`), all installed with `--no-deps`;
   * TPU: `libtpu` at the version jax's `[tpu]` extra pins.
-Run with `JAX_PLATFORMS=cpu` so jax initialises no GPU or TPU backend. `missing(platform)` says
-what is absent (tests skip on it).
+Run with `JAX_PLATFORMS=cpu` so jax initialises no GPU or TPU backend (the deviceless topologies
+load the plugin themselves); `use_cpu_unless_accelerator()` does that for a program that has not
+chosen its platforms, on a machine with no GPU or TPU. `missing(platform)` says what is absent
+(tests skip on it).
 """
 
 from __future__ import annotations
@@ -97,6 +99,51 @@ def install_command() -> str:
     return "pip install --no-deps " + " ".join(f"'{r}'" for r in install_requirements())
 
 
+# Where an accelerator shows itself before any backend starts (the files jax's own platform
+# discovery looks at, `jax._src.hardware_utils`): NVIDIA's device nodes (WSL2's /dev/dxg), AMD's
+# kernel driver, and TPU chips on the PCI bus (Google's vendor id) or as /dev/accel* / /dev/vfio.
+_GPU_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def accelerator_visible() -> bool:
+    """Whether this machine shows a GPU or a TPU (device files, the PCI bus); reads files only,
+    starts no jax backend."""
+    import glob
+
+    if any(os.path.exists(path) for path in _GPU_DEVICE_FILES):
+        return True
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if pathlib.Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def use_cpu_unless_accelerator() -> bool:
+    """Sets jax's platforms to "cpu" when nobody chose them (no `JAX_PLATFORMS` in the
+    environment, no `jax_platforms` set) and `accelerator_visible()` is False; True if it did.
+    Call it before the first computation (the commands and experiment scripts do).
+
+    Why: with the deviceless compilers installed (`--install`) and no platform chosen, jax starts
+    every backend it finds: the CUDA plugin fails its cuFFT check and libtpu finds no TPU, and
+    each prints a traceback or a page of errors before the run goes on, on the CPU, as it would
+    have anyway. Deviceless compiles lose nothing: `jax.experimental.topologies` loads the
+    plugin it compiles for itself, under `JAX_PLATFORMS=cpu` too. On a machine with a GPU or a
+    TPU nothing changes, so jax picks the accelerator as before.
+    """
+    if "JAX_PLATFORMS" in os.environ or jax.config.jax_platforms:
+        return False
+    if accelerator_visible():
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def _importable(name: str) -> bool:
     """Whether module `name` can be imported (False, not an error, when a parent is missing)."""
     try:
@@ -119,22 +166,28 @@ def _ptxas() -> pathlib.Path | None:
     return None
 
 
+INSTALL_HINT = "python -m pallas_kernels.targets --install"
+
+
 def missing(platform: str) -> str | None:
-    """None if a deviceless compile for `platform` ("cuda" or "tpu") can run here, else what
-    is missing and how to install it."""
+    """None if a deviceless compile for `platform` ("cuda" or "tpu") can run here, else one
+    line: what is missing and how to install it (`INSTALL_HINT`, and the pip command it runs)."""
     if platform == "cuda":
         if not _importable("jax_plugins.xla_cuda13"):
-            return f"no CUDA plugin (jax_plugins.xla_cuda13); run: {install_command()}"
-        if _ptxas() is None:
-            return f"no ptxas (nvidia-cuda-nvcc); run: {install_command()}"
-        if not _importable("nvidia.cudnn"):
-            return f"no cuDNN (nvidia-cudnn-cu13); run: {install_command()}"
-        return None
-    if platform == "tpu":
-        if not _importable("libtpu"):
-            return f"no libtpu; run: {install_command()}"
-        return None
-    raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
+            absent = "no CUDA plugin (jax_plugins.xla_cuda13)"
+        elif _ptxas() is None:
+            absent = "no ptxas (nvidia-cuda-nvcc)"
+        elif not _importable("nvidia.cudnn"):
+            absent = "no cuDNN (nvidia-cudnn-cu13)"
+        else:
+            return None
+    elif platform == "tpu":
+        if _importable("libtpu"):
+            return None
+        absent = "no libtpu"
+    else:
+        raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
+    return f"{absent}; install the deviceless compilers: {INSTALL_HINT} (= {install_command()})"
 
 
 def gpu_mesh(shape, axis_names, topology: str | None = None):

@@ -233,10 +233,12 @@ def test_the_device_table_imports_only_the_standard_library():
 
 
 # Test files that run a documented command line as a user types it (a subprocess, never an
-# import): the README's commands and main job, the notebook it documents, and the script a lent
-# GPU runs first. Every other test calls the library (`moejax.cli` holds the command lines).
+# import): the README's commands and main job, a first run's messages, the notebook it documents,
+# and the script a lent GPU runs first. Every other test calls the library (`moejax.cli` holds
+# the command lines).
 COMMAND_LINE_TESTS = {
     "test_readme.py",
+    "test_cli_first_run.py",
     "training/test_readme_job.py",
     "training/test_notebook.py",
     "accelerator/test_gpu_check.py",

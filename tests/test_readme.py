@@ -189,6 +189,7 @@ COMMANDS: dict[str, Plan] = {
     "python experiments/train_lm.py --placement --out runs/tiny_placed": Plan(
         "flags", extra=_QUICK
     ),
+    "python experiments/train_lm.py --out runs/tiny": Plan("flags", extra=_QUICK),
     "python experiments/generate.py runs/tiny --prompt def ": Plan(
         "run", slow=True, setup=("tiny_run",), extra=("--max-new-tokens", "4", "--no-progress")
     ),
@@ -201,11 +202,15 @@ COMMANDS: dict[str, Plan] = {
     "python experiments/convert_hf.py to-orbax path/to/OLMoE-1B-7B converted/olmoe": Plan(
         "skip", _HF
     ),
-    "python experiments/train_lm.py --init-from converted/olmoe --data tokens.npy --seq-len 512": (
-        Plan("skip", _HF)
+    "python experiments/train_lm.py --init-from converted/olmoe --data tokens.npy --seq-len 512 "
+    "--out runs/olmoe": Plan("skip", _HF),
+    "python experiments/train_lm.py --preset micro_dense --out runs/dense": Plan(
+        "flags", extra=_QUICK
     ),
+    "python experiments/train_lm.py --preset micro --upcycle-from runs/dense "
+    "--upcycle-granularity 2 --out runs/upcycled": Plan("run", slow=True, setup=("dense_run",)),
     "python experiments/convert_hf.py to-hf converted/olmoe out/olmoe-tuned --checkpoint "
-    "runs/tiny/checkpoints/200": Plan("skip", _HF),
+    "runs/olmoe/checkpoints/300": Plan("skip", _HF),
 }
 
 
@@ -316,6 +321,13 @@ def _prepare(tmp_path, setups) -> None:
         wl = Workload(tokens_per_device=256, top_k=2, d_model=128, d_ff=256, replica_sync="packed")
         ctl = PlacementController([Placement.identity(8, 4, 3)] * 4, H100, wl, TRAINING_CONTROLLER)
         (run / SPEC_FILE).write_text(json.dumps(ctl.spec()))
+    if "dense_run" in setups:  # what the README's dense run leaves: runs/dense (2 steps)
+        train = [sys.executable, os.path.join(ROOT, "experiments", "train_lm.py"), *_QUICK]
+        train[train.index("3")] = "2"
+        subprocess.run(
+            [*train, "--preset", "micro_dense", "--out", str(tmp_path / "runs" / "dense")],
+            cwd=tmp_path, env=_user_env(), check=True, capture_output=True, timeout=1800,
+        )  # fmt: skip
     if "tiny_run" in setups:  # what the main job leaves: a checkpoint in runs/tiny (2 steps)
         train = [sys.executable, os.path.join(ROOT, "experiments", "train_lm.py"), *_QUICK]
         train[train.index("3")] = "2"
@@ -397,3 +409,5 @@ def _check_outputs(command, tmp_path, stdout: str) -> None:
         assert sum("image/png" in o.get("data", {}) for o in outputs) == 2
     if "train_lm.py" in command.text:
         assert "outputs: " in stdout
+    if "--upcycle-from runs/dense" in command.text:  # the dense run's MLPs, split in two
+        assert "| upcycled from runs/dense (granularity 2, noise 0)" in stdout

@@ -8,11 +8,13 @@ tensors are read one at a time, with a progress bar.
   # Hugging Face directory -> converted directory (orbax params + model.json + hf_config.json)
   python experiments/convert_hf.py to-orbax path/to/OLMoE-1B-7B converted/olmoe
   # continue training from it (the preset gives the training settings, not the model)
-  python experiments/train_lm.py --init-from converted/olmoe --data tokens.npy --seq-len 512
-  # back to a Hugging Face directory: the converted weights, or a training checkpoint's
+  python experiments/train_lm.py --init-from converted/olmoe --data tokens.npy --seq-len 512 \\
+      --out runs/olmoe
+  # back to a Hugging Face directory: the converted weights, or a checkpoint of a run started
+  # from them (--init-from; its last step, 300 = the preset's --steps)
   python experiments/convert_hf.py to-hf converted/olmoe out/olmoe-hf
   python experiments/convert_hf.py to-hf converted/olmoe out/olmoe-tuned \\
-      --checkpoint runs/tiny/checkpoints/200
+      --checkpoint runs/olmoe/checkpoints/300
 
 `python -m moejax.cli.convert_hf` is the same command (`experiments/convert_hf.py` only calls
 `main`).
@@ -38,6 +40,7 @@ import math
 import sys
 
 from moejax.cli._parser import OneLineParser
+from pallas_kernels.targets import use_cpu_unless_accelerator
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -122,6 +125,7 @@ def to_hf(args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
     from moejax.interop.hf import CheckpointError, NonFiniteError
     from moejax.training import CheckpointError as TrainCheckpointError
     from moejax.training.checkpoint import NonFiniteState

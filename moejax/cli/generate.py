@@ -24,6 +24,7 @@ import os
 import sys
 
 from moejax.cli._parser import OneLineParser
+from pallas_kernels.targets import use_cpu_unless_accelerator
 
 
 class InputError(ValueError):
@@ -130,6 +131,7 @@ def load(path: str):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
     from moejax.interop.hf import CheckpointError
     from moejax.training import CheckpointError as TrainCheckpointError
 

@@ -20,16 +20,17 @@ command):
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
 import sys
 
+from moejax.cli._parser import OneLineParser
 from moejax.placement import PlacementController, load_trace
 from moejax.placement.controller import SPEC_FILE
 from moejax.placement.replay import config_overrides, replay
 from moejax.training.placement_runtime import mean_fall, measured_effect, read_events
+from pallas_kernels.targets import use_cpu_unless_accelerator
 
 
 def _phases(bounds: list[int], last: int) -> list[tuple[int, int]]:
@@ -38,7 +39,8 @@ def _phases(bounds: list[int], last: int) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="a run directory of train_lm.py --placement")
     parser.add_argument(
         "--set",
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=10, help="steps before/after an event")
     args = parser.parse_args(argv)
 
+    if not os.path.isdir(args.run_dir):
+        what = "not a directory" if os.path.exists(args.run_dir) else "no such directory"
+        parser.error(f"{args.run_dir}: {what} (a run directory of train_lm.py --placement)")
     spec_path = os.path.join(args.run_dir, SPEC_FILE)
     trace_path = os.path.join(args.run_dir, "routing_trace.npy")
     for path in (spec_path, trace_path):

@@ -59,6 +59,7 @@ from moejax.placement import (
 from moejax.placement.replay import config_overrides
 from moejax.placement.simulate import compare, summarize
 from moejax.placement.traces import synthetic_traces
+from pallas_kernels.targets import use_cpu_unless_accelerator
 
 HARDWARE = {hw.name: hw for hw in (H100_IB, H100_NVLINK, TPU_V5P_ICI)}
 
@@ -191,6 +192,7 @@ def _help_epilog() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog=_help_epilog(),
@@ -239,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                 print_reference(reference_cases.reference_case(name, args.seed))
         return 0
 
+    if args.trace and not os.path.isfile(args.trace):
+        what = "not a file" if os.path.exists(args.trace) else "no such file"
+        print(f"error: --trace {args.trace}: {what}", file=sys.stderr)
+        return 2
     if args.out is None:
         # One directory per trace: a second simulation does not overwrite the first one's.
         name = "synthetic"

@@ -102,9 +102,24 @@ def mesh_spec(text: str, axes: str | None) -> tuple[tuple[int, ...], tuple[str, 
     return shape, names
 
 
+DEFAULT_MESH, DENSE_MESH = "2,4", "data=8"  # data x expert; all data for one-expert layers
+
+
+def default_mesh(args) -> str:
+    """`--mesh` when not given: 2,4 (data x expert), or data=8 for a dense preset (one expert
+    per layer, as `micro_dense`), whose expert cannot be split over an expert axis."""
+    from moejax.models import presets
+
+    model = presets.PRESETS.get(args.preset)
+    dense = model is not None and model.moe.num_experts == 1
+    return DENSE_MESH if dense and not (args.init_from or args.upcycle_from) else DEFAULT_MESH
+
+
 def setup_devices(args) -> tuple[int, ...]:
     """Simulated CPU devices for this process's share of the mesh, set before jax's backends
     start (XLA reads `XLA_FLAGS` when it creates the CPU backend, not when jax is imported)."""
+    if args.mesh is None:
+        args.mesh = default_mesh(args)
     shape, _ = mesh_spec(args.mesh, args.mesh_axes)
     total = math.prod(shape)
     if total % args.num_processes:
@@ -250,9 +265,12 @@ def setup(args):
         raise InputError(f"{flag}: {err}") from None
     strategy = strategy_of(args, model_cfg, train_cfg, mesh)
     if args.data:
-        corpus = data.load_corpus(
-            args.data, vocab_size=model_cfg.vocab_size, max_bytes=args.max_bytes
-        )
+        try:
+            corpus = data.load_corpus(
+                args.data, vocab_size=model_cfg.vocab_size, max_bytes=args.max_bytes
+            )
+        except data.DataError as err:
+            raise InputError(f"--data: {err}") from None
     else:
         corpus = data.default_corpus(args.max_bytes or data.DEFAULT_MAX_BYTES)
     if args.placement and not train_cfg.expert_slots_per_device:
@@ -297,6 +315,10 @@ def strategy_of(args, model_cfg, train_cfg, mesh):
 
 def checkpoint_step(path: str) -> str:
     """The newest finished step directory of a run directory (or `path`, a step directory)."""
+    if not os.path.isdir(path):
+        what = "not a directory" if os.path.exists(path) else "no such directory"
+        raise InputError(f"--upcycle-from={path}: {what} (a dense run directory, or a Hugging "
+                         "Face dense checkpoint directory)")  # fmt: skip
     for ckpts in (os.path.join(path, "checkpoints"), path):
         steps = [n for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
         steps = [n for n in steps if os.path.isdir(os.path.join(ckpts, n, "state"))]

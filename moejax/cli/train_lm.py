@@ -46,6 +46,7 @@ import sys
 
 from moejax.cli._parser import OneLineParser
 from moejax.cli.train_inputs import FLAG_OF, SWITCHES, setup
+from pallas_kernels.targets import use_cpu_unless_accelerator
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -110,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mesh",
-        default="2,4",
         help="mesh: sizes (2,4 = data,expert by rank; see --mesh-axes) or named axes, e.g. "
-        "fsdp=2,expert=4 or data=2,fsdp=2,expert=2 (axes: data, fsdp, expert, model)",
+        "fsdp=2,expert=4 or data=2,fsdp=2,expert=2 (axes: data, fsdp, expert, model) "
+        "(default: 2,4; data=8 for a dense preset, whose one expert does not split: micro_dense)",
     )
     p.add_argument(
         "--mesh-axes",
@@ -385,6 +386,7 @@ def init_params_of(args, model_cfg):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
     try:
         try:  # reads only flags, devices and the corpus: every ValueError is an input error
             inputs = setup(args)

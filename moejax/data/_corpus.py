@@ -116,7 +116,7 @@ def load_corpus(paths, *, vocab_size: int = VOCAB_SIZE, max_bytes: int | None = 
 
 def _expand(path: Path) -> list[Path]:
     if not path.exists():
-        raise DataError(f"corpus path does not exist: {path}")
+        raise DataError(f"corpus path {path}: no such file or directory")
     if path.is_dir():
         files = sorted(
             p

@@ -3,6 +3,7 @@
 | name | what for | params total / active |
 |---|---|---|
 | `micro` | tests: sigmoid routing, correction bias, shared expert; tiny sizes | 75 K / 30 K |
+| `micro_dense` | `micro` made dense (MLPs of 64), a run to upcycle into `micro` | 35 K / 27 K |
 | `tiny` | the README's main job: minutes on 2 CPU cores, 8 simulated devices | 3.4 M / 1.0 M |
 | `small` | bigger CPU runs, benchmark; DeepSeek-style routing + shared expert | 41 M / 8.4 M |
 | `mixtral_8x7b` | Mixtral-8x7B's shapes, for accelerators (not built in tests) | 46.7 B / 12.7 B |
@@ -46,6 +47,15 @@ MICRO = LMConfig(
         shared_d_ff=16,
         block_size=8,
     ),
+)
+
+# MICRO made dense (`moejax.models.dense_lm_config(MICRO, d_ff=64)`): every feed-forward layer a
+# SwiGLU MLP of width 64, written as a one-expert MoE layer, for a dense run to upcycle from
+# (`train_lm.py --preset micro --upcycle-from <its run> --upcycle-granularity 2`: 2 x 32 = 64).
+MICRO_DENSE = MICRO.replace(
+    moe=MoEConfig(d_model=32, d_ff=64, num_experts=1, top_k=1, router="softmax", block_size=8),
+    moe_every=1,
+    dense_d_ff=None,
 )
 
 # Byte-level, 4 blocks of MoE (8 experts, top-2) at width 128: big enough to learn Python syntax
@@ -165,6 +175,7 @@ PRESETS: dict[str, LMConfig] = {
     "mixtral_8x7b": MIXTRAL_8X7B,
     "fine_grained_64x1408": FINE_GRAINED_64X1408,
     "deepseek_v3_4l": DEEPSEEK_V3_4L,
+    "micro_dense": MICRO_DENSE,
 }
 # Accelerators only, and planned to fit 64 devices (tests/accelerator); `deepseek_v3_4l` is
 # sized on demand (`experiments/plan_scale.py --preset deepseek_v3_4l`).

@@ -1,7 +1,8 @@
 """Training presets: the `TrainConfig` that goes with each model preset of
 `moejax.models.presets` (same names), looked up with `get`.
 
-- `micro`: tests; a handful of steps in seconds.
+- `micro`: tests; a handful of steps in seconds. `micro_dense`: the same, for `micro` made
+  dense (a run to upcycle from).
 - `tiny`: the README's main job, `python experiments/train_lm.py` (8 simulated CPU devices,
   2 x 4 data x expert mesh): 300 steps of 16 x 128 bytes; see the README for the loss it reaches
   and the wall time on a 2-core machine.
@@ -48,6 +49,9 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "fine_grained_64x1408": TrainConfig(**_REAL_SIZE, learning_rate=4.2e-4),
     # DeepSeek-V3's batch (15360 x 4096 in its report) is for 2048 GPUs; planned at 1024.
     "deepseek_v3_4l": TrainConfig(**_REAL_SIZE, learning_rate=2.2e-4),
+    "micro_dense": TrainConfig(
+        steps=8, batch_size=8, learning_rate=1e-2, warmup_steps=2, checkpoint_every=4
+    ),
 }
 
 

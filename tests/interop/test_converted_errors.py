@@ -167,3 +167,13 @@ def test_generate_on_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "model.txt").write_text("hi")
     assert generate.main([str(tmp_path / "model.txt"), "--ids", "1"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_to_hf_from_a_missing_checkpoint_is_one_line(converted, tmp_path, capsys):
+    missing = tmp_path / "runs" / "olmoe" / "checkpoints" / "300"
+    out = tmp_path / "hf"
+    argv = ["to-hf", str(converted), str(out), "--checkpoint", str(missing), "--no-progress"]
+    assert convert_hf.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {missing}: no such directory (a training checkpoint step")
+    assert err.count("\n") == 1 and not out.exists()

@@ -52,7 +52,7 @@ def _write(path, text):
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda p: p / "missing.txt", "does not exist"),
+        (lambda p: p / "missing.txt", "no such file or directory"),
         (lambda p: _write(p / "e.txt", ""), "is empty"),
         (lambda p: (p / "d").mkdir() or p / "d", "directory has no files"),
         (lambda p: np.save(p / "f.npy", np.ones(3)) or p / "f.npy", "1-D integer"),

@@ -25,7 +25,10 @@ def _run(capsys, tmp_path, *args, stdout=None):
     "args,message",
     [
         (["--preset", "huge"], "unknown preset 'huge': choose one of micro, tiny"),
-        (["--data", "/no/such/corpus.txt"], "corpus path does not exist: /no/such/corpus.txt"),
+        (
+            ["--data", "/no/such/corpus.txt"],
+            "--data: corpus path /no/such/corpus.txt: no such file or directory",
+        ),
         (["--batch-size", "12"], "batch_size=12: does not divide over the 8 token shards"),
         (["--mesh", "2,x"], "--mesh='2,x': need comma-separated ints"),
         (["--mesh", "4,4"], "needs 16 devices, 8 are available"),
@@ -51,7 +54,7 @@ def test_empty_corpus_file(capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     code, err, out = _run(capsys, tmp_path, "--data", str(empty))
-    assert (code, err) == (2, f"error: corpus file is empty: {empty}")
+    assert (code, err) == (2, f"error: --data: corpus file is empty: {empty}")
     assert not out.exists()
 
 

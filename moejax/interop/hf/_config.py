@@ -80,6 +80,12 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
       CheckpointError: missing, not JSON, or not a JSON object.
     """
     file = Path(path)
+    if not os.path.lexists(file):
+        raise CheckpointError(
+            f"no such file or directory (need a Hugging Face checkpoint directory or its "
+            f"{CONFIG_FILE})",
+            file=str(file),
+        )
     if file.is_dir():
         file = file / CONFIG_FILE
     config = read_json(str(file), CONFIG_FILE)

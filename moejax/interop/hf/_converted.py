@@ -200,6 +200,11 @@ def params_of_train_checkpoint(step_dir: str, cfg: LMConfig, *, allow_nonfinite=
 
     step_dir = os.path.abspath(step_dir)
     name = os.path.basename(step_dir)
+    if not os.path.isdir(step_dir):
+        what = "not a directory" if os.path.exists(step_dir) else "no such directory"
+        raise CheckpointError(
+            f"{step_dir}: {what} (a training checkpoint step, <run>/checkpoints/<n>)"
+        )
     if not name.isdigit() or not os.path.isdir(os.path.join(step_dir, "state")):
         raise CheckpointError(f"{step_dir}: not a training checkpoint step (<run>/checkpoints/<n>)")
     ckpt = Checkpointer(

@@ -259,7 +259,7 @@ def load_hf_model(
         not what the files hold; the message names the file and the tensor (or the field).
     """
     if not os.path.isdir(path):
-        what = "missing" if not os.path.lexists(path) else "not a directory"
+        what = "no such directory" if not os.path.lexists(path) else "not a directory"
         raise CheckpointError(f"{what}; need a Hugging Face checkpoint directory", file=str(path))
     hf_config = read_config(path)
     block = fp8_block_size(hf_config)
