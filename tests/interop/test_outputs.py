@@ -5,6 +5,7 @@ leaves the old output or the new one complete."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -114,6 +115,33 @@ def test_an_earlier_export_is_replaced_only_when_asked_and_only_if_all_ours(
     assert convert_hf.main([*map(str, qwen), "--overwrite", "--no-progress"]) == 0
     assert '"qwen3_moe"' in (out / "config.json").read_text()
     assert sorted(os.listdir(tmp_path)) == ["export"]  # no temporary or old copy left
+
+
+def test_a_users_file_deep_inside_an_earlier_output_is_never_deleted(hf_dirs, tmp_path, capsys):
+    """The probe's data loss: `to-orbax --overwrite` onto its own earlier output deleted a file
+    the user had put inside `params/` (the marker listed only top-level entries). The marker
+    lists every file now; one it does not list, at any depth, is refused, and so is one added
+    below an older marker's top-level entries after it was written."""
+    out = tmp_path / "conv"
+    args = ["to-orbax", hf_dirs / "mixtral", out, "--overwrite"]
+    assert convert_hf.main([*map(str, args), "--no-progress"]) == 0
+    marker = json.loads((out / _outputs.MARKER).read_text())
+    assert any(f.startswith("params/") and "/" in f[7:] for f in marker["files"]), marker
+    sub = next(d for d, _, files in os.walk(out / "params") if files and d != str(out / "params"))
+    notes = os.path.join(sub, "my_notes.txt")
+    with open(notes, "w") as f:
+        f.write("do not lose me\n")
+    said = os.path.relpath(notes, out)
+    _refused(capsys, args, says=said, keep=tmp_path)
+    old = {k: v for k, v in marker.items() if k != "files"}  # as an older moejax wrote it
+    (out / _outputs.MARKER).write_text(json.dumps(old))
+    os.utime(notes)  # (the file is newer than the marker)
+    with open(notes, "a") as f:
+        f.write("still mine\n")
+    _refused(capsys, args, says=said, keep=tmp_path)
+    os.remove(notes)
+    assert convert_hf.main([*map(str, args), "--no-progress"]) == 0  # all ours: replaced
+    assert sorted(os.listdir(tmp_path)) == ["conv"]
 
 
 def test_files_symlinks_and_empty_directories_in_the_outputs_place(hf_dirs, tmp_path, capsys):

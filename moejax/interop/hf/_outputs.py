@@ -5,10 +5,13 @@ writer behind `convert_hf.py`) goes through `OutputDir`:
 
 - **Refusals, before anything is written.** The output may not be, lie inside, or contain one of
   the inputs. An existing output must be absent or an empty directory, unless it is an earlier
-  output of moejax (a `.moejax-output.json` marker listing its entries) and `overwrite` is set;
-  a directory holding anything its marker does not list (a README the user added, a
-  `thesis.tex`, a run's checkpoints) is refused even then, naming those entries. Symlinks and
-  files in the output's place are refused.
+  output of moejax (a `.moejax-output.json` marker listing its top-level entries and every file
+  it wrote, at any depth) and `overwrite` is set; a directory holding anything its marker does
+  not list (a README the user added, a `thesis.tex`, a run's checkpoints, a user's file inside
+  `params/`) is refused even then, naming those files. A marker of an older moejax lists only
+  the top-level entries: below them, a file changed or added after the marker was written (its
+  `ctime` later than the marker's) counts as not listed. Symlinks and files in the output's
+  place are refused.
 - **Atomic replacement.** Everything is written into a temporary sibling `.<name>.tmp-*` (its
   marker written first) and swapped with the old output in one `renameat2(RENAME_EXCHANGE)`
   (Linux), so a kill at any moment leaves either the old output or the new one complete at the
@@ -90,6 +93,8 @@ def check_output(path: str, *, overwrite: bool, inputs=()) -> None:
             file=path,
         )
     foreign = entries - set(marker.get("entries", ())) - {MARKER}
+    if not foreign:
+        foreign = _unlisted_files(path, marker)
     if foreign:
         raise CheckpointError(
             f"holds an earlier moejax output and files moejax did not write "
@@ -105,10 +110,36 @@ def check_output(path: str, *, overwrite: bool, inputs=()) -> None:
         )
 
 
+def _files(directory: str) -> list[str]:
+    """Every file under `directory` (symlinks included, a symlinked directory not followed), as
+    `/`-separated paths relative to it, the marker excepted."""
+    out = []
+    for d, dirs, names in os.walk(directory):
+        rel = os.path.relpath(d, directory)
+        links = [n for n in dirs if os.path.islink(os.path.join(d, n))]
+        for n in names + links:
+            out.append(n if rel == "." else f"{rel}/{n}".replace(os.sep, "/"))
+    return sorted(set(out) - {MARKER, MARKER + ".tmp"})
+
+
+def _unlisted_files(path: str, marker: dict) -> set[str]:
+    """Files under `path` its marker does not list (module docstring: refusals)."""
+    found = _files(path)
+    if "files" in marker:
+        return set(found) - set(marker["files"])
+    # An older marker lists the top-level entries only: what changed after it was written.
+    try:
+        written = os.lstat(os.path.join(path, MARKER)).st_ctime_ns
+    except OSError:
+        return set(found)
+    return {f for f in found if "/" in f and os.lstat(os.path.join(path, f)).st_ctime_ns > written}
+
+
 def _write_marker(directory: str, kind: str, entries=None) -> None:
     marker = {"format": FORMAT, "kind": kind, "pid": os.getpid(), "host": socket.gethostname()}
     if entries is not None:
         marker["entries"] = sorted(entries)
+        marker["files"] = _files(directory)
     tmp = os.path.join(directory, MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(marker, f, indent=2, sort_keys=True)
