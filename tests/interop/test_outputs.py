@@ -274,3 +274,60 @@ def test_library_writers_refuse_foreign_directories(tmp_path):
         save_converted(str(tmp_path / "mine"), MICRO, _params(1.0), {}, "micro", overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["mine"]
     assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+
+
+def test_a_full_disk_during_a_conversion_is_one_line_and_keeps_the_earlier_output(
+    hf_dirs, tmp_path, capsys, monkeypatch
+):
+    """The probe's full disk during `to-orbax` (105 lines of orbax tracebacks before the
+    message): orbax's save failing with tensorstore's RESOURCE_EXHAUSTED (errno 28) is one
+    line, exit 2; the earlier output is unchanged and no temporary copy is left."""
+    import orbax.checkpoint as ocp
+
+    out = tmp_path / "conv"
+    args = ["to-orbax", str(hf_dirs / "mixtral"), str(out), "--no-progress", "--overwrite"]
+    assert convert_hf.main(args) == 0
+    capsys.readouterr()
+
+    def full_disk(self, *args, **kwargs):
+        raise ValueError(
+            'RESOURCE_EXHAUSTED: Error writing "final_norm.scale/0" in OCDBT database: Failed '
+            "to write 759 bytes to file 16: No space left on device [os_error_code='28']"
+        )
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", full_disk)
+    before = _snapshot(tmp_path)
+    assert convert_hf.main(args) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: in {str(out)!r}: no space left on device writing the converted model; the "
+        "earlier output is unchanged (free space and rerun)\n"
+    )
+    assert _snapshot(tmp_path) == before
+    assert sorted(os.listdir(tmp_path)) == ["conv"]
+
+
+def test_a_read_only_earlier_output_is_refused_before_the_swap(hf_dirs, tmp_path, capsys,
+                                                               monkeypatch):  # fmt: skip
+    """`--overwrite` onto a read-only earlier output swapped the new one in, then failed
+    deleting the old one (Permission denied), and on every later write to the path. Now refused
+    before anything is written, naming the read-only directory. As root (CI containers) chmod
+    does not stop root's writes, so `os.access` answers as a non-root user would."""
+    out = tmp_path / "conv"
+    args = ["to-orbax", hf_dirs / "mixtral", out, "--overwrite"]
+    assert convert_hf.main([*map(str, args), "--no-progress"]) == 0
+    os.chmod(out / "params", 0o555)
+    try:
+        if os.geteuid() == 0:
+            real_access = os.access
+
+            def access(path, mode):
+                if mode & os.W_OK and not os.stat(path).st_mode & 0o200:
+                    return False
+                return real_access(path, mode)
+
+            monkeypatch.setattr(_outputs.os, "access", access)
+        _refused(capsys, args, says="params read-only; make it writable", keep=tmp_path)
+    finally:
+        os.chmod(out / "params", 0o755)
+    assert sorted(os.listdir(tmp_path)) == ["conv"]

@@ -108,6 +108,26 @@ def check_output(path: str, *, overwrite: bool, inputs=()) -> None:
             "(overwrite=True) to replace it",
             file=path,
         )
+    locked = _read_only_dirs(path)
+    if locked:
+        raise CheckpointError(
+            f"holds an earlier moejax output that cannot be deleted: {_listing(locked)} "
+            "read-only; make it writable (chmod -R u+w) or choose another output (nothing was "
+            "changed)",
+            file=path,
+        )
+
+
+def _read_only_dirs(path: str) -> list[str]:
+    """Directories under `path` (itself included) whose entries this process may not delete
+    (no write or search permission: replacing the output would swap the new one in and then
+    fail deleting the old one). Root may delete anything: `os.access` says so."""
+    out = []
+    for d, _, _ in os.walk(path):
+        if not os.access(d, os.W_OK | os.X_OK):
+            rel = os.path.relpath(d, path)
+            out.append("." if rel == "." else rel.replace(os.sep, "/"))
+    return out
 
 
 def _files(directory: str) -> list[str]:
@@ -197,7 +217,10 @@ def recover(path: str, log=None) -> None:
             continue
         dead = marker.get("host") == host and not _pid_running(marker.get("pid"))
         if dead or "entries" in marker:  # half-written by a dead writer, or swapped out
-            _remove_ours(tmp)
+            try:
+                _remove_ours(tmp)
+            except OSError as err:  # (read-only, say): left there, named once per write
+                log(f"{tmp}: a leftover of an earlier write could not be deleted ({err})")
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -262,10 +285,14 @@ class OutputDir:
             os.rmdir(old)
             os.rename(self.path, old)
             os.rename(self.tmp, self.path)
-        if _read_marker(old) is not None:
-            _remove_ours(old)
-        else:  # an empty directory was there
-            os.rmdir(old)
+        try:
+            if _read_marker(old) is not None:
+                _remove_ours(old)
+            else:  # an empty directory was there
+                os.rmdir(old)
+        except OSError as err:  # the new output is in place: say what is left, do not fail
+            print(f"moejax: {old}: the replaced output could not be deleted ({err})",
+                  file=sys.stderr)  # fmt: skip
         return self.path
 
     def abort(self) -> None:
