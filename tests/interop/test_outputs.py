@@ -331,3 +331,19 @@ def test_a_read_only_earlier_output_is_refused_before_the_swap(hf_dirs, tmp_path
     finally:
         os.chmod(out / "params", 0o755)
     assert sorted(os.listdir(tmp_path)) == ["conv"]
+
+
+def test_an_output_directory_takes_the_umask_default_not_0700(hf_dirs, tmp_path):
+    """The output was written through `tempfile.mkdtemp` (mode 0700) and swapped in: the
+    converted directory was private while every file inside followed the umask (0644). Now the
+    directory has the umask's default too (0755 under umask 022, 0750 under 027)."""
+    for mask in (0o022, 0o027):
+        old = os.umask(mask)
+        try:
+            out = tmp_path / f"conv-{mask:o}"
+            args = ["to-orbax", str(hf_dirs / "mixtral"), str(out), "--no-progress"]
+            assert convert_hf.main(args) == 0
+        finally:
+            os.umask(old)
+        assert os.stat(out).st_mode & 0o777 == 0o777 & ~mask
+        assert os.stat(out / "model.json").st_mode & 0o777 == 0o666 & ~mask

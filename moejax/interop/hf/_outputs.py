@@ -44,6 +44,21 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
 
+def _umask() -> int:
+    """This process's umask (from /proc where Linux has it: `os.umask` can only be read by
+    setting it, which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _is_within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
@@ -263,6 +278,9 @@ class OutputDir:
         parent, name = os.path.split(self.path)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+        # mkdtemp's 0700 would become the output's mode: the umask's default instead, as for
+        # every file and directory written inside it (and by `mkdir`).
+        os.chmod(self.tmp, 0o777 & ~_umask())
         _write_marker(self.tmp, kind)  # first: a killed writer's leftover is recognisable
 
     def commit(self) -> str:
