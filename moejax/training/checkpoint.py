@@ -72,6 +72,10 @@ FORMAT = "moejax-lm-train/1"
 _ITEMS = ("state", "meta", "checksums")
 # Entries of a checkpoint directory: finished steps, orbax's unfinished saves, and checkpoints
 # set aside by the fallback.
+# What orbax writes at the top of a step directory, beside its `_`-prefixed metadata files
+# (other orbax versions may add some): a step holding anything else is not rotated, a user's
+# file put there would go with it.
+_STEP_ENTRIES = frozenset({*_ITEMS, "_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA"})
 _ENTRY = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*|\.corrupt(-\d+)?)?$")
 _META_KEYS = ("step", "model", "data", "placement")
 # Model fields that change neither the state's shapes nor the function trained: a checkpoint
@@ -206,6 +210,7 @@ class Checkpointer:
 
         quiet_orbax_disk_errors()
         self._writing: int | None = None  # the step being written in the background
+        self._kept_foreign: set[int] = set()  # steps not rotated for a user's file (said once)
 
         self._ocp = ocp
         options = ocp.CheckpointManagerOptions(
@@ -497,6 +502,18 @@ class Checkpointer:
                 return
             self._verified.add(newest)
         for step in steps[:-keep]:
+            foreign = sorted(
+                set(os.listdir(os.path.join(self.directory, str(step)))) - _STEP_ENTRIES
+            )
+            if foreign:  # a user's file beside orbax's: the step is not ours alone to delete
+                if step not in self._kept_foreign:
+                    self._kept_foreign.add(step)
+                    _log(
+                        f"keeping checkpoint {self.directory}/{step} past --keep: it holds files "
+                        f"moejax did not write ({', '.join(foreign[:4])}); move them away to let "
+                        "it rotate"
+                    )
+                continue
             self._manager.delete(step)
 
     def wait(self) -> None:

@@ -292,6 +292,25 @@ def test_rotation_never_deletes_older_checkpoints_while_the_newest_fails(
     assert sorted(os.listdir(tmp_path / "c")) == ["6", "8"]
 
 
+def test_rotation_keeps_a_step_holding_a_users_file(tmp_path, mesh_state, capsys):
+    """A file a user put into an old step directory (beside orbax's items) went with it at
+    rotation; now the step is kept past --keep, said once, and rotates once the file is gone."""
+    ck = Checkpointer(str(tmp_path / "c"), MODEL, TRAIN, keep=1)
+    kw = dict(placements=[], mesh=mesh(), wait=True)
+    ck.save(_at(mesh_state, 2), data_state=_data_state(2), **kw)
+    notes = tmp_path / "c" / "2" / "notes.txt"
+    notes.write_text("the run diverged after this one\n")
+    for step in (4, 6):
+        ck.save(_at(mesh_state, step), data_state=_data_state(step), **kw)
+    assert ck.all_steps() == [2, 4, 6]
+    assert notes.read_text() == "the run diverged after this one\n"
+    err = capsys.readouterr().err
+    assert err.count("keeping checkpoint") == 1 and "c/2 past --keep" in err, err
+    os.remove(notes)
+    ck.close()
+    assert sorted(os.listdir(tmp_path / "c")) == ["6"]
+
+
 def test_symlinked_step_directory_is_refused(ckpts, tmp_path):
     shutil.move(ckpts / "8", tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", ckpts / "8")
