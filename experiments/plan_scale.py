@@ -42,7 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax
 
 from moejax.aot import fit
-from moejax.cli._parser import OneLineParser, positive_int
+from moejax.cli import OneLineParser, positive_int
 from moejax.interop.hf import CheckpointError, lm_config_from_hf, read_config
 from moejax.models import presets
 from moejax.training import presets as train_presets
