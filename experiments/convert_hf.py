@@ -10,4 +10,4 @@ import sys
 from moejax.cli import convert_hf
 
 if __name__ == "__main__":
-    sys.exit(convert_hf.main())
+    sys.exit(convert_hf.script())

@@ -30,7 +30,6 @@ The logic lives in `moejax.aot.fit`; the table is in BENCHMARKS.md ("Real scale"
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import pathlib
@@ -43,6 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax
 
 from moejax.aot import fit
+from moejax.cli import OneLineParser, positive_int
 from moejax.interop.hf import CheckpointError, lm_config_from_hf, read_config
 from moejax.models import presets
 from moejax.training import presets as train_presets
@@ -68,7 +68,7 @@ def _models(args) -> list[tuple[str, object, object, tuple | None]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", nargs="+", choices=sorted(presets.PRESETS),
                         help="model presets (default: the real-size ones, or none with "
                         "--hf-config)")  # fmt: skip
@@ -78,19 +78,19 @@ def main() -> None:
         metavar="PATH",
         help="Hugging Face config.json files or checkpoint directories",
     )
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the "
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the "
                         f"preset's; {HF_SEQ_LEN} for --hf-config)")  # fmt: skip
     parser.add_argument("--state-only", action="store_true",
                         help="no compile: the training state per device only")  # fmt: skip
     parser.add_argument("--target", nargs="+", default=["h100x64", "v5p-64"],
                         choices=sorted(fit.TARGETS))  # fmt: skip
-    parser.add_argument("--batch", type=int, help="global batch (default: the preset's)")
+    parser.add_argument("--batch", type=positive_int, help="global batch (default: the preset's)")
     parser.add_argument(
         "--fsdp-expert",
         action="store_true",
         help="only FSDP x expert layouts (no tensor-parallel model axis)",
     )
-    parser.add_argument("--microbatches", type=int, nargs="+",
+    parser.add_argument("--microbatches", type=positive_int, nargs="+",
                         help="only layouts with these micro-batch counts")  # fmt: skip
     parser.add_argument("--bf16-moments", action="store_true",
                         help="Adam's moments in bf16 (TrainConfig.moment_dtype)")  # fmt: skip
@@ -105,9 +105,9 @@ def main() -> None:
     print(f"# plan_scale {datetime.date.today()} jax {jax.__version__}\n", flush=True)
     rows, summary = [], []
     for name, model_cfg, train_cfg, full in models:
-        if args.batch:
+        if args.batch is not None:
             train_cfg = train_cfg.replace(batch_size=args.batch)
-        if args.seq_len:
+        if args.seq_len is not None:
             train_cfg = train_cfg.replace(seq_len=args.seq_len)
         if args.bf16_moments:
             train_cfg = train_cfg.replace(moment_dtype="bfloat16")

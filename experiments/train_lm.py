@@ -10,4 +10,4 @@ import sys
 from moejax.cli import train_lm
 
 if __name__ == "__main__":
-    sys.exit(train_lm.main())
+    sys.exit(train_lm.script())

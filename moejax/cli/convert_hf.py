@@ -138,10 +138,29 @@ def main(argv=None) -> int:
         nonfinite = isinstance(err, NonFiniteError | NonFiniteState)
         hint = "; pass --allow-nonfinite to convert it anyway" if nonfinite else ""
         print(f"error: {err}{hint}", file=sys.stderr)
+        from moejax._disk import disk_error
+
+        if disk_error(err) is not None:
+            _DISK_FAILED.append(err)
         return 2
     print(message)
     return 0
 
 
+_DISK_FAILED = []  # a disk error was reported (`script` then exits without the shutdown)
+
+
+def script() -> int:
+    """`main()` as the command runs it: after a full disk reported in one line, the process
+    ends without the interpreter's shutdown (`moejax._disk.exit_quietly`: orbax's background
+    writers would print tracebacks of the same error)."""
+    code = main()
+    if _DISK_FAILED:
+        from moejax._disk import exit_quietly
+
+        exit_quietly(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script())

@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from moejax.cli._parser import OneLineParser
+from moejax.cli._parser import OneLineParser, positive_int
 from moejax.placement import PlacementController, load_trace
 from moejax.placement.controller import SPEC_FILE
 from moejax.placement.replay import config_overrides, replay
@@ -51,12 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--phases",
-        type=int,
+        type=positive_int,
         nargs="*",
         default=[60, 300, 600],
         help="step boundaries of the phases reported (default: 60 300 600)",
     )
-    parser.add_argument("--window", type=int, default=10, help="steps before/after an event")
+    parser.add_argument(
+        "--window", type=positive_int, default=10, help="steps before/after an event"
+    )
     args = parser.parse_args(argv)
 
     if not os.path.isdir(args.run_dir):
@@ -67,13 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     for path in (spec_path, trace_path):
         if not os.path.exists(path):
             parser.error(f"{path} not found: is {args.run_dir} a run of train_lm.py --placement?")
-    with open(spec_path) as f:
-        spec = json.load(f)
+    try:
+        with open(spec_path) as f:
+            spec = json.load(f)
+    except (OSError, ValueError) as err:  # unreadable, or not JSON
+        parser.error(f"{spec_path}: cannot be read ({err})")
     try:
         controller = PlacementController.from_spec(spec, **config_overrides(args.set))
     except (TypeError, ValueError) as err:
         parser.error(str(err))
-    trace = load_trace(trace_path)
+    try:
+        trace = load_trace(trace_path)
+    except (OSError, ValueError) as err:
+        parser.error(f"{trace_path}: {err}")
     result = replay(controller, trace)
 
     print(

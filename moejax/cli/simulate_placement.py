@@ -47,6 +47,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+from moejax.cli._parser import OneLineParser, nonnegative_int, positive_int
 from moejax.placement import (
     H100_IB,
     H100_NVLINK,
@@ -193,14 +194,16 @@ def _help_epilog() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     use_cpu_unless_accelerator()  # no GPU/TPU here: no plugin tracebacks (pallas_kernels.targets)
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description=__doc__.splitlines()[0],
         epilog=_help_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--devices", type=int, nargs="+", default=[8, 64, 512, 2048])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--spare", type=int, default=1, help="spare expert slots per device")
+    parser.add_argument("--devices", type=positive_int, nargs="+", default=[8, 64, 512, 2048])
+    parser.add_argument("--steps", type=positive_int, default=400)
+    parser.add_argument(
+        "--spare", type=nonnegative_int, default=1, help="spare expert slots per device"
+    )
     parser.add_argument("--hot-ratio", type=float, default=4.0)
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default=H100_IB.name)
     parser.add_argument("--trace", help="recorded trace (.npy [steps, L, E] or .jsonl)")
@@ -258,11 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(ControllerConfig(), **config_overrides(args.set))
     except (TypeError, ValueError) as err:
         parser.error(str(err))
-    jobs = [(n, name, tr) for n in args.devices for name, tr in _traces(args, n, wl).items()]
+    try:  # the synthetic traces check --hot-ratio against each N
+        jobs = [(n, name, tr) for n in args.devices for name, tr in _traces(args, n, wl).items()]
+    except ValueError as err:
+        parser.error(f"--hot-ratio={args.hot_ratio} / --devices: {err}")
     rows, series = [], None
     for n, name, trace in jobs:
         if trace.shape[2] % n:
             parser.error(f"E={trace.shape[2]} of trace {name} is not a multiple of N={n}")
+        if trace.shape[2] // n + args.spare < 1:
+            parser.error(f"--spare={args.spare}: no slot per device for N={n}")
     for n, name, trace in tqdm(jobs, desc="simulating"):
         home = trace.shape[2] // n
         results = compare(trace, n, home + args.spare, hw, wl, config)

@@ -429,11 +429,31 @@ def _run_lock(args):
     return rundir.run_lock(run_dir, lazy=True)
 
 
+_DISK_FAILED = []  # a disk error was reported (`script` then exits without the shutdown)
+
+
 def _fail(err: ValueError, args) -> int:
     if args.debug:
         raise err
+    from moejax._disk import OutputWriteError
+    from moejax.training.checkpoint import CheckpointWriteError
+
+    if isinstance(err, OutputWriteError | CheckpointWriteError):
+        _DISK_FAILED.append(err)
     print(f"error: {_flag_prefix(err, args)}{err}{_hint(err)}", file=sys.stderr)
     return 2
+
+
+def script() -> int:
+    """`main()` as the command runs it: after a full disk (or a read-only output) reported in
+    one line, the process ends without the interpreter's shutdown (`moejax._disk.exit_quietly`:
+    the background writers would print tracebacks of the same error)."""
+    code = main()
+    if _DISK_FAILED:
+        from moejax._disk import exit_quietly
+
+        exit_quietly(code)
+    return code
 
 
 def _flag_prefix(err, args) -> str:
@@ -461,4 +481,4 @@ def _hint(err) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script())

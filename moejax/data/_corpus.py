@@ -135,22 +135,47 @@ def _read(path: Path, vocab_size: int) -> np.ndarray:
             ids = np.load(path, allow_pickle=False)
         except Exception as err:  # numpy raises ValueError, TypeError, EOFError... on junk
             raise DataError(f"token file {path}: not a readable .npy array ({err})") from None
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        numeric = np.issubdtype(ids.dtype, np.integer) or np.issubdtype(ids.dtype, np.floating)
+        if ids.ndim != 1 or not numeric:
             raise DataError(
                 f"token file {path}: need a 1-D integer array, got {ids.dtype}{list(ids.shape)}"
             )
         if ids.size == 0:
             raise DataError(f"token file {path} is empty")
-        if ids.min() < 0 or ids.max() >= vocab_size:
+        check_token_ids(ids, vocab_size, f"token file {path}")
+        if not np.issubdtype(ids.dtype, np.integer):
             raise DataError(
-                f"token file {path}: ids must lie in [0, {vocab_size}), "
-                f"got {ids.min()}..{ids.max()}"
+                f"token file {path}: need a 1-D integer array, got {ids.dtype}{list(ids.shape)} "
+                "(whole numbers: save them as int32)"
             )
         return ids.astype(np.int32)
     data = path.read_bytes()
     if not data:
         raise DataError(f"corpus file is empty: {path}")
     return np.frombuffer(data, np.uint8)
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """DataError naming `where`, the index and the value of the first token id that is not a
+    whole number in `[0, vocab_size)` (a NaN or a fraction in a float array, a negative or
+    out-of-vocabulary id): cast to int32 they would index the embedding out of range and
+    make the batch's losses NaN without a message."""
+    tokens = np.asarray(tokens)
+    if np.issubdtype(tokens.dtype, np.integer):
+        bad = (tokens < 0) | (tokens >= vocab_size)
+    elif np.issubdtype(tokens.dtype, np.floating):
+        with np.errstate(invalid="ignore"):
+            whole = np.isfinite(tokens) & (np.floor(tokens) == tokens)
+            bad = ~whole | (tokens < 0) | (tokens >= vocab_size)
+    else:
+        raise DataError(f"{where}: token ids of dtype {tokens.dtype}, need integers")
+    if bad.any():
+        i = int(np.argmax(bad))
+        value = tokens[i].item()
+        raise DataError(
+            f"{where}: index {i} holds {value!r}; token ids must be whole numbers in "
+            f"[0, {vocab_size})"
+        )
 
 
 def _join(parts: list[np.ndarray]) -> np.ndarray:

@@ -13,6 +13,7 @@ train steps (`train(strategy=tuning.TuningConfig())`, `train_lm.py --strategy au
 `moejax.training.tuning`.
 """
 
+from moejax._disk import OutputWriteError as _OutputWriteError
 from moejax.data import DataError as DataError
 from moejax.training import placed as placed
 from moejax.training import presets as presets
@@ -41,7 +42,7 @@ from moejax.training.step import make_eval_step as make_eval_step
 from moejax.training.step import make_train_step as make_train_step
 from moejax.training.step import train_step as train_step
 
-INPUT_ERRORS = (DataError, CheckpointError, SetupError, RunDirError)
+INPUT_ERRORS = (DataError, CheckpointError, SetupError, RunDirError, _OutputWriteError)
 
 __all__ = [
     "INPUT_ERRORS",

@@ -72,6 +72,10 @@ FORMAT = "moejax-lm-train/1"
 _ITEMS = ("state", "meta", "checksums")
 # Entries of a checkpoint directory: finished steps, orbax's unfinished saves, and checkpoints
 # set aside by the fallback.
+# What orbax writes at the top of a step directory, beside its `_`-prefixed metadata files
+# (other orbax versions may add some): a step holding anything else is not rotated, a user's
+# file put there would go with it.
+_STEP_ENTRIES = frozenset({*_ITEMS, "_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA"})
 _ENTRY = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*|\.corrupt(-\d+)?)?$")
 _META_KEYS = ("step", "model", "data", "placement")
 # Model fields that change neither the state's shapes nor the function trained: a checkpoint
@@ -108,6 +112,11 @@ class ResumeMismatch(CheckpointError):
 class NonFiniteState(CheckpointError):
     """An intact checkpoint whose arrays hold NaN or Inf (names the first array and the count);
     restored only with `allow_nonfinite=True`."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written: a full disk, a quota, a read-only file system or
+    directory. Names the directory, the step and the newest intact checkpoint."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +206,12 @@ class Checkpointer:
         check_directory(self.directory)
         import orbax.checkpoint as ocp
 
+        from moejax._disk import quiet_orbax_disk_errors
+
+        quiet_orbax_disk_errors()
+        self._writing: int | None = None  # the step being written in the background
+        self._kept_foreign: set[int] = set()  # steps not rotated for a user's file (said once)
+
         self._ocp = ocp
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, create=True, enable_async_checkpointing=async_save
@@ -247,7 +262,7 @@ class Checkpointer:
             "meta": meta_checksum(meta),
             "arrays": state_checksums(tree),
         }
-        self._manager.wait_until_finished()  # the previous save, before rotating
+        self._finish()  # the previous save, before rotating
         self._rotate(self.keep)
         if self._readback is None:
             host = jax.sharding.SingleDeviceSharding(_host_device())
@@ -255,15 +270,20 @@ class Checkpointer:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), tree
             )
         ocp = self._ocp
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(tree),
-                meta=ocp.args.JsonSave(meta),
-                checksums=ocp.args.JsonSave(checksums),
-            ),
-            force=True,
-        )
+        self._writing = step
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(tree),
+                    meta=ocp.args.JsonSave(meta),
+                    checksums=ocp.args.JsonSave(checksums),
+                ),
+                force=True,
+            )
+        except Exception as err:
+            self._write_failed(err)
+            raise
         if wait:
             self.wait()
         return step
@@ -482,17 +502,72 @@ class Checkpointer:
                 return
             self._verified.add(newest)
         for step in steps[:-keep]:
+            foreign = sorted(
+                set(os.listdir(os.path.join(self.directory, str(step)))) - _STEP_ENTRIES
+            )
+            if foreign:  # a user's file beside orbax's: the step is not ours alone to delete
+                if step not in self._kept_foreign:
+                    self._kept_foreign.add(step)
+                    _log(
+                        f"keeping checkpoint {self.directory}/{step} past --keep: it holds files "
+                        f"moejax did not write ({', '.join(foreign[:4])}); move them away to let "
+                        "it rotate"
+                    )
+                continue
             self._manager.delete(step)
 
     def wait(self) -> None:
         """Block until pending saves are on disk."""
-        self._manager.wait_until_finished()
+        self._finish()
 
     def close(self) -> None:
         """Finish pending saves, rotate, and release the manager."""
-        self._manager.wait_until_finished()
+        self._finish()
         self._rotate(self.keep)
         self._manager.close()
+
+    def _finish(self) -> None:
+        """Wait for the background save; a disk error is `CheckpointWriteError`."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            self._write_failed(err)
+            raise
+        self._writing = None
+
+    def _write_failed(self, err: BaseException) -> None:
+        """Raise `CheckpointWriteError` (one line: what to fix, the newest intact checkpoint)
+        for a disk error, after deleting the step's half-written temporary directory (orbax
+        never lists it; it only takes space). Other errors: return (the caller re-raises)."""
+        from moejax._disk import disk_error
+
+        reason = disk_error(err)
+        if reason is None:
+            return
+        step, self._writing = self._writing, None
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            import shutil
+
+            for name in os.listdir(self.directory):
+                if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        finished = sorted(
+            int(n)
+            for n in (os.listdir(self.directory) if os.path.isdir(self.directory) else ())
+            if n.isdigit() and int(n) != step and os.path.isdir(os.path.join(self.directory, n))
+        )
+        newest = (
+            f"the newest intact checkpoint is step {finished[-1]}"
+            if finished
+            else "there is no intact checkpoint yet"
+        )
+        read_only = reason in ("permission denied", "read-only file system")
+        fix = "make it writable" if read_only else "free space"
+        what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+        raise CheckpointWriteError(
+            f"{self.directory}: {reason} writing {what}; {newest} ({fix} and rerun with the "
+            "same --out to resume)"
+        ) from None
 
 
 def restore_target(abstract: TrainState, shardings: TrainState | None) -> TrainState:

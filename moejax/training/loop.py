@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from moejax.data import BatchIterator, Corpus, DataError
+from moejax.data._corpus import check_token_ids
 from moejax.models import LMConfig
 from moejax.placement import Placement, save_trace
 from moejax.training import placed, report, resume, rundir, tuning
@@ -247,12 +248,8 @@ def _train(
         raise SetupError(
             f"stop_at={stop_at}: beyond the schedule's TrainConfig.steps={train_cfg.steps}"
         )
+    check_token_ids(corpus.tokens, model_cfg.vocab_size, f"corpus {corpus.name}")
     train_tokens, eval_tokens = corpus.split(train_cfg.eval_fraction)
-    if train_tokens.size and train_tokens.max() >= model_cfg.vocab_size:
-        raise DataError(
-            f"corpus {corpus.name}: token id {train_tokens.max()} >= vocab_size="
-            f"{model_cfg.vocab_size}"
-        )
     iterator = BatchIterator(train_tokens, train_cfg.batch_size, seq_len, seed=train_cfg.seed)
     stop = stop_at or train_cfg.steps
     primary = jax.process_index() == 0

@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import warnings
 
 import numpy as np
 
+from moejax._disk import OutputWriteError, disk_error
 from moejax.models import LMConfig, param_counts
 from moejax.training.checkpoint import CheckpointError
 
@@ -175,6 +177,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: str, *, keep_up_to: int | None = None, tensorboard: bool = True):
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.run_dir = run_dir
         kept = []
         if keep_up_to is not None:
             kept = read_records(self.path, up_to_step=keep_up_to, on_torn=_say)
@@ -200,9 +203,14 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         """Append one step's record."""
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")  # one write: a crash tears the last line only
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")  # one write: a crash tears the last line
+            self._file.flush()
+        except OSError as err:
+            _disk_failure(self.path, err, record.get("step"))
+            raise
         if self._tb is not None:
+            self._check_tensorboard(record.get("step"))
             step = record["step"]
             for key in _SCALARS:
                 if record.get(key) is not None:
@@ -212,15 +220,47 @@ class MetricsWriter:
                     if value is not None:
                         self._tb.add_scalar(f"{key}/moe_layer_{layer}", value, step)
 
+    def _check_tensorboard(self, step) -> None:
+        """tensorboardX writes from a thread, which dies on a write error (a full disk) and
+        leaves the next `add_scalar` blocked on its full queue for ever: a dead writer thread is
+        an `OutputWriteError` naming the directory instead."""
+        worker = getattr(getattr(getattr(self._tb, "file_writer", None), "event_writer", None),
+                         "_worker", None)  # fmt: skip
+        if worker is None or worker.is_alive():
+            return
+        tb_dir = os.path.join(self.run_dir, "tensorboard")
+        try:
+            full = shutil.disk_usage(tb_dir).free == 0
+        except OSError:
+            full = False
+        self._tb = None  # (closing it would block on the same queue)
+        reason = "no space left on device" if full else "its writer thread failed (see above)"
+        raise OutputWriteError(
+            f"{tb_dir}: {reason} writing TensorBoard events of step {step}; free space and rerun "
+            "with the same --out to resume from the newest checkpoint"
+        )
+
     def write_scalar(self, name: str, value: float, step: int) -> None:
         """A scalar outside the per-step records (e.g. the final eval loss): TensorBoard only."""
         if self._tb is not None:
+            self._check_tensorboard(step)
             self._tb.add_scalar(name, value, step)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
+            self._check_tensorboard("(closing)")
             self._tb.close()
+
+
+def _disk_failure(path: str, err: OSError, step) -> None:
+    """Raise `OutputWriteError` for a disk error writing `path` (else return)."""
+    reason = disk_error(err)
+    if reason is not None:
+        raise OutputWriteError(
+            f"{path}: {reason} writing the record of step {step}; free space (or make it "
+            "writable) and rerun with the same --out to resume from the newest checkpoint"
+        ) from None
 
 
 def _needs_rewrite(path: str, kept: list[dict]) -> bool:

@@ -57,6 +57,13 @@ def check_run_dir(run_dir: str) -> None:
         return
     if not os.path.isdir(run_dir):
         raise RunDirError(f"run directory {run_dir} exists and is not a directory")
+    for d in (run_dir, os.path.join(run_dir, "checkpoints")):
+        if os.path.isdir(d) and not os.access(d, os.W_OK | os.X_OK):
+            raise RunDirError(
+                f"run directory {run_dir}: {d} is read-only (a run writes its records and "
+                "checkpoints there); make it writable (chmod -R u+w) or choose another run "
+                "directory (nothing was changed)"
+            )
     entries = set(os.listdir(run_dir))
     if not entries or LOCK_NAME in entries:
         return

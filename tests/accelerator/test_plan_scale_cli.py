@@ -62,3 +62,18 @@ def test_plan_scale_names_the_config_field_it_cannot_read(tmp_path):
     path.write_text('{"model_type": "minimax_m2", "attn_type_list": [0, 1], "hidden_size": 8}')
     run = _plan_scale("--hf-config", str(path), "--state-only")
     assert run.returncode != 0 and "attn_type_list" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--seq-len", "0"), ("--batch", "0"), ("--batch", "-3"), ("--microbatches", "0")],
+)
+def test_non_positive_sizes_are_one_line_not_unset(flag, value):
+    """`--seq-len 0` and `--batch 0` were read as unset (the preset's value, silently) and
+    negative values a traceback: each is refused in one line, exit 2."""
+    run = _plan_scale("--state-only", flag, value)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: argument {flag}: {value}: need an integer >= 1 (see --help)"
+    )
+    assert "Traceback" not in run.stderr

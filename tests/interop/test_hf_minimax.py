@@ -108,6 +108,14 @@ def test_what_moejax_cannot_honour_is_refused_naming_the_field(change, field):
         lm_config_from_hf(MINIMAX_M2 | change)
 
 
+@pytest.mark.parametrize("kinds", [[1] * 63, [1] * 61, [], 1, [1.0] * 62], ids=str)
+def test_an_attn_type_list_not_one_per_layer_is_refused(kinds):
+    """An `attn_type_list` longer or shorter than num_hidden_layers (62) was accepted."""
+    with pytest.raises(CheckpointError, match=r"attn_type_list=.*need one integer per layer, "
+                       r"num_hidden_layers=62"):  # fmt: skip
+        lm_config_from_hf(MINIMAX_M2 | {"attn_type_list": kinds})
+
+
 def test_block_reader_ignores_what_it_is_told_to():
     """`ignore` drops training-time jitter as for Mixtral; the block has no other knobs."""
     cfg, family = moe_config_from_hf(MINIMAX_M2 | {"router_jitter_noise": 0.01},

@@ -5,6 +5,7 @@ leaves the old output or the new one complete."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -114,6 +115,33 @@ def test_an_earlier_export_is_replaced_only_when_asked_and_only_if_all_ours(
     assert convert_hf.main([*map(str, qwen), "--overwrite", "--no-progress"]) == 0
     assert '"qwen3_moe"' in (out / "config.json").read_text()
     assert sorted(os.listdir(tmp_path)) == ["export"]  # no temporary or old copy left
+
+
+def test_a_users_file_deep_inside_an_earlier_output_is_never_deleted(hf_dirs, tmp_path, capsys):
+    """The probe's data loss: `to-orbax --overwrite` onto its own earlier output deleted a file
+    the user had put inside `params/` (the marker listed only top-level entries). The marker
+    lists every file now; one it does not list, at any depth, is refused, and so is one added
+    below an older marker's top-level entries after it was written."""
+    out = tmp_path / "conv"
+    args = ["to-orbax", hf_dirs / "mixtral", out, "--overwrite"]
+    assert convert_hf.main([*map(str, args), "--no-progress"]) == 0
+    marker = json.loads((out / _outputs.MARKER).read_text())
+    assert any(f.startswith("params/") and "/" in f[7:] for f in marker["files"]), marker
+    sub = next(d for d, _, files in os.walk(out / "params") if files and d != str(out / "params"))
+    notes = os.path.join(sub, "my_notes.txt")
+    with open(notes, "w") as f:
+        f.write("do not lose me\n")
+    said = os.path.relpath(notes, out)
+    _refused(capsys, args, says=said, keep=tmp_path)
+    old = {k: v for k, v in marker.items() if k != "files"}  # as an older moejax wrote it
+    (out / _outputs.MARKER).write_text(json.dumps(old))
+    os.utime(notes)  # (the file is newer than the marker)
+    with open(notes, "a") as f:
+        f.write("still mine\n")
+    _refused(capsys, args, says=said, keep=tmp_path)
+    os.remove(notes)
+    assert convert_hf.main([*map(str, args), "--no-progress"]) == 0  # all ours: replaced
+    assert sorted(os.listdir(tmp_path)) == ["conv"]
 
 
 def test_files_symlinks_and_empty_directories_in_the_outputs_place(hf_dirs, tmp_path, capsys):
@@ -246,3 +274,76 @@ def test_library_writers_refuse_foreign_directories(tmp_path):
         save_converted(str(tmp_path / "mine"), MICRO, _params(1.0), {}, "micro", overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["mine"]
     assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+
+
+def test_a_full_disk_during_a_conversion_is_one_line_and_keeps_the_earlier_output(
+    hf_dirs, tmp_path, capsys, monkeypatch
+):
+    """The probe's full disk during `to-orbax` (105 lines of orbax tracebacks before the
+    message): orbax's save failing with tensorstore's RESOURCE_EXHAUSTED (errno 28) is one
+    line, exit 2; the earlier output is unchanged and no temporary copy is left."""
+    import orbax.checkpoint as ocp
+
+    out = tmp_path / "conv"
+    args = ["to-orbax", str(hf_dirs / "mixtral"), str(out), "--no-progress", "--overwrite"]
+    assert convert_hf.main(args) == 0
+    capsys.readouterr()
+
+    def full_disk(self, *args, **kwargs):
+        raise ValueError(
+            'RESOURCE_EXHAUSTED: Error writing "final_norm.scale/0" in OCDBT database: Failed '
+            "to write 759 bytes to file 16: No space left on device [os_error_code='28']"
+        )
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", full_disk)
+    before = _snapshot(tmp_path)
+    assert convert_hf.main(args) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: in {str(out)!r}: no space left on device writing the converted model; the "
+        "earlier output is unchanged (free space and rerun)\n"
+    )
+    assert _snapshot(tmp_path) == before
+    assert sorted(os.listdir(tmp_path)) == ["conv"]
+
+
+def test_a_read_only_earlier_output_is_refused_before_the_swap(hf_dirs, tmp_path, capsys,
+                                                               monkeypatch):  # fmt: skip
+    """`--overwrite` onto a read-only earlier output swapped the new one in, then failed
+    deleting the old one (Permission denied), and on every later write to the path. Now refused
+    before anything is written, naming the read-only directory. As root (CI containers) chmod
+    does not stop root's writes, so `os.access` answers as a non-root user would."""
+    out = tmp_path / "conv"
+    args = ["to-orbax", hf_dirs / "mixtral", out, "--overwrite"]
+    assert convert_hf.main([*map(str, args), "--no-progress"]) == 0
+    os.chmod(out / "params", 0o555)
+    try:
+        if os.geteuid() == 0:
+            real_access = os.access
+
+            def access(path, mode):
+                if mode & os.W_OK and not os.stat(path).st_mode & 0o200:
+                    return False
+                return real_access(path, mode)
+
+            monkeypatch.setattr(_outputs.os, "access", access)
+        _refused(capsys, args, says="params read-only; make it writable", keep=tmp_path)
+    finally:
+        os.chmod(out / "params", 0o755)
+    assert sorted(os.listdir(tmp_path)) == ["conv"]
+
+
+def test_an_output_directory_takes_the_umask_default_not_0700(hf_dirs, tmp_path):
+    """The output was written through `tempfile.mkdtemp` (mode 0700) and swapped in: the
+    converted directory was private while every file inside followed the umask (0644). Now the
+    directory has the umask's default too (0755 under umask 022, 0750 under 027)."""
+    for mask in (0o022, 0o027):
+        old = os.umask(mask)
+        try:
+            out = tmp_path / f"conv-{mask:o}"
+            args = ["to-orbax", str(hf_dirs / "mixtral"), str(out), "--no-progress"]
+            assert convert_hf.main(args) == 0
+        finally:
+            os.umask(old)
+        assert os.stat(out).st_mode & 0o777 == 0o777 & ~mask
+        assert os.stat(out / "model.json").st_mode & 0o777 == 0o666 & ~mask

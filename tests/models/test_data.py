@@ -58,6 +58,14 @@ def _write(path, text):
         (lambda p: np.save(p / "f.npy", np.ones(3)) or p / "f.npy", "1-D integer"),
         (lambda p: np.save(p / "g.npy", np.array([1, 300])) or p / "g.npy", r"\[0, 256\)"),
         (lambda p: _write(p / "h.npy", "junk"), "not a readable .npy"),
+        # The probe's silent NaN losses: each names the index and the value.
+        (
+            lambda p: np.save(p / "n.npy", np.array([1.0, 2.0, np.nan])) or p / "n.npy",
+            r"index 2 holds nan; token ids must be whole numbers in \[0, 256\)",
+        ),
+        (lambda p: np.save(p / "m.npy", np.array([5, -1, 3])) or p / "m.npy", "index 1 holds -1"),
+        (lambda p: np.save(p / "o.npy", np.array([5, 3, 256])) or p / "o.npy", "index 2 holds 256"),
+        (lambda p: np.save(p / "q.npy", np.array([5.0, 3.5])) or p / "q.npy", "index 1 holds 3.5"),
     ],
 )
 def test_bad_corpus_is_a_one_line_error_naming_the_file(tmp_path, make, match):
@@ -104,3 +112,19 @@ def test_iterator_state_resumes_exactly_and_rejects_another_corpus():
 def test_corpus_smaller_than_one_batch_is_an_error():
     with pytest.raises(DataError, match="fewer than one batch of 4 windows of 9 tokens"):
         BatchIterator(np.arange(20), batch_size=4, seq_len=8)
+
+
+@pytest.mark.parametrize("bad, says", [(np.nan, "nan"), (-1, "-1"), (256, "256")])
+def test_train_refuses_a_corpus_with_a_bad_token_id_naming_it(bad, says, tmp_path):
+    """A `Corpus` built in memory (not through load_corpus) with a NaN, a negative or an
+    out-of-vocabulary id: `train` refuses it before compiling (a NaN max passed the old
+    `max() >= vocab_size` check; negatives were not checked)."""
+    from moejax.models import presets
+    from moejax.training import presets as train_presets
+    from moejax.training import train
+
+    tokens = np.arange(4000, dtype=np.float64 if bad != bad else np.int64) % 256
+    tokens[1234] = bad
+    corpus = data.Corpus(tokens=tokens, sources=(), name="probe")
+    with pytest.raises(DataError, match=f"corpus probe: index 1234 holds {says}; token ids"):
+        train(presets.get("micro"), train_presets.get("micro"), corpus, run_dir=str(tmp_path))

@@ -86,3 +86,18 @@ def test_config_overrides_parse_json_values_and_reject_unknown_keys():
         config_overrides(["react_steps"])
     with pytest.raises(ValueError, match="unknown ControllerConfig field 'react'"):
         config_overrides(["react=1"])
+
+
+def test_replay_cli_names_a_junk_trace_in_one_line(tmp_path, capsys):
+    """A run directory whose routing_trace.npy is not an array: one line naming it, exit 2 (a
+    traceback of load_trace before)."""
+    from moejax.cli import replay_placement
+    from moejax.placement.controller import SPEC_FILE
+
+    (tmp_path / SPEC_FILE).write_text(json.dumps(_controller().spec()))
+    (tmp_path / "routing_trace.npy").write_text("junk")
+    with pytest.raises(SystemExit) as exit_:
+        replay_placement.main([str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "routing_trace.npy: " in err, err

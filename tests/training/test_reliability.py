@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _helpers import MODEL, TRAIN, assert_trees_equal, corpus, host_tree, mesh
+from _helpers import MODEL, TRAIN, assert_trees_equal, corpus, finished_steps, host_tree, mesh
 
 from moejax.cli import train_inputs, train_lm
 from moejax.data import BatchIterator
@@ -292,6 +292,25 @@ def test_rotation_never_deletes_older_checkpoints_while_the_newest_fails(
     assert sorted(os.listdir(tmp_path / "c")) == ["6", "8"]
 
 
+def test_rotation_keeps_a_step_holding_a_users_file(tmp_path, mesh_state, capsys):
+    """A file a user put into an old step directory (beside orbax's items) went with it at
+    rotation; now the step is kept past --keep, said once, and rotates once the file is gone."""
+    ck = Checkpointer(str(tmp_path / "c"), MODEL, TRAIN, keep=1)
+    kw = dict(placements=[], mesh=mesh(), wait=True)
+    ck.save(_at(mesh_state, 2), data_state=_data_state(2), **kw)
+    notes = tmp_path / "c" / "2" / "notes.txt"
+    notes.write_text("the run diverged after this one\n")
+    for step in (4, 6):
+        ck.save(_at(mesh_state, step), data_state=_data_state(step), **kw)
+    assert ck.all_steps() == [2, 4, 6]
+    assert notes.read_text() == "the run diverged after this one\n"
+    err = capsys.readouterr().err
+    assert err.count("keeping checkpoint") == 1 and "c/2 past --keep" in err, err
+    os.remove(notes)
+    ck.close()
+    assert sorted(os.listdir(tmp_path / "c")) == ["6"]
+
+
 def test_symlinked_step_directory_is_refused(ckpts, tmp_path):
     shutil.move(ckpts / "8", tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", ckpts / "8")
@@ -521,3 +540,64 @@ def test_ctrl_c_saves_writes_outputs_and_exits_cleanly(capfd, tmp_path, monkeypa
     assert [r["step"] for r in read_records(out / "metrics.jsonl")] == [1, 2, 3, 4]
     assert os.listdir(out / "checkpoints") == ["4"]
     assert (out / "loss.png").exists() and np.load(out / "routing_trace.npy").shape[0] == 4
+
+
+def test_a_full_disk_writing_a_checkpoint_is_one_line_and_the_older_ones_stay(
+    capsys, tmp_path, monkeypatch
+):
+    """The probe's full disk during training: orbax's save of step 8 fails with tensorstore's
+    RESOURCE_EXHAUSTED (errno 28), which printed 458 lines of tracebacks. Now one line naming
+    the directory, the step and the newest intact checkpoint, exit 2; step 4 is intact and a
+    rerun with the same --out resumes from it."""
+    import orbax.checkpoint as ocp
+
+    real_save = ocp.CheckpointManager.save
+
+    def full_disk(self, step, *args, **kwargs):
+        if step == 8:
+            raise ValueError(
+                'RESOURCE_EXHAUSTED: Error writing "params.final_norm.scale/0" in OCDBT database: '
+                "Failed to write 759 bytes to file 16: No space left on device "
+                "[os_error_code='28']"
+            )
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+    out = tmp_path / "run"
+    code, _, err = _main(capsys, out, "--steps", "12", "--checkpoint-every", "4", "--no-outputs")
+    assert code == 2, err
+    ckpts = out / "checkpoints"
+    assert err.splitlines()[-1] == (
+        f"error: {ckpts}: no space left on device writing checkpoint step 8; the newest intact "
+        "checkpoint is step 4 (free space and rerun with the same --out to resume)"
+    ), err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(ckpts)) == ["4"]
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
+    code, _, err = _main(capsys, out, "--steps", "12", "--checkpoint-every", "4", "--no-outputs")
+    assert code == 0, err
+    assert "resumed from checkpoint step 4" in err
+    assert finished_steps(ckpts)[-1] == 12
+
+
+def test_a_full_disk_writing_the_records_is_one_line(tmp_path, monkeypatch):
+    """metrics.jsonl's append failing with ENOSPC: `OutputWriteError` naming the file and step
+    (train_lm prints it in one line, exit 2), not an OSError traceback."""
+    import errno
+
+    from moejax._disk import OutputWriteError
+    from moejax.training.metrics import MetricsWriter
+
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self):
+            pass
+
+    writer._file = Full()
+    with pytest.raises(OutputWriteError, match="metrics.jsonl: no space left on device writing "
+                       "the record of step 3"):  # fmt: skip
+        writer.write({"step": 3, "loss": 1.0})

@@ -162,3 +162,27 @@ def test_resume_applies_other_changes_with_one_line(capsys, saved_run, tmp_path)
         "moejax: resumed with changed settings, applied from step 4: steps 8 -> 10, "
         "learning_rate 0.01 -> 0.15, eval_batches 4 -> 0"
     ], err
+
+
+def test_a_read_only_run_directory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A read-only `--out` (or its checkpoints/) is `RunDirError` naming it, before the run
+    takes the lock (not a Permission denied traceback at the first write). As root, chmod does
+    not stop writes, so `os.access` answers as a non-root user would."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("")
+    os.chmod(out / "checkpoints", 0o555)
+    try:
+        if os.geteuid() == 0:
+            real_access = os.access
+
+            def access(path, mode):
+                if mode & os.W_OK and not os.stat(path).st_mode & 0o200:
+                    return False
+                return real_access(path, mode)
+
+            monkeypatch.setattr(rundir.os, "access", access)
+        with pytest.raises(rundir.RunDirError, match="checkpoints is read-only"):
+            rundir.check_run_dir(str(out))
+    finally:
+        os.chmod(out / "checkpoints", 0o755)

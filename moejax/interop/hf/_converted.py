@@ -28,7 +28,7 @@ import sys
 import jax
 
 from moejax.interop.hf._config import COUNT_CAPS
-from moejax.interop.hf._errors import ConvertedDirError, NonFiniteError
+from moejax.interop.hf._errors import CheckpointError, ConvertedDirError, NonFiniteError
 from moejax.interop.hf._model import load_hf_model, save_hf_model
 from moejax.interop.hf._moe_config import family_of
 from moejax.interop.hf._outputs import OutputDir, check_output
@@ -63,17 +63,38 @@ def save_converted(
     """
     import orbax.checkpoint as ocp
 
+    from moejax._disk import disk_error, quiet_orbax_disk_errors
     from moejax.training.checksums import CHECKSUM_FORMAT, state_checksums
 
+    quiet_orbax_disk_errors()
     with OutputDir(path, kind="converted", overwrite=overwrite, inputs=inputs) as out:
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(out.tmp, PARAMS_DIR), params)
-        ckptr.wait_until_finished()
-        model = {"format": FORMAT, "family": family, "config": record_to_json(cfg)}
-        sums = {"format": CHECKSUM_FORMAT, "algorithm": "crc32", "arrays": state_checksums(params)}
-        for name, obj in ((MODEL_JSON, model), (HF_CONFIG_JSON, hf_config), (CHECKSUMS_JSON, sums)):
-            with open(os.path.join(out.tmp, name), "w") as f:
-                json.dump(obj, f, indent=2, sort_keys=True)
+        try:
+            ckptr = ocp.StandardCheckpointer()
+            ckptr.save(os.path.join(out.tmp, PARAMS_DIR), params)
+            ckptr.wait_until_finished()
+            model = {"format": FORMAT, "family": family, "config": record_to_json(cfg)}
+            arrays = state_checksums(params)
+            sums = {"format": CHECKSUM_FORMAT, "algorithm": "crc32", "arrays": arrays}
+            for name, obj in (
+                (MODEL_JSON, model),
+                (HF_CONFIG_JSON, hf_config),
+                (CHECKSUMS_JSON, sums),
+            ):
+                with open(os.path.join(out.tmp, name), "w") as f:
+                    json.dump(obj, f, indent=2, sort_keys=True)
+        except Exception as err:  # orbax raises many types for a full disk
+            reason = disk_error(err)
+            if reason is None:
+                raise
+            earlier = (
+                "the earlier output is unchanged"
+                if os.path.lexists(path)
+                else ("nothing was written")
+            )
+            fix = "free space" if "space" in reason or "quota" in reason else "make it writable"
+            raise CheckpointError(
+                f"{reason} writing the converted model; {earlier} ({fix} and rerun)", file=path
+            ) from None
 
 
 def read_converted(path: str) -> tuple[LMConfig, dict, str]:

@@ -126,6 +126,7 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
     ('olmoe', 'full', True, 8, 8)
     """
     check_fields(config)
+    _check_per_layer_lists(config)
     check_implemented(config)
     if fp8_block_size(config) is not None:  # FP8 block-scaled: load_hf_model dequantizes it
         config = without_quantization(config)
@@ -135,6 +136,26 @@ def lm_config_from_hf(config: dict, *, param_dtype: str = "float32") -> tuple[LM
         raise
     except (ValueError, TypeError) as err:  # LMConfig's own checks: fields that do not fit
         raise CheckpointError(f"{CONFIG_FILE}: {err}") from None
+
+
+def _check_per_layer_lists(config: Mapping[str, Any]) -> None:
+    """CheckpointError unless MiniMax's `attn_type_list` (one attention kind per layer) is a
+    list of `num_hidden_layers` integers: a longer or shorter one was taken as it was, its
+    extra entries ignored or its missing layers assumed."""
+    kinds = config.get("attn_type_list")
+    if kinds is None:
+        return
+    layers = config.get("num_hidden_layers")
+    ints = isinstance(kinds, list | tuple) and all(
+        isinstance(k, int) and not isinstance(k, bool) for k in kinds
+    )
+    if not ints or len(kinds) != layers:
+        shown = [*kinds[:4], "..."] if isinstance(kinds, list | tuple) and len(kinds) > 4 else kinds
+        size = f"{len(kinds)} entries" if isinstance(kinds, list | tuple) else type(kinds).__name__
+        raise CheckpointError(
+            f"{CONFIG_FILE} attn_type_list={shown!r} ({size}): need one integer per layer, "
+            f"num_hidden_layers={layers}"
+        )
 
 
 def _is_hash(config) -> bool:

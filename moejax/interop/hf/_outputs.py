@@ -5,10 +5,13 @@ writer behind `convert_hf.py`) goes through `OutputDir`:
 
 - **Refusals, before anything is written.** The output may not be, lie inside, or contain one of
   the inputs. An existing output must be absent or an empty directory, unless it is an earlier
-  output of moejax (a `.moejax-output.json` marker listing its entries) and `overwrite` is set;
-  a directory holding anything its marker does not list (a README the user added, a
-  `thesis.tex`, a run's checkpoints) is refused even then, naming those entries. Symlinks and
-  files in the output's place are refused.
+  output of moejax (a `.moejax-output.json` marker listing its top-level entries and every file
+  it wrote, at any depth) and `overwrite` is set; a directory holding anything its marker does
+  not list (a README the user added, a `thesis.tex`, a run's checkpoints, a user's file inside
+  `params/`) is refused even then, naming those files. A marker of an older moejax lists only
+  the top-level entries: below them, a file changed or added after the marker was written (its
+  `ctime` later than the marker's) counts as not listed. Symlinks and files in the output's
+  place are refused.
 - **Atomic replacement.** Everything is written into a temporary sibling `.<name>.tmp-*` (its
   marker written first) and swapped with the old output in one `renameat2(RENAME_EXCHANGE)`
   (Linux), so a kill at any moment leaves either the old output or the new one complete at the
@@ -39,6 +42,21 @@ MARKER = ".moejax-output.json"
 FORMAT = "moejax-output/1"
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
+
+
+def _umask() -> int:
+    """This process's umask (from /proc where Linux has it: `os.umask` can only be read by
+    setting it, which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _is_within(inner: str, outer: str) -> bool:
@@ -90,6 +108,8 @@ def check_output(path: str, *, overwrite: bool, inputs=()) -> None:
             file=path,
         )
     foreign = entries - set(marker.get("entries", ())) - {MARKER}
+    if not foreign:
+        foreign = _unlisted_files(path, marker)
     if foreign:
         raise CheckpointError(
             f"holds an earlier moejax output and files moejax did not write "
@@ -103,12 +123,58 @@ def check_output(path: str, *, overwrite: bool, inputs=()) -> None:
             "(overwrite=True) to replace it",
             file=path,
         )
+    locked = _read_only_dirs(path)
+    if locked:
+        raise CheckpointError(
+            f"holds an earlier moejax output that cannot be deleted: {_listing(locked)} "
+            "read-only; make it writable (chmod -R u+w) or choose another output (nothing was "
+            "changed)",
+            file=path,
+        )
+
+
+def _read_only_dirs(path: str) -> list[str]:
+    """Directories under `path` (itself included) whose entries this process may not delete
+    (no write or search permission: replacing the output would swap the new one in and then
+    fail deleting the old one). Root may delete anything: `os.access` says so."""
+    out = []
+    for d, _, _ in os.walk(path):
+        if not os.access(d, os.W_OK | os.X_OK):
+            rel = os.path.relpath(d, path)
+            out.append("." if rel == "." else rel.replace(os.sep, "/"))
+    return out
+
+
+def _files(directory: str) -> list[str]:
+    """Every file under `directory` (symlinks included, a symlinked directory not followed), as
+    `/`-separated paths relative to it, the marker excepted."""
+    out = []
+    for d, dirs, names in os.walk(directory):
+        rel = os.path.relpath(d, directory)
+        links = [n for n in dirs if os.path.islink(os.path.join(d, n))]
+        for n in names + links:
+            out.append(n if rel == "." else f"{rel}/{n}".replace(os.sep, "/"))
+    return sorted(set(out) - {MARKER, MARKER + ".tmp"})
+
+
+def _unlisted_files(path: str, marker: dict) -> set[str]:
+    """Files under `path` its marker does not list (module docstring: refusals)."""
+    found = _files(path)
+    if "files" in marker:
+        return set(found) - set(marker["files"])
+    # An older marker lists the top-level entries only: what changed after it was written.
+    try:
+        written = os.lstat(os.path.join(path, MARKER)).st_ctime_ns
+    except OSError:
+        return set(found)
+    return {f for f in found if "/" in f and os.lstat(os.path.join(path, f)).st_ctime_ns > written}
 
 
 def _write_marker(directory: str, kind: str, entries=None) -> None:
     marker = {"format": FORMAT, "kind": kind, "pid": os.getpid(), "host": socket.gethostname()}
     if entries is not None:
         marker["entries"] = sorted(entries)
+        marker["files"] = _files(directory)
     tmp = os.path.join(directory, MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(marker, f, indent=2, sort_keys=True)
@@ -166,7 +232,10 @@ def recover(path: str, log=None) -> None:
             continue
         dead = marker.get("host") == host and not _pid_running(marker.get("pid"))
         if dead or "entries" in marker:  # half-written by a dead writer, or swapped out
-            _remove_ours(tmp)
+            try:
+                _remove_ours(tmp)
+            except OSError as err:  # (read-only, say): left there, named once per write
+                log(f"{tmp}: a leftover of an earlier write could not be deleted ({err})")
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -209,6 +278,9 @@ class OutputDir:
         parent, name = os.path.split(self.path)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+        # mkdtemp's 0700 would become the output's mode: the umask's default instead, as for
+        # every file and directory written inside it (and by `mkdir`).
+        os.chmod(self.tmp, 0o777 & ~_umask())
         _write_marker(self.tmp, kind)  # first: a killed writer's leftover is recognisable
 
     def commit(self) -> str:
@@ -231,10 +303,14 @@ class OutputDir:
             os.rmdir(old)
             os.rename(self.path, old)
             os.rename(self.tmp, self.path)
-        if _read_marker(old) is not None:
-            _remove_ours(old)
-        else:  # an empty directory was there
-            os.rmdir(old)
+        try:
+            if _read_marker(old) is not None:
+                _remove_ours(old)
+            else:  # an empty directory was there
+                os.rmdir(old)
+        except OSError as err:  # the new output is in place: say what is left, do not fail
+            print(f"moejax: {old}: the replaced output could not be deleted ({err})",
+                  file=sys.stderr)  # fmt: skip
         return self.path
 
     def abort(self) -> None:

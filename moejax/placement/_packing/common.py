@@ -23,6 +23,11 @@ import math
 import numpy as np
 
 _MAX_SPLITS = 256  # above this many 2S-item splits per pair, only single swaps are tried
+# Above this many slots per device, single swaps only between the first ``_SWAP_SIDE`` positions
+# of each side, which ``movable_first`` fills with replicas spread over the side's weights: the
+# ``S^2`` swaps of every pair (a ``[C, 2S]`` mask, ``[R, C]`` loads) grow as ``S^3`` per pair, and
+# 65,536 experts on 8 devices (``S = 8193``) would need a mask of 1.1 TB.
+_SWAP_SIDE = 64
 _NODE_PASSES = 16  # pairwise re-split passes per node at most (``pack_nodes``)
 
 
@@ -33,18 +38,46 @@ _NODE_PASSES = 16  # pairwise re-split passes per node at most (``pack_nodes``)
 def splits(s: int) -> np.ndarray:
     """``[C, 2S]`` bool: the ways to split a pair's ``2S`` replicas into two devices of ``S``
     (side A always holds replica 0, since the two devices are interchangeable; the first split
-    is the current one). Past ``_MAX_SPLITS``: the current split and every single swap."""
+    is the current one). Past ``_MAX_SPLITS``: the current split and every single swap; past
+    ``_SWAP_SIDE`` slots, the single swaps between the first ``_SWAP_SIDE`` positions of each
+    side (the caller orders them with ``movable_first``)."""
     if math.comb(2 * s, s) // 2 <= _MAX_SPLITS:
         sides = [c for c in itertools.combinations(range(2 * s), s) if c[0] == 0]
-    else:
-        current = tuple(range(s))
-        sides = [current] + [
-            tuple(sorted(set(current) - {a} | {s + b})) for a in range(s) for b in range(s)
-        ]
-    mask = np.zeros((len(sides), 2 * s), bool)
-    for row, side in enumerate(sides):
-        mask[row, list(side)] = True
+        mask = np.zeros((len(sides), 2 * s), bool)
+        for row, side in enumerate(sides):
+            mask[row, list(side)] = True
+        return mask
+    k = min(s, _SWAP_SIDE)
+    a, b = np.repeat(np.arange(k), k), np.tile(np.arange(k), k)  # sorted, as the loop was
+    mask = np.zeros((1 + k * k, 2 * s), bool)
+    mask[:, :s] = True
+    mask[np.arange(1, 1 + k * k), a] = False
+    mask[np.arange(1, 1 + k * k), s + b] = True
     return mask
+
+
+def movable_first(item_w: np.ndarray) -> np.ndarray | None:
+    """``[R, 2S]`` a permutation within each side of each pair that puts ``_SWAP_SIDE``
+    replicas first, spread evenly over the side's weights (heaviest, lightest and between), so
+    that ``splits``' single swaps between them can move any amount; None when ``S`` is at most
+    ``_SWAP_SIDE`` (every swap is tried, nothing to order)."""
+    s = item_w.shape[1] // 2
+    if s <= _SWAP_SIDE:
+        return None
+    pick = np.unique(np.linspace(0, s - 1, _SWAP_SIDE).round().astype(np.int64))
+    rest = np.setdiff1d(np.arange(s), pick)
+    out = []
+    for side in (item_w[:, :s], item_w[:, s:]):
+        by_weight = np.argsort(-side, axis=1, kind="stable")  # [R, S] positions, heaviest first
+        out.append(by_weight[:, np.concatenate([pick, rest])] + (s if out else 0))
+    return np.concatenate(out, axis=1)
+
+
+def take_pairs(perm: np.ndarray | None, *arrays: np.ndarray):
+    """Each ``[R, 2S]`` array reordered by ``perm`` (``movable_first``); as given when None."""
+    if perm is None:
+        return arrays
+    return tuple(np.take_along_axis(a, perm, axis=1) for a in arrays)
 
 
 def larger_side(weights: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -54,7 +87,15 @@ def larger_side(weights: np.ndarray, mask: np.ndarray) -> np.ndarray:
       weights: ``[R, 2S]`` rows (or any per-slot figure) of each device pair's replicas.
       mask: ``[C, 2S]`` bool splits (``splits``): side A, the other side B.
     """
-    side_a = weights @ mask.T
+    s = mask.shape[1] // 2
+    if s > _SWAP_SIDE and mask.shape[0] == 1 + _SWAP_SIDE**2:  # ``splits``' single swaps
+        a = np.repeat(np.arange(_SWAP_SIDE), _SWAP_SIDE)
+        b = s + np.tile(np.arange(_SWAP_SIDE), _SWAP_SIDE)
+        current = weights[:, :s].sum(axis=1, keepdims=True)
+        moved = np.concatenate([np.zeros((weights.shape[0], 1)), weights[:, b] - weights[:, a]], 1)
+        side_a = current + moved  # the [C, 2S] matmul costs 1.1 TFLOP per pass at S = 8193
+    else:
+        side_a = weights @ mask.T
     return np.maximum(side_a, weights.sum(axis=1, keepdims=True) - side_a)
 
 
@@ -81,14 +122,39 @@ def _has_duplicates(items: np.ndarray, mask: np.ndarray) -> np.ndarray:
     puts them on the same side: the (few) equal position pairs are looked up in a table of
     which splits keep them together, instead of sorting both sides of every split."""
     half, two_s = items.shape
-    upper = np.triu(np.ones((two_s, two_s), bool), 1)  # position pairs j < k
-    row, j, k = np.nonzero((items[:, :, None] == items[:, None, :]) & upper)  # sorted by row
+    row, j, k = _equal_positions(items)
     dup = np.zeros((half, mask.shape[0]), bool)
     if row.size:
         together = mask[:, j] == mask[:, k]  # [C, pairs]
         starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
         dup[row[starts]] = np.logical_or.reduceat(together, starts, axis=1).T
     return dup
+
+
+def _equal_positions(items: np.ndarray):
+    """``(row, j, k)``: every pair of positions ``j < k`` of a row holding the same item, sorted
+    by row, then ``j``, then ``k`` (``np.nonzero`` of the ``[R, 2S, 2S]`` equality, without
+    building it: a sort of each row, runs of equal items paired up)."""
+    r, w = items.shape
+    order = np.argsort(items, axis=1, kind="stable")  # equal items: ascending positions
+    grouped = np.take_along_axis(items, order, 1)
+    rows, js, ks = [], [], []
+    same = np.ones((r, w), bool)
+    for d in range(1, w):
+        same = same[:, :-1] & (grouped[:, d:] == grouped[:, :-d])  # i and i + d in one run
+        if not same.any():
+            break
+        row, i = np.nonzero(same)
+        rows.append(row)
+        js.append(order[row, i])
+        ks.append(order[row, i + d])
+    if not rows:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    row, j, k = (np.concatenate(x) for x in (rows, js, ks))
+    j, k = np.minimum(j, k), np.maximum(j, k)
+    sort = np.lexsort((k, j, row))
+    return row[sort], j[sort], k[sort]
 
 
 # -- relabelling -------------------------------------------------------------------------------
@@ -158,17 +224,31 @@ def order_slots(old_table: np.ndarray, new: np.ndarray, device: np.ndarray) -> n
     n, s = new.shape
     out = np.empty_like(new)
     out[device] = new
-    # Within each device: an expert that was in old slot k stays in slot k.
-    result = np.full((n, s), -1, np.int64)
-    used = np.zeros((n, s), bool)
-    for k in range(s):
-        match = (out == old_table[:, k : k + 1]) & ~used  # [N, S]
-        has = match.any(axis=1)
-        j = np.argmax(match, axis=1)
-        result[has, k] = out[has, j[has]]
-        used[has, j[has]] = True
-    result[result < 0] = out[~used]  # row-major: the rest, in order, per device
-    return result.reshape(-1)
+    # Within each device: an expert that was in old slot k stays in slot k. The i-th old slot
+    # of expert e on a device (in slot order) keeps the i-th of its packed replicas there.
+    # Vectorised: (device, expert, i) keys of both sides intersected (not S passes over [N, S]).
+    low = min(int(old_table.min(initial=0)), int(out.min(initial=0)))
+    span = max(int(old_table.max(initial=0)), int(out.max(initial=0))) - low + 1
+    rows = np.repeat(np.arange(n, dtype=np.int64), s)
+
+    def keys(table):
+        key = rows * span + (table.reshape(-1).astype(np.int64) - low)
+        order = np.argsort(key, kind="stable")  # equal keys: ascending slot
+        key = key[order]
+        start = np.r_[True, key[1:] != key[:-1]]
+        rank = np.arange(key.size) - np.maximum.accumulate(np.where(start, np.arange(key.size), 0))
+        return key * s + rank, order
+
+    old_keys, old_order = keys(old_table)
+    new_keys, new_order = keys(out)
+    _, i_old, i_new = np.intersect1d(old_keys, new_keys, assume_unique=True, return_indices=True)
+    slot, packed = old_order[i_old], new_order[i_new]
+    flat = out.reshape(-1)
+    result = np.empty(n * s, np.int64)
+    filled, used = np.zeros(n * s, bool), np.zeros(n * s, bool)
+    result[slot], filled[slot], used[packed] = flat[packed], True, True
+    result[~filled] = flat[~used]  # row-major: the rest, in order, per device
+    return result
 
 
 # -- packing inside nodes ----------------------------------------------------------------------
@@ -283,6 +363,7 @@ def _resplit_node_pairs(table: np.ndarray, slot_w: np.ndarray, shift: int):
     rows = np.arange(m)[:, None]
     items = np.concatenate([table[rows, heavy], table[rows, light]], axis=2).reshape(-1, 2 * s)
     item_w = np.concatenate([slot_w[rows, heavy], slot_w[rows, light]], axis=2).reshape(-1, 2 * s)
+    items, item_w = take_pairs(movable_first(item_w), items, item_w)
     mask = splits(s)  # [C, 2S]
     larger = larger_side(item_w, mask)  # [M·G/2, C]
     worst = np.where(duplicate_splits(items, mask), np.inf, larger)

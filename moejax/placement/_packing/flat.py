@@ -35,8 +35,10 @@ from moejax.placement._packing.common import (
     duplicate_splits,
     larger_side,
     match_devices,
+    movable_first,
     order_slots,
     splits,
+    take_pairs,
 )
 from moejax.placement.cost_model import packed_buffer
 
@@ -352,16 +354,40 @@ def _differencing(weights: np.ndarray, num_devices: int) -> tuple[np.ndarray, np
     merged two at a time (the two with the widest load spread first), heaviest devices of one
     with the lightest of the other. Returns replica indices ``[N, S]`` and loads ``[N]``."""
     s = weights.shape[0] // num_devices
-    parts = []
+    # The parts by spread, widest first, ties to the latest made (a stable sort of a list each
+    # round would be the same order; a heap keeps the S rounds at O(S log S), not O(S^2)). Each
+    # merge records only the row orders it used, the [N, S] table is read off the tree at the
+    # end (rebuilding every merged part's index array costs O(S^2 N) when one part keeps
+    # growing).
+    heap, loads, children = [], [], []
     for k in range(s):
-        idx = np.arange(k * num_devices, (k + 1) * num_devices)
-        parts.append((idx[:, None], weights[idx]))
-    while len(parts) > 1:
-        parts.sort(key=lambda part: part[1].max() - part[1].min())
-        (idx_a, load_a), (idx_b, load_b) = parts.pop(), parts.pop()
-        up, down = np.argsort(load_a, kind="stable"), np.argsort(-load_b, kind="stable")
-        parts.append((np.concatenate([idx_a[up], idx_b[down]], axis=1), load_a[up] + load_b[down]))
-    return parts[0]
+        part = weights[k * num_devices : (k + 1) * num_devices]
+        loads.append(part)
+        children.append(None)
+        heap.append((-(part.max() - part.min()), -k))
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        a, b = -heapq.heappop(heap)[1], -heapq.heappop(heap)[1]
+        up, down = np.argsort(loads[a], kind="stable"), np.argsort(-loads[b], kind="stable")
+        merged = loads[a][up] + loads[b][down]
+        loads.append(merged)
+        children.append((a, up, b, down))
+        loads[a] = loads[b] = None
+        heapq.heappush(heap, (-(merged.max() - merged.min()), -(len(loads) - 1)))
+    root = -heap[0][1]
+    table = np.empty((num_devices, s), np.int64)
+    column = 0
+    stack = [(root, np.arange(num_devices))]  # (part, its row of each table row)
+    while stack:
+        node, rows = stack.pop()
+        if children[node] is None:
+            table[:, column] = node * num_devices + rows
+            column += 1
+            continue
+        a, up, b, down = children[node]
+        stack.append((b, down[rows]))  # popped after a: a's columns come first
+        stack.append((a, up[rows]))
+    return table, loads[root]
 
 
 def rebalance(table: np.ndarray, weights: np.ndarray, target: float, rounds: int) -> np.ndarray:
@@ -392,6 +418,7 @@ def rebalance(table: np.ndarray, weights: np.ndarray, target: float, rounds: int
             break
         items = np.concatenate([np.broadcast_to(tab[d], (n, s)), tab], axis=1)  # [N, 2S]
         item_w = np.concatenate([np.broadcast_to(w[d], (n, s)), w], axis=1)
+        items, item_w = take_pairs(movable_first(item_w), items, item_w)
         worst = np.where(duplicate_splits(items, mask), np.inf, larger_side(item_w, mask))  # [N, C]
         worst[:, 0] = np.inf  # the current split changes nothing
         worst[d] = np.inf
@@ -419,6 +446,7 @@ def _rebalance_pairs(tab: np.ndarray, w: np.ndarray, loads: np.ndarray, shift: i
     heavy, light = order[::-1][:half], np.roll(order[:half], shift)
     items = np.concatenate([tab[heavy], tab[light]], axis=1)  # [half, 2S]
     item_w = np.concatenate([w[heavy], w[light]], axis=1)  # [half, 2S]
+    items, item_w = take_pairs(movable_first(item_w), items, item_w)
     mask = splits(s)  # [C, 2S]
     larger = larger_side(item_w, mask)  # [half, C]
     worst = np.where(duplicate_splits(items, mask), np.inf, larger)

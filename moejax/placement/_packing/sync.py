@@ -31,7 +31,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.placement._packing.common import duplicate_splits, larger_side, splits
+from moejax.placement._packing.common import (
+    duplicate_splits,
+    larger_side,
+    movable_first,
+    splits,
+    take_pairs,
+)
 
 _MAX_PASSES = 16  # alternating share + load passes at most
 _STALL_PASSES = 2  # stop after this many passes that lower neither maximum
@@ -107,6 +113,7 @@ def _resplit(tab, w, sh, first, second, *, by_share: bool, cap: float):
     items = np.concatenate([tab[first], tab[second]], axis=1)  # [half, 2S]
     item_w = np.concatenate([w[first], w[second]], axis=1)
     item_sh = np.concatenate([sh[first], sh[second]], axis=1)
+    items, item_w, item_sh = take_pairs(movable_first(item_w), items, item_w, item_sh)
     mask = splits(s)  # [C, 2S]
     load = larger_side(item_w, mask)  # [half, C]
     share = larger_side(item_sh, mask)
