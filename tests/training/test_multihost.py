@@ -156,3 +156,23 @@ def test_a_two_process_checkpoint_is_verified_on_resume(tmp_path):
             "4.corrupt"
         ]
     assert sorted(os.listdir(ckpts)) == ["2", "4.corrupt"]
+
+
+def test_two_processes_apply_process_0s_placement_decisions(tmp_path):
+    run_dir = tmp_path / "run"
+    got = _two_processes(tmp_path, run_dir, name="placement", worker="_placement_two_processes.py")
+    zero, one = got
+    # Process 1's own controller would accept nothing; process 0's re-places several times.
+    assert one["warmup_steps"] == 10**9 and zero["warmup_steps"] == 0
+    assert zero["summary"]["replacements"] >= 2 and len(zero["events"]) >= 2
+    # Both applied the same re-placements, logged the same checks, end on the same tables and
+    # report the same summary (wall times aside: each process's own).
+    for key in ("events", "checks", "tables", "summary", "step"):
+        assert zero[key] == one[key], key
+    # Each process timed the hardware; both got process 0's figures.
+    assert zero["measured"] == one["measured"] and zero["measured"]["name"] == "measured"
+    # What process 0 wrote is what both applied.
+    written = [json.loads(line) for line in (run_dir / "placement_events.jsonl").open()]
+    assert [(e["layer"], e["old"], e["new"], e["applied_after_step"]) for e in written] == [
+        (e["layer"], e["old"], e["new"], e["applied_after_step"]) for e in one["events"]
+    ]
