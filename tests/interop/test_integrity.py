@@ -158,3 +158,45 @@ def test_to_hf_checkpoint_verifies_the_crcs_as_train_lm_does(converted, tmp_path
     assert convert_hf.main([*args, "--no-progress"]) == 2
     _one_line(capsys, f"array params.{BAD} fails its checksum")
     assert not (tmp_path / "bad").exists()
+
+
+def _mesh():
+    from moejax import parallel
+
+    return parallel.make_mesh((2, 4), ("data", "expert"))
+
+
+def _as_crc32(conv):
+    """Rewrite `conv`'s checksums.json as a directory converted before "fmixsum64" holds it:
+    CRC-32s of each parameter's bytes."""
+    from moejax.training.checksums import array_checksum, leaf_name
+
+    cfg, _, _ = read_converted(str(conv))
+    params = load_converted_params(str(conv), cfg)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    arrays = {leaf_name(p): np.asarray(x) for p, x in flat}
+    sums = json.loads((conv / "checksums.json").read_text())
+    assert set(sums["arrays"]) == set(arrays)
+    sums["algorithm"] = "crc32"
+    sums["arrays"] = {
+        name: [array_checksum(x), list(x.shape), str(x.dtype)] for name, x in arrays.items()
+    }
+    (conv / "checksums.json").write_text(json.dumps(sums))
+
+
+@pytest.mark.parametrize("algorithm", ["fmixsum64", "crc32"])
+def test_converted_parameters_loaded_onto_a_mesh_are_verified(converted, tmp_path, algorithm):
+    conv = tmp_path / "intact"
+    shutil.copytree(converted / "conv", conv)
+    tampered = _tampered_copy(converted, tmp_path, value=0.5)
+    if algorithm == "crc32":
+        _as_crc32(conv)
+        shutil.copy(conv / "checksums.json", tampered / "checksums.json")
+    assert json.loads((conv / "checksums.json").read_text())["algorithm"] == algorithm
+    cfg, _, _ = read_converted(str(conv))
+    params = load_converted_params(str(conv), cfg, _mesh())  # verified on the mesh
+    w = params["layers"][1]["moe"]["experts"]["w_up"]
+    assert len(w.sharding.device_set) == 8 and not w.sharding.is_fully_replicated
+    for mesh in (_mesh(), None):
+        with pytest.raises(ConvertedDirError, match=rf"array {re.escape(BAD)} fails"):
+            load_converted_params(str(tampered), cfg, mesh)
