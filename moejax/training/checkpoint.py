@@ -11,11 +11,11 @@ A checkpoint of step `t` is the orbax step directory `<dir>/<t>/` with three ite
   resume: `moejax.training.resume`);
 - `checksums`: JSON: the checksum of every array by its name (`params.layers[1].moe.experts.w_up`),
   with its shape and dtype, and the CRC-32 of `meta` (canonical JSON), under one `algorithm`
-  (`moejax.training.checksums`: `"fmixsum64"`, computed on the devices in one jitted program,
-  the same value whatever the sharding and however many processes wrote the state; checkpoints
-  written before it hold `"crc32"`, still verified). Computed on the state when it is saved,
-  by every process alike (one manifest, written by process 0); verified after every restore,
-  on every process.
+  (`moejax.training.checksums.algorithm_for`): `"crc32"` of the host copy when this process
+  holds the whole state (one process), `"fmixsum64"`, computed on the devices and the same
+  whatever the sharding, when arrays span processes. Computed on the state when it is saved,
+  by every process alike (one manifest, written by process 0); verified after every restore by
+  its own algorithm, on every process, whatever mesh and process count restore it.
 
 Atomicity: orbax writes `<t>.orbax-checkpoint-tmp*` and renames it to `<t>` only when every
 process has finished writing all three items, so a save cut short (crash, kill -9, full disk)
@@ -60,9 +60,9 @@ import numpy as np
 from moejax.models import LMConfig
 from moejax.records import flatten, record_from_json, record_to_json, unflatten
 from moejax.training._config import TrainConfig
-from moejax.training.checksums import ALGORITHM as ALGORITHM
 from moejax.training.checksums import ALGORITHMS as ALGORITHMS
 from moejax.training.checksums import CHECKSUM_FORMAT as CHECKSUM_FORMAT
+from moejax.training.checksums import algorithm_for as algorithm_for
 from moejax.training.checksums import array_checksum as array_checksum
 from moejax.training.checksums import check_arrays as check_arrays
 from moejax.training.checksums import leaf_name as leaf_name
@@ -245,11 +245,12 @@ class Checkpointer:
             "mesh": None if mesh is None else dict(mesh.shape),
         }
         tree = _state_dict(state)
+        algorithm = algorithm_for(tree)  # the same on every process
         checksums = {
             "format": CHECKSUM_FORMAT,
-            "algorithm": ALGORITHM,
+            "algorithm": algorithm,
             "meta": meta_checksum(meta),
-            "arrays": state_checksums(tree),
+            "arrays": state_checksums(tree, algorithm),
         }
         self._manager.wait_until_finished()  # the previous save, before rotating
         self._rotate(self.keep)
@@ -363,8 +364,8 @@ class Checkpointer:
 
     def _check_arrays(self, tree, checksums: dict | None, path: str, partial=False) -> None:
         expected = None if checksums is None else checksums["arrays"]
-        algorithm = ALGORITHM if checksums is None else checksums["algorithm"]
-        bad, nonfinite = check_arrays(tree, expected, algorithm=algorithm, partial=partial)
+        kw = {} if checksums is None else {"algorithm": checksums["algorithm"]}
+        bad, nonfinite = check_arrays(tree, expected, partial=partial, **kw)
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise CorruptCheckpoint(f"checkpoint {path}: array {bad[0]} fails its checksum{more}")

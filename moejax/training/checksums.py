@@ -3,25 +3,29 @@
 Used by training checkpoints (`moejax.training.checkpoint`: a `checksums` item beside the state)
 and converted Hugging Face models (`moejax.interop.hf`: `checksums.json`). Arrays are named by
 their pytree path (`params.layers[1].moe.experts.w_up`); a manifest maps each name to
-`[checksum, shape, dtype]` and names its `algorithm`:
+`[checksum, shape, dtype]` under one `algorithm`, which one rule picks (`algorithm_for`): a
+tree this process holds whole gets `"crc32"`, one with an array that spans processes
+`"fmixsum64"`. Both are of the array's contents in C order, whatever its sharding; a manifest
+is verified by its own algorithm wherever it is read (one process or several, any mesh).
 
-- `"fmixsum64"` (everything moejax writes): computed on the devices, in one jitted program over
-  the whole tree, so it is the same number whatever the sharding and however many processes
-  hold the array, and every process gets it (a replicated scalar). Each element's bit pattern
-  is cut into 32-bit words (`bool`, 1- and 2-byte types widened to one word, 8-byte types two,
-  complex numbers their real and imaginary parts), in C order; word `i` of value `x` adds
-  `fmix32(x ^ fmix32(i ^ seed))` (MurmurHash3's bijective finalizer) to a sum mod 2**32, for two
-  seeds: the checksum is the two sums as one 64-bit integer. Each term is a bijection of its
-  word, so a change to any one word always changes both sums; several changed words (or two
+- `"crc32"`: CRC-32 of the bytes, on the host. The host copy is one `device_get`, and zlib's
+  CRC is the cheapest there is: 15 ms for the README main job's 39 MiB state, where compiling
+  the device program of `"fmixsum64"` for it takes seconds on a CPU. An array that spans
+  processes has no host copy on any one process: to verify a CRC-32 entry of one (a
+  checkpoint written by one process, resumed by several) it is gathered to every host, one
+  array at a time. (`null` entries, which multi-process checkpoints written before
+  `"fmixsum64"` hold for such arrays, are not checked.)
+- `"fmixsum64"`: computed on the devices, in one jitted program over the whole tree, so it is
+  the same number whatever the sharding and however many processes hold the array, and every
+  process gets it (a replicated value). Each element's bit pattern is cut into 32-bit words
+  (`bool`, 1- and 2-byte types widened to one word, 8-byte types two, complex numbers their
+  real and imaginary parts), in C order; word `i` of value `x` adds
+  `fmix32(x ^ fmix32(i ^ seed))` (MurmurHash3's bijective finalizer) to a sum mod 2**32, for
+  two seeds: the checksum is the two sums as one 64-bit integer. Each term is a bijection of
+  its word, so a change to any one word always changes both sums; several changed words (or two
   swapped) leave both unchanged with a chance of about 2**-64. Modular sums do not depend on
-  the order of addition: that is what makes the value sharding-independent (and exact).
-- `"crc32"` (manifests written before; still read and verified): CRC-32 of the bytes in C
-  order, computed on the host; an array that spans processes is gathered to every host one
-  array at a time to be checked (`null` entries, which older multi-process checkpoints hold for
-  such arrays, are not checked).
-
-NaN/Inf are counted in the same jitted program, so no array is copied to the host to check a
-checkpoint written by moejax now.
+  the order of addition: that is what makes the value sharding-independent (and exact). NaN/Inf
+  are counted in the same program, so nothing is copied to a host.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 CHECKSUM_FORMAT = "moejax-checksums/1"
-ALGORITHM = "fmixsum64"  # what moejax writes
-ALGORITHMS = (ALGORITHM, "crc32")  # what it verifies
+ALGORITHM = "fmixsum64"  # on the devices: trees that span processes
+CRC32 = "crc32"  # on the host: trees this process holds whole
+ALGORITHMS = (ALGORITHM, CRC32)
 _SEEDS = (0x9E3779B9, 0x7F4A7C15)
 
 
@@ -151,33 +156,64 @@ def device_digests(tree) -> dict:
     out = {}
     for items in groups.values():
         leaves = [leaf for _, leaf in items]
-        fn = _digest_fn(_replicated(leaves[0].sharding))
-        values = np.asarray(fn(leaves)).astype(np.uint64)
-        for (name, leaf), (s1, s2, bad) in zip(items, values, strict=True):
+        try:
+            values = np.asarray(_digest_fn(_replicated(leaves[0].sharding))(leaves))
+        except ValueError:  # the same devices in other orders (meshes): one leaf at a time
+            values = np.concatenate(
+                [np.asarray(_digest_fn(_replicated(x.sharding))([x])) for x in leaves]
+            )
+        for (name, leaf), (s1, s2, bad) in zip(items, values.astype(np.uint64), strict=True):
             dtype = str(leaf.dtype)
             out[name] = (int(s1) << 32 | int(s2), int(bad), list(leaf.shape), dtype)
     return {leaf_name(path): out[leaf_name(path)] for path, _ in flat}  # in tree order
 
 
-def state_checksums(tree) -> dict:
-    """`{name: [checksum, shape, dtype]}` of every array of `tree` (`ALGORITHM`), whatever its
-    sharding; with several processes, call it on every process (it is a collective)."""
-    return {name: [c, shape, dtype] for name, (c, _, shape, dtype) in device_digests(tree).items()}
+def _spans_processes(leaf) -> bool:
+    return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
 
 
-def _crc_entry(leaf) -> list:
-    """`[crc32, shape, dtype]` of one array, on the host (gathered first if it spans
-    processes: a collective, called on every process alike)."""
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+def algorithm_for(tree) -> str:
+    """The algorithm a manifest of `tree` is written with (module docstring): `"fmixsum64"`
+    if an array spans processes, else `"crc32"`. The same on every process of a run."""
+    return ALGORITHM if any(_spans_processes(x) for x in jax.tree.leaves(tree)) else CRC32
+
+
+def state_checksums(tree, algorithm: str | None = None) -> dict:
+    """`{name: [checksum, shape, dtype]}` of every array of `tree`, by `algorithm` (default
+    `algorithm_for(tree)`); with several processes, call it on every process (a collective).
+    """
+    algorithm = algorithm or algorithm_for(tree)
+    if algorithm == ALGORITHM:
+        return {n: [c, shape, dtype] for n, (c, _, shape, dtype) in device_digests(tree).items()}
+    _check_algorithm(algorithm)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {leaf_name(p): _crc_entry(_host(x))[0] for p, x in flat}
+
+
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {ALGORITHMS})")
+
+
+def _host(leaf) -> np.ndarray:
+    """A host copy of one array (gathered to every host if it spans processes: a collective,
+    called on every process alike)."""
+    if _spans_processes(leaf):
         from jax.experimental import multihost_utils
 
-        host = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    else:
-        host = np.asarray(jax.device_get(leaf))
-    return [array_checksum(host), list(host.shape), str(host.dtype)]
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))
 
 
-def check_arrays(tree, expected: dict | None, *, algorithm: str = ALGORITHM, partial=False):
+def _crc_entry(host: np.ndarray) -> tuple[list, int]:
+    """(`[crc32, shape, dtype]`, count of NaN/Inf) of a host array."""
+    bad = 0
+    if jnp.issubdtype(host.dtype, jnp.inexact):
+        bad = host.size - int(np.count_nonzero(np.isfinite(host)))
+    return [array_checksum(host), list(host.shape), str(host.dtype)], bad
+
+
+def check_arrays(tree, expected: dict | None, *, algorithm: str = CRC32, partial=False):
     """One pass over the arrays of `tree`: `(mismatched, nonfinite)`.
 
     Args:
@@ -196,30 +232,35 @@ def check_arrays(tree, expected: dict | None, *, algorithm: str = ALGORITHM, par
     Raises:
       ValueError: an unknown `algorithm`.
     """
-    if expected is not None and algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {ALGORITHMS})")
-    digests = device_digests(tree)
+    _check_algorithm(algorithm)
+    flat = [(leaf_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    got, bad = {}, {}
+    if algorithm == ALGORITHM or (expected is None and algorithm_for(tree) == ALGORITHM):
+        for name, (c, n, shape, dtype) in device_digests(tree).items():
+            got[name], bad[name] = [c, shape, dtype], n
+    else:  # crc32, on the host
+        on_devices = []  # spanning processes, no entry to check: NaN/Inf counted on the devices
+        for name, x in flat:
+            if _spans_processes(x) and (expected is None or expected.get(name) is None):
+                on_devices.append((name, x))
+                got[name] = None
+            else:
+                got[name], bad[name] = _crc_entry(_host(x))
+        if on_devices:
+            digests = device_digests(dict(on_devices))
+            bad.update({name: digests[name][1] for name, _ in on_devices})
     nonfinite = [
-        (name, bad, int(np.prod(shape, dtype=np.int64)))
-        for name, (_, bad, shape, _) in digests.items()
-        if bad
+        (name, bad[name], int(np.prod(x.shape, dtype=np.int64))) for name, x in flat if bad[name]
     ]
-    if expected is None:
-        return [], nonfinite
-    if algorithm == ALGORITHM:
-        got = {name: [c, shape, dtype] for name, (c, _, shape, dtype) in digests.items()}
-    else:  # crc32, on the host: only where the manifest has an entry to compare with
-        leaves = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-        got = {n: _crc_entry(x) if expected.get(n) is not None else None
-               for n, x in leaves.items()}  # fmt: skip
     mismatched = []
-    names = set(got) if partial else set(got) | set(expected)
-    for name in sorted(names):
-        want, have = expected.get(name, "<missing>"), got.get(name, "<missing>")
-        if want is None or have is None:  # spans processes, in an older manifest
-            continue
-        if want != have:
-            mismatched.append(name)
+    if expected is not None:
+        names = set(got) if partial else set(got) | set(expected)
+        for name in sorted(names):
+            want, have = expected.get(name, "<missing>"), got.get(name, "<missing>")
+            if want is None or have is None:  # spans processes, in an older manifest
+                continue
+            if want != have:
+                mismatched.append(name)
     return mismatched, nonfinite
 
 

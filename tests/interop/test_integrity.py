@@ -1,6 +1,7 @@
 """Integrity end to end: `convert_hf.py to-hf --checkpoint` verifies the training checkpoint's
-CRC-32s as a resumed run does, converted directories carry checksums that `to-hf` and
-`train_lm.py --init-from` verify, and NaN/Inf weights are refused unless `--allow-nonfinite`."""
+checksums as a resumed run does, converted directories carry checksums that `to-hf` and
+`train_lm.py --init-from` verify (on one device or a mesh, by either algorithm),
+and NaN/Inf weights are refused unless `--allow-nonfinite`."""
 
 from __future__ import annotations
 
@@ -166,22 +167,17 @@ def _mesh():
     return parallel.make_mesh((2, 4), ("data", "expert"))
 
 
-def _as_crc32(conv):
-    """Rewrite `conv`'s checksums.json as a directory converted before "fmixsum64" holds it:
-    CRC-32s of each parameter's bytes."""
-    from moejax.training.checksums import array_checksum, leaf_name
+def _rewrite_as(conv, algorithm):
+    """Rewrite `conv`'s checksums.json with `algorithm` ("fmixsum64": as parameters that span
+    processes are written)."""
+    from moejax.training.checksums import state_checksums
 
     cfg, _, _ = read_converted(str(conv))
-    params = load_converted_params(str(conv), cfg)
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    arrays = {leaf_name(p): np.asarray(x) for p, x in flat}
     sums = json.loads((conv / "checksums.json").read_text())
+    arrays = state_checksums(load_converted_params(str(conv), cfg), algorithm)
     assert set(sums["arrays"]) == set(arrays)
-    sums["algorithm"] = "crc32"
-    sums["arrays"] = {
-        name: [array_checksum(x), list(x.shape), str(x.dtype)] for name, x in arrays.items()
-    }
-    (conv / "checksums.json").write_text(json.dumps(sums))
+    (conv / "checksums.json").write_text(json.dumps({**sums, "algorithm": algorithm,
+                                                     "arrays": arrays}))  # fmt: skip
 
 
 @pytest.mark.parametrize("algorithm", ["fmixsum64", "crc32"])
@@ -189,8 +185,8 @@ def test_converted_parameters_loaded_onto_a_mesh_are_verified(converted, tmp_pat
     conv = tmp_path / "intact"
     shutil.copytree(converted / "conv", conv)
     tampered = _tampered_copy(converted, tmp_path, value=0.5)
-    if algorithm == "crc32":
-        _as_crc32(conv)
+    if algorithm == "fmixsum64":
+        _rewrite_as(conv, algorithm)
         shutil.copy(conv / "checksums.json", tampered / "checksums.json")
     assert json.loads((conv / "checksums.json").read_text())["algorithm"] == algorithm
     cfg, _, _ = read_converted(str(conv))

@@ -1,6 +1,6 @@
-"""Issue 50: the checkpoint checksum (`moejax.training.checksums`, "fmixsum64") is one number
-per array whatever its sharding, changes when any element does, and CRC-32 manifests written
-before it are still verified."""
+"""Issue 50: the device checksum (`moejax.training.checksums`, "fmixsum64") is one number per
+array whatever its sharding, and changes when any element does; one rule picks it or CRC-32,
+and CRC-32 manifests are verified however the arrays are sharded."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,7 @@ from moejax import parallel
 from moejax.training import init_train_state
 from moejax.training.checksums import (
     ALGORITHM,
+    algorithm_for,
     array_checksum,
     check_arrays,
     device_digests,
@@ -20,6 +21,10 @@ from moejax.training.checksums import (
 )
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_)
+
+
+def _sums(tree):
+    return state_checksums(tree, ALGORITHM)
 
 
 def _array(dtype, shape=(8, 12, 16)):
@@ -43,17 +48,17 @@ def test_the_checksum_is_the_same_on_one_device_and_on_meshes(dtype):
         _on(x, (2, 4), PartitionSpec()),  # replicated everywhere
         np.asarray(x),  # a host array
     ]
-    want = state_checksums({"x": one})["x"]
+    want = _sums({"x": one})["x"]
     assert want[1:] == [[8, 12, 16], jnp.dtype(dtype).name]
     for y in layouts:
-        assert state_checksums({"x": y})["x"] == want
+        assert _sums({"x": y})["x"] == want
 
 
 def test_a_train_state_has_one_checksum_on_the_mesh_and_on_one_device():
     state = init_train_state(MODEL, TRAIN, mesh())
     host = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), state)
-    sharded = state_checksums(state.__dict__)
-    assert sharded == state_checksums(host.__dict__)
+    sharded = _sums(state.__dict__)
+    assert sharded == _sums(host.__dict__)
     assert len(sharded) > 10 and all(isinstance(v[0], int) for v in sharded.values())
 
 
@@ -88,35 +93,46 @@ def _changes(x):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_the_checksum_changes_when_any_element_changes(dtype):
     x = _on(_array(dtype), (2, 4), PartitionSpec("data", "expert"))
-    want = state_checksums({"x": x})
+    want = _sums({"x": x})
     for y in _changes(x):
         assert not np.array_equal(np.asarray(y), np.asarray(x))
         y = jax.device_put(y, x.sharding)
-        assert state_checksums({"x": y})["x"][0] != want["x"][0]
-        assert check_arrays({"x": y}, want) == (["x"], [])
+        assert _sums({"x": y})["x"][0] != want["x"][0]
+        assert check_arrays({"x": y}, want, algorithm=ALGORITHM) == (["x"], [])
 
 
 def test_nonfinite_values_are_counted_on_the_devices():
     x = _on(jnp.zeros((8, 16)).at[1, 2].set(jnp.nan).at[7, 15].set(-jnp.inf), (2, 4),
             PartitionSpec("expert", "data"))  # fmt: skip
     tree = {"w": x, "n": jnp.arange(4)}
-    assert check_arrays(tree, None) == ([], [("w", 2, 128)])
+    assert check_arrays(tree, None) == ([], [("w", 2, 128)])  # (on the host: crc32)
+    assert check_arrays(tree, _sums(tree), algorithm=ALGORITHM) == ([], [("w", 2, 128)])
     assert {k: v[1] for k, v in device_digests(tree).items()} == {"w": 2, "n": 0}
 
 
-def test_crc32_manifests_written_before_are_still_verified():
+def test_one_process_writes_crc32_and_verifies_it_on_any_mesh():
     state = init_train_state(MODEL, TRAIN, mesh())
     tree = {"params": state.params, "step": state.step}
-    names = state_checksums(tree)
-    leaves = jax.tree.leaves(tree)
-    old = {name: [array_checksum(np.asarray(x)), list(x.shape), str(x.dtype)]
-           for name, x in zip(names, leaves, strict=True)}  # fmt: skip
-    assert check_arrays(tree, old, algorithm="crc32") == ([], [])
+    assert algorithm_for(tree) == "crc32"  # this process holds every array whole
+    sums = state_checksums(tree)
     name = "params.layers[1].moe.experts.w_up"
     w = tree["params"]["layers"][1]["moe"]["experts"]["w_up"]
+    assert sums[name] == [array_checksum(np.asarray(w)), list(w.shape), "float32"]
+    assert check_arrays(tree, sums) == ([], [])
+    on_one = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[5]), tree)
+    assert check_arrays(on_one, sums) == ([], [])
     tree["params"]["layers"][1]["moe"]["experts"]["w_up"] = w.at[3, 5, 7].set(-1.9e30)
-    assert check_arrays(tree, old, algorithm="crc32") == ([name], [])
-    assert check_arrays(tree, {**old, name: None}, algorithm="crc32") == ([], [])  # null: not
+    assert check_arrays(tree, sums) == ([name], [])
+    assert check_arrays(tree, {**sums, name: None}) == ([], [])  # null entries: not checked
     with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
-        check_arrays(tree, old, algorithm="md5")
+        check_arrays(tree, sums, algorithm="md5")
     assert ALGORITHM == "fmixsum64"
+
+
+def test_arrays_on_meshes_of_one_device_set_in_other_orders():
+    x, y = _array(jnp.float32), _array(jnp.int32)
+    devices = np.array(jax.devices())
+    backwards = jax.sharding.Mesh(devices[::-1].reshape(2, 4), ("data", "expert"))
+    tree = {"x": _on(x, (2, 4), PartitionSpec("expert")),
+            "y": jax.device_put(y, NamedSharding(backwards, PartitionSpec("expert")))}  # fmt: skip
+    assert _sums(tree) == _sums({"x": np.asarray(x), "y": np.asarray(y)})

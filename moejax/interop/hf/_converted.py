@@ -8,8 +8,8 @@ checkpoint's parameters, for the way back).
 DIR/model.json          {"format", "family", "config": LMConfig as JSON (`moejax.record_to_json`)}
 DIR/hf_config.json      the original config.json (written back on the way to Hugging Face)
 DIR/params/             the parameter tree (orbax StandardCheckpointer), experts in logical order
-DIR/checksums.json      the checksum of every parameter (`moejax.training.checksums`: the same
-                        value on any mesh; "crc32" in directories converted before it)
+DIR/checksums.json      the checksum of every parameter (`moejax.training.checksums`),
+                        verified on whatever mesh the parameters are loaded onto
 DIR/.moejax-output.json the marker of a moejax output (`_outputs`)
 ```
 
@@ -64,7 +64,7 @@ def save_converted(
     """
     import orbax.checkpoint as ocp
 
-    from moejax.training.checksums import ALGORITHM, CHECKSUM_FORMAT, state_checksums
+    from moejax.training.checksums import CHECKSUM_FORMAT, algorithm_for, state_checksums
 
     with OutputDir(path, kind="converted", overwrite=overwrite, inputs=inputs) as out:
         ckptr = ocp.StandardCheckpointer()
@@ -73,7 +73,7 @@ def save_converted(
         model = {"format": FORMAT, "family": family, "config": record_to_json(cfg)}
         sums = {
             "format": CHECKSUM_FORMAT,
-            "algorithm": ALGORITHM,
+            "algorithm": algorithm_for(params),
             "arrays": state_checksums(params),
         }
         for name, obj in ((MODEL_JSON, model), (HF_CONFIG_JSON, hf_config), (CHECKSUMS_JSON, sums)):
@@ -168,10 +168,10 @@ def load_converted_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinit
         with open(sums_file) as f:
             sums = json.load(f)
         expected, algorithm = sums["arrays"], sums.get("algorithm", "crc32")
-        if algorithm not in ALGORITHMS or not isinstance(expected, dict):
-            raise ValueError(
-                f"algorithm {algorithm!r}" if algorithm not in ALGORITHMS else "arrays"
-            )
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+        if not isinstance(expected, dict):
+            raise ValueError("'arrays' is not an object")
     except FileNotFoundError:
         expected = None
         print(f"moejax: {path} has no {CHECKSUMS_JSON} (converted before checksums existed): "
@@ -188,7 +188,8 @@ def load_converted_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinit
         raise ConvertedDirError(
             f"{path}: parameters cannot be read ({type(err).__name__}: {first})"
         ) from None
-    bad, nonfinite = check_arrays(params, expected, algorithm=algorithm or ALGORITHMS[0])
+    kw = {} if algorithm is None else {"algorithm": algorithm}
+    bad, nonfinite = check_arrays(params, expected, **kw)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise ConvertedDirError(f"{path}: array {bad[0]} fails its checksum{more}")
