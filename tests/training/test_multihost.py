@@ -176,3 +176,27 @@ def test_two_processes_apply_process_0s_placement_decisions(tmp_path):
     assert [(e["layer"], e["old"], e["new"], e["applied_after_step"]) for e in written] == [
         (e["layer"], e["old"], e["new"], e["applied_after_step"]) for e in one["events"]
     ]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_one_process_checkpoint_is_verified_by_two_processes(tmp_path):
+    """CRC-32s written by one process, checked by two: each array spanning them is gathered."""
+    from _checkpoint_two_processes import DATA, at
+
+    from moejax.training import init_train_state
+
+    ckpts = tmp_path / "checkpoints"
+    state = init_train_state(MODEL, TRAIN, mesh())
+    ck = Checkpointer(str(ckpts), MODEL, TRAIN)
+    for step in (2, 4):
+        ck.save(at(state, step), data_state=DATA, placements=[], mesh=mesh())
+    ck.close()
+    assert json.loads((ckpts / "4" / "checksums" / "metadata").read_text())["algorithm"] == "crc32"
+    name = "params.layers[1].moe.experts.w_up"
+    _rewrite_one_weight(ckpts, 4, name)
+    for r in _two_processes(tmp_path, "resume", ckpts, name="resume"):
+        assert r["step"] == 2 and r["verified"] and r["is_step_2"], r
+        assert r["lines"] == [
+            f"skipped checkpoint {ckpts}/4: array {name} fails its checksum; moved aside to "
+            "4.corrupt"
+        ]
