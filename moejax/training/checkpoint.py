@@ -9,12 +9,13 @@ A checkpoint of step `t` is the orbax step directory `<dir>/<t>/` with three ite
   `slots_per_device`), the placement controller's state (`PlacementRuntime.checkpoint_state`,
   None without a controller), the mesh it was written on, and the train config (compared on
   resume: `moejax.training.resume`);
-- `checksums`: JSON: the CRC-32 of every array's bytes (C order, as saved) by its name
-  (`params.layers[1].moe.experts.w_up`), with its shape and dtype, and the CRC-32 of `meta`
-  (canonical JSON). Computed on the host copy of the state when it is saved; verified after
-  every restore. Arrays that span processes (multi-process runs) have no host copy on any one
-  process: their entry is null, and such arrays are not checked on restore either (the
-  metadata still is).
+- `checksums`: JSON: the checksum of every array by its name (`params.layers[1].moe.experts.w_up`),
+  with its shape and dtype, and the CRC-32 of `meta` (canonical JSON), under one `algorithm`
+  (`moejax.training.checksums.algorithm_for`): `"crc32"` of the host copy when this process
+  holds the whole state (one process), `"fmixsum64"`, computed on the devices and the same
+  whatever the sharding, when arrays span processes. Computed on the state when it is saved,
+  by every process alike (one manifest, written by process 0); verified after every restore by
+  its own algorithm, on every process, whatever mesh and process count restore it.
 
 Atomicity: orbax writes `<t>.orbax-checkpoint-tmp*` and renames it to `<t>` only when every
 process has finished writing all three items, so a save cut short (crash, kill -9, full disk)
@@ -37,8 +38,8 @@ Rotation (keep the newest `keep`) runs before each save and on `close`, once the
 has finished; it deletes older checkpoints only after the newest one has been verified (read
 back and checked against its checksums, into host memory, or restored and checked at the start
 of the run), so a newer checkpoint that turns out bad never costs the older intact ones. Between
-two saves `keep + 1` checkpoints may exist. Multi-process runs skip the read-back (nothing to
-check: see `checksums`).
+two saves `keep + 1` checkpoints may exist. Multi-process runs skip the read-back (it would hold
+the whole state in every host's memory); their resume verifies every array as one process does.
 
 Restoring reads the arrays straight into the shardings of the current mesh, whatever mesh wrote
 them. Placements: parameters are stored in logical order, so a placement only describes where
@@ -59,7 +60,9 @@ import numpy as np
 from moejax.models import LMConfig
 from moejax.records import flatten, record_from_json, record_to_json, unflatten
 from moejax.training._config import TrainConfig
+from moejax.training.checksums import ALGORITHMS as ALGORITHMS
 from moejax.training.checksums import CHECKSUM_FORMAT as CHECKSUM_FORMAT
+from moejax.training.checksums import algorithm_for as algorithm_for
 from moejax.training.checksums import array_checksum as array_checksum
 from moejax.training.checksums import check_arrays as check_arrays
 from moejax.training.checksums import leaf_name as leaf_name
@@ -240,7 +243,8 @@ class Checkpointer:
     ) -> int:
         """Save `state` as checkpoint `int(state.step)`; returns the step.
 
-        Returns once the arrays are copied off the devices and checksummed (the state may then
+        Every process calls it (the checksums are one collective program over the state).
+        Returns once the arrays are checksummed and copied off the devices (the state may then
         be donated to the next step); the files are written in the background unless `wait`.
         Older checkpoints beyond `keep` are deleted first, once the newest is verified.
         """
@@ -256,11 +260,12 @@ class Checkpointer:
             "mesh": None if mesh is None else dict(mesh.shape),
         }
         tree = _state_dict(state)
+        algorithm = algorithm_for(tree)  # the same on every process
         checksums = {
             "format": CHECKSUM_FORMAT,
-            "algorithm": "crc32",
+            "algorithm": algorithm,
             "meta": meta_checksum(meta),
-            "arrays": state_checksums(tree),
+            "arrays": state_checksums(tree, algorithm),
         }
         self._finish()  # the previous save, before rotating
         self._rotate(self.keep)
@@ -379,7 +384,8 @@ class Checkpointer:
 
     def _check_arrays(self, tree, checksums: dict | None, path: str, partial=False) -> None:
         expected = None if checksums is None else checksums["arrays"]
-        bad, nonfinite = check_arrays(tree, expected, partial=partial)
+        kw = {} if checksums is None else {"algorithm": checksums["algorithm"]}
+        bad, nonfinite = check_arrays(tree, expected, partial=partial, **kw)
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise CorruptCheckpoint(f"checkpoint {path}: array {bad[0]} fails its checksum{more}")
@@ -442,6 +448,9 @@ class Checkpointer:
                 )["checksums"]
                 if checksums.get("format") != CHECKSUM_FORMAT:
                     raise ValueError(f"format {checksums.get('format')!r}")
+                checksums.setdefault("algorithm", "crc32")  # (all that was written before it)
+                if checksums["algorithm"] not in ALGORITHMS:
+                    raise ValueError(f"unknown algorithm {checksums['algorithm']!r}")
             except Exception as err:
                 raise corrupt(f"checksums unreadable ({_first_line(err)})") from None
             if meta_checksum(meta) != checksums["meta"]:
@@ -476,11 +485,14 @@ class Checkpointer:
         """Rename step directory `step` to `<step>.corrupt[-n]` (process 0); returns the name."""
         names = [f"{step}.corrupt"] + [f"{step}.corrupt-{i}" for i in range(1, 1000)]
         name = next(n for n in names if not os.path.exists(os.path.join(self.directory, n)))
-        if jax.process_index() == 0:
-            os.rename(os.path.join(self.directory, str(step)), os.path.join(self.directory, name))
-        if jax.process_count() > 1:
+        several = jax.process_count() > 1
+        if several:  # every process has chosen the name before process 0 takes it
             from jax.experimental import multihost_utils
 
+            multihost_utils.sync_global_devices(f"moejax checkpoint set aside {step} (name)")
+        if jax.process_index() == 0:
+            os.rename(os.path.join(self.directory, str(step)), os.path.join(self.directory, name))
+        if several:
             multihost_utils.sync_global_devices(f"moejax checkpoint set aside {step}")
         return name
 
@@ -491,8 +503,9 @@ class Checkpointer:
             return
         newest = steps[-1]
         if newest not in self._verified and jax.process_count() == 1:
-            # (Several processes: their arrays span processes and carry no checksums, so a read
-            # back would check nothing; the newest finished step counts as verified.)
+            # (Several processes: a read-back onto one host device per process would hold the
+            # whole state in every host's memory; the newest finished step counts as verified
+            # here, and a resume verifies it.)
             if self._readback is None:  # nothing saved by this run: no read-back target
                 return
             try:

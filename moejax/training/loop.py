@@ -84,6 +84,10 @@ class RunResult:
     state: TrainState | None = dataclasses.field(repr=False, default=None)  # the final state
     placement: dict | None = None  # PlacementRuntime.summary: re-placements and their overhead
     placements: tuple = ()  # the final `Placement` of every MoE layer (the state's layout)
+    # Every re-placement and every check of this run (`placement_events.jsonl` and
+    # `placement_decisions.jsonl` records), on every process alike.
+    placement_events: list = dataclasses.field(repr=False, default_factory=list)
+    placement_checks: list = dataclasses.field(repr=False, default_factory=list)
     tuning: dict | None = None  # tuning.StepRunner.summary: the strategy chosen and why
     final_loss_steps: int = 20  # `report.loss_window` of the run's steps
     recipes: tuple = ()  # one line per training recipe in use (`recipe_lines`; upcycling: the CLI)
@@ -445,6 +449,7 @@ def _train(
         result.state = state
         result.placement = placing.summary(result.wall_s, records)
         result.placements = placing.placements
+        result.placement_events, result.placement_checks = placing.events, placing.decisions
         result.tuning = steps.summary()
         result.recipes = recipe_lines(train_cfg)
         if primary and outputs and records:

@@ -55,6 +55,7 @@ from moejax.placement import (
     Workload,
 )
 from moejax.training._config import TrainConfig
+from moejax.training.agree import from_process_0
 from moejax.training.optimizer import make_optimizer
 
 
@@ -312,7 +313,9 @@ def measure_hardware(mesh, workload: Workload, *, repeats: int = 5) -> HardwareM
     a memory copy, so the balance between compute, all-to-all and replica sync, which is all the
     controller weighs, is nothing like a GPU's. Timed on every device of the mesh at once (as
     in a training step): one expert-shaped matmul (`T·K` rows of `D x F`) and one all-to-all of
-    those rows over the `expert` axis; the medians are kept.
+    those rows over the `expert` axis; the medians are kept. With several processes every
+    process times them (the programs span the mesh) and all get process 0's figures
+    (`moejax.training.agree.from_process_0`).
 
     Args:
       mesh: a `moejax.parallel` mesh with an `expert` axis of at least 2 devices.
@@ -353,8 +356,10 @@ def measure_hardware(mesh, workload: Workload, *, repeats: int = 5) -> HardwareM
     all_to_all = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=spec, out_specs=spec))
     flops = 2.0 * rows * d * f
     sent = rows * d * workload.activation_bytes * (n - 1) / n
+    timed = [_median_s(matmul, x, w, repeats=repeats), _median_s(all_to_all, x, repeats=repeats)]
+    # Every process timed the same programs (they span the mesh); process 0's figures are the
+    # run's, so every process's controller prices with the same ones.
+    matmul_s, all_to_all_s = from_process_0("placement/hardware", timed)
     return HardwareModel(
-        "measured",
-        flops_per_s=flops / _median_s(matmul, x, w, repeats=repeats),
-        link_bytes_per_s=sent / _median_s(all_to_all, x, repeats=repeats),
+        "measured", flops_per_s=flops / matmul_s, link_bytes_per_s=sent / all_to_all_s
     )

@@ -30,6 +30,14 @@ A run with a `PlacementController` also writes `placement_controller.json` at it
 (`PlacementController.spec`), from which `experiments/replay_placement.py` replays its
 `routing_trace.npy` through the same controller, or one with other knobs.
 
+With several processes (`jax.distributed`) only process 0's controller observes and decides:
+each step it shares what it decided (every check's record and every accepted re-placement, as
+JSON: `moejax.training.agree.from_process_0`, through the coordination service) and every
+process applies exactly those tables and logs the same records in memory (process 0 writes the
+files); the controller's `"measured"` hardware figures are process 0's too
+(`placed.measure_hardware`). Each process's own: `migration_wall_s`, and in `summary` the
+measured falls (from the metrics records, which process 0 keeps).
+
 Each layer's migration gather takes its index as an argument (`moejax.training.placed.migrate_fn`)
 and donates the state, so it compiles once per layer, in a background thread at start, while
 training goes on, and writes only the moved layer; the step never recompiles for a new layout
@@ -53,7 +61,11 @@ from moejax.placement.controller import SPEC_FILE
 from moejax.placement.decision import event_record
 from moejax.records import record_to_json
 from moejax.training import placed
+from moejax.training.agree import from_process_0
 
+# With several processes, the key of the decisions shared this many observations back is
+# deleted; each step's collectives keep every process within two observations of process 0.
+_KEEP = 8
 EVENTS_FILE = "placement_events.jsonl"
 DECISIONS_FILE = "placement_decisions.jsonl"
 
@@ -71,6 +83,7 @@ class PlacementRuntime:
     events: list = dataclasses.field(default_factory=list)
     decisions: list = dataclasses.field(default_factory=list)  # `Decision.record`s of this run
     migration_wall_s: float = 0.0
+    decision_wall_s: float = 0.0  # the controller's host time (process 0's), `decide`'s
     _slot_tables: tuple = ()
     _events_path: str | None = None
     _decisions_path: str | None = None
@@ -123,6 +136,7 @@ class PlacementRuntime:
                 if resumed["unobserved_step"] is not None:
                     counts = np.asarray(resumed["unobserved_counts"], np.float64)
                     runtime._unobserved = (resumed["unobserved_step"], counts)
+            runtime.decision_wall_s = float(getattr(runtime.controller, "decision_wall_s", 0.0))
             runtime._start_compile(state)
             if run_dir is not None:
                 if resumed is None and isinstance(runtime.controller, PlacementController):
@@ -152,36 +166,55 @@ class PlacementRuntime:
         `state` (the state after `applied_after_step`). Returns the state to train on."""
         if self.controller is None:
             return state
-        decisions = self.controller.observe(step, np.asarray(counts))
-        log = getattr(self.controller, "log", [])
-        for d in log[self._logged :]:  # every check, accepted or declined
-            record = d.record(applied_after_step)
+        decided = self._decide(step, counts, applied_after_step)
+        decided = from_process_0("placement/decisions", decided, keep=_KEEP)
+        self.decision_wall_s = decided["decision_wall_s"]
+        for record in decided["checks"]:  # every check, accepted or declined
             self.decisions.append(record)
             _append(self._decisions_path, record)
-        self._logged = len(log)
-        if not decisions:
+        if not decided["events"]:
             return state
         new = list(self.placements)
         migrate = self._migrators()
         jax.block_until_ready(state)  # time the migration alone, not the step before it
         t0 = time.perf_counter()
-        for d in decisions:  # one donated gather per moved layer; other leaves stay in place
-            sources = migration_sources(new[d.layer], d.new)[None]
-            state = migrate[d.layer](state, jnp.asarray(sources, jnp.int32))
-            new[d.layer] = d.new
+        for event in decided["events"]:  # one donated gather per moved layer
+            layer, old = event["layer"], new[event["layer"]]
+            table = Placement(np.asarray(event["new"], np.int64), old.num_experts,
+                              old.num_devices, old.slots_per_device)  # fmt: skip
+            sources = migration_sources(old, table)[None]
+            state = migrate[layer](state, jnp.asarray(sources, jnp.int32))
+            new[layer] = table
         state = jax.block_until_ready(state)
         wall = time.perf_counter() - t0
         self.migration_wall_s += wall
         self.placements = tuple(new)
         self._slot_tables = placed.slot_tables(new)
+        for event in decided["events"]:
+            self._log({**event, "migration_wall_s": wall})
+        return state
+
+    def _decide(self, step: int, counts, applied_after_step: int) -> dict | None:
+        """What the controller decides on step `step`'s counts, as JSON: `checks` (the
+        `Decision.record` of every check), `events` (`event_record` of each accepted one, without
+        the migration's wall time) and `decision_wall_s` (its host time so far). With several
+        processes only process 0 runs the controller (None elsewhere: `observe` shares process
+        0's), so every process applies the same re-placements."""
+        if jax.process_index() != 0:
+            return None
+        decisions = self.controller.observe(step, np.asarray(counts))
+        log = getattr(self.controller, "log", [])
+        checks = [d.record(applied_after_step) for d in log[self._logged :]]
+        self._logged = len(log)
         # A scripted controller (tests) has no forecasts: its events are on the step's counts.
         ctl = self.controller if isinstance(self.controller, PlacementController) else None
-        for d in decisions:
-            event = event_record(d, counts, step, applied_after_step, ctl)
-            event["migration_wall_s"] = wall
-            event["decision_wall_s"] = float(getattr(self.controller, "decision_wall_s", 0.0))
-            self._log(event)
-        return state
+        decision_wall_s = float(getattr(self.controller, "decision_wall_s", 0.0))
+        events = [
+            {**event_record(d, counts, step, applied_after_step, ctl),
+             "decision_wall_s": decision_wall_s}
+            for d in decisions
+        ]  # fmt: skip
+        return {"checks": checks, "events": events, "decision_wall_s": decision_wall_s}
 
     def take_unobserved(self) -> tuple | None:
         """`(step, counts)` a resumed checkpoint saved before the controller saw them, once
@@ -196,8 +229,8 @@ class PlacementRuntime:
           unobserved: `(step, counts [Lm, E])` of the step the loop fetched but has not fed to
             the controller yet (counts arrive one step late), or None.
         """
-        if not hasattr(self.controller, "state_dict"):
-            return None
+        if not hasattr(self.controller, "state_dict") or jax.process_index() != 0:
+            return None  # (processes other than 0 do not run theirs; 0 writes the metadata)
         step, counts = unobserved if unobserved is not None else (None, None)
         return {
             "controller": self.controller.state_dict(),
@@ -215,7 +248,7 @@ class PlacementRuntime:
         controller)."""
         if self.controller is None:
             return None
-        decide = float(getattr(self.controller, "decision_wall_s", 0.0))
+        decide = self.decision_wall_s
         overhead = decide + self.migration_wall_s
         hw = getattr(self.controller, "hardware", None)
         walls = {e["applied_after_step"]: e["migration_wall_s"] for e in self.events}

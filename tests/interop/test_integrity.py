@@ -1,6 +1,7 @@
 """Integrity end to end: `convert_hf.py to-hf --checkpoint` verifies the training checkpoint's
-CRC-32s as a resumed run does, converted directories carry checksums that `to-hf` and
-`train_lm.py --init-from` verify, and NaN/Inf weights are refused unless `--allow-nonfinite`."""
+checksums as a resumed run does, converted directories carry checksums that `to-hf` and
+`train_lm.py --init-from` verify (on one device or a mesh, by either algorithm),
+and NaN/Inf weights are refused unless `--allow-nonfinite`."""
 
 from __future__ import annotations
 
@@ -158,3 +159,40 @@ def test_to_hf_checkpoint_verifies_the_crcs_as_train_lm_does(converted, tmp_path
     assert convert_hf.main([*args, "--no-progress"]) == 2
     _one_line(capsys, f"array params.{BAD} fails its checksum")
     assert not (tmp_path / "bad").exists()
+
+
+def _mesh():
+    from moejax import parallel
+
+    return parallel.make_mesh((2, 4), ("data", "expert"))
+
+
+def _rewrite_as(conv, algorithm):
+    """Rewrite `conv`'s checksums.json with `algorithm` ("fmixsum64": as parameters that span
+    processes are written)."""
+    from moejax.training.checksums import state_checksums
+
+    cfg, _, _ = read_converted(str(conv))
+    sums = json.loads((conv / "checksums.json").read_text())
+    arrays = state_checksums(load_converted_params(str(conv), cfg), algorithm)
+    assert set(sums["arrays"]) == set(arrays)
+    (conv / "checksums.json").write_text(json.dumps({**sums, "algorithm": algorithm,
+                                                     "arrays": arrays}))  # fmt: skip
+
+
+@pytest.mark.parametrize("algorithm", ["fmixsum64", "crc32"])
+def test_converted_parameters_loaded_onto_a_mesh_are_verified(converted, tmp_path, algorithm):
+    conv = tmp_path / "intact"
+    shutil.copytree(converted / "conv", conv)
+    tampered = _tampered_copy(converted, tmp_path, value=0.5)
+    if algorithm == "fmixsum64":
+        _rewrite_as(conv, algorithm)
+        shutil.copy(conv / "checksums.json", tampered / "checksums.json")
+    assert json.loads((conv / "checksums.json").read_text())["algorithm"] == algorithm
+    cfg, _, _ = read_converted(str(conv))
+    params = load_converted_params(str(conv), cfg, _mesh())  # verified on the mesh
+    w = params["layers"][1]["moe"]["experts"]["w_up"]
+    assert len(w.sharding.device_set) == 8 and not w.sharding.is_fully_replicated
+    for mesh in (_mesh(), None):
+        with pytest.raises(ConvertedDirError, match=rf"array {re.escape(BAD)} fails"):
+            load_converted_params(str(tampered), cfg, mesh)

@@ -8,7 +8,8 @@ checkpoint's parameters, for the way back).
 DIR/model.json          {"format", "family", "config": LMConfig as JSON (`moejax.record_to_json`)}
 DIR/hf_config.json      the original config.json (written back on the way to Hugging Face)
 DIR/params/             the parameter tree (orbax StandardCheckpointer), experts in logical order
-DIR/checksums.json      the CRC-32 of every parameter's bytes (`moejax.training.checkpoint`)
+DIR/checksums.json      the checksum of every parameter (`moejax.training.checksums`),
+                        verified on whatever mesh the parameters are loaded onto
 DIR/.moejax-output.json the marker of a moejax output (`_outputs`)
 ```
 
@@ -64,7 +65,7 @@ def save_converted(
     import orbax.checkpoint as ocp
 
     from moejax._disk import disk_error, quiet_orbax_disk_errors
-    from moejax.training.checksums import CHECKSUM_FORMAT, state_checksums
+    from moejax.training.checksums import CHECKSUM_FORMAT, algorithm_for, state_checksums
 
     quiet_orbax_disk_errors()
     with OutputDir(path, kind="converted", overwrite=overwrite, inputs=inputs) as out:
@@ -73,8 +74,11 @@ def save_converted(
             ckptr.save(os.path.join(out.tmp, PARAMS_DIR), params)
             ckptr.wait_until_finished()
             model = {"format": FORMAT, "family": family, "config": record_to_json(cfg)}
-            arrays = state_checksums(params)
-            sums = {"format": CHECKSUM_FORMAT, "algorithm": "crc32", "arrays": arrays}
+            sums = {
+                "format": CHECKSUM_FORMAT,
+                "algorithm": algorithm_for(params),
+                "arrays": state_checksums(params),
+            }
             for name, obj in (
                 (MODEL_JSON, model),
                 (HF_CONFIG_JSON, hf_config),
@@ -175,13 +179,19 @@ def load_converted_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinit
     """
     import orbax.checkpoint as ocp
 
-    from moejax.training.checksums import check_arrays, nonfinite_message
+    from moejax.training.checksums import ALGORITHMS, check_arrays, nonfinite_message
 
     path = os.path.abspath(path)
     sums_file = os.path.join(path, CHECKSUMS_JSON)
+    algorithm = None
     try:
         with open(sums_file) as f:
-            expected = json.load(f)["arrays"]
+            sums = json.load(f)
+        expected, algorithm = sums["arrays"], sums.get("algorithm", "crc32")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+        if not isinstance(expected, dict):
+            raise ValueError("'arrays' is not an object")
     except FileNotFoundError:
         expected = None
         print(f"moejax: {path} has no {CHECKSUMS_JSON} (converted before checksums existed): "
@@ -198,7 +208,8 @@ def load_converted_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinit
         raise ConvertedDirError(
             f"{path}: parameters cannot be read ({type(err).__name__}: {first})"
         ) from None
-    bad, nonfinite = check_arrays(params, expected)
+    kw = {} if algorithm is None else {"algorithm": algorithm}
+    bad, nonfinite = check_arrays(params, expected, **kw)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise ConvertedDirError(f"{path}: array {bad[0]} fails its checksum{more}")
@@ -210,7 +221,7 @@ def load_converted_params(path: str, cfg: LMConfig, mesh=None, *, allow_nonfinit
 def params_of_train_checkpoint(step_dir: str, cfg: LMConfig, *, allow_nonfinite=False) -> dict:
     """The parameters (logical expert order) of a `moejax.training` checkpoint step directory
     (`<run>/checkpoints/<step>`), on one device, verified as a resumed run verifies them: the
-    metadata against its checksum and the model `cfg`, every parameter against its CRC-32.
+    metadata against its checksum and the model `cfg`, every parameter against its checksum.
 
     Raises:
       moejax.training.CheckpointError (a ValueError): not a finished step, another model, a
