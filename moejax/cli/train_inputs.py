@@ -35,6 +35,8 @@ def check_flags(args) -> None:
         )
     if args.num_processes < 1:
         raise InputError(f"--num-processes={args.num_processes}: must be >= 1")
+    if getattr(args, "peer_timeout", 1) < 1:
+        raise InputError(f"--peer-timeout={args.peer_timeout}: must be >= 1 (seconds)")
     if not 0 <= args.process_id < args.num_processes:
         raise InputError(
             f"--process-id={args.process_id}: must lie in 0..{args.num_processes - 1} "
@@ -211,29 +213,55 @@ def cpu_warning(model_cfg, train_cfg, args) -> str | None:
 
 
 def setup(args):
-    """Everything that only reads the flags, the devices and the corpus (before training)."""
+    """Everything that only reads the flags, the devices and the corpus (before training).
+
+    Under jax.distributed (`moejax.cli._distributed`) every process first checks that all were
+    given the same run, then that none refused its inputs, before anything compiles."""
+    from moejax.cli import _distributed
+
     check_flags(args)
+    decision = _distributed.decide(args)
+    if decision.how is not None:
+        _distributed.initialize(args, decision)
+    several = decision.how is not None and args.num_processes > 1
     shape = setup_devices(args)
     import jax
 
-    if args.num_processes > 1 or args.coordinator:
-        if not args.coordinator:
-            raise InputError("--num-processes > 1 needs --coordinator host:port")
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
-        )
     import moejax
     from moejax import data, parallel
-    from moejax.training import checkpoint, metrics
+    from moejax.training import checkpoint, loop
 
-    if args.implementation not in moejax.IMPLEMENTATIONS:
-        raise InputError(
-            f"--implementation={args.implementation!r}: must be one of "
-            f"{', '.join(moejax.IMPLEMENTATIONS)}"
-        )
-    model_cfg, train_cfg = configs(args)
+    if several:  # after initialize, which installs jax's preemption notifier over SIGTERM
+        loop.record_early_sigterm()
+
+    try:
+        if args.implementation not in moejax.IMPLEMENTATIONS:
+            raise InputError(
+                f"--implementation={args.implementation!r}: must be one of "
+                f"{', '.join(moejax.IMPLEMENTATIONS)}"
+            )
+        model_cfg, train_cfg = configs(args)
+    except ValueError as err:
+        if several:  # the flags that differ, if any, say more than this process's error
+            _distributed.check_same_run(args, error=str(err))
+        raise
+    if several:
+        _distributed.check_same_run(args, (model_cfg, train_cfg))
+    try:
+        out = _setup_rest(args, shape, model_cfg, train_cfg, jax, data, parallel, checkpoint)
+    except ValueError as err:
+        if several:
+            _distributed.check_ready(str(err))
+        raise
+    if several:
+        _distributed.check_ready(None)
+    return out
+
+
+def _setup_rest(args, shape, model_cfg, train_cfg, jax, data, parallel, checkpoint):
+    """`setup` after the configs: the run directory, mesh, strategy and corpus."""
+    from moejax.training import metrics
+
     run_dir = args.out or os.path.join("runs", args.preset)
     checkpoint.check_directory(os.path.join(run_dir, "checkpoints"))  # symlinks, foreign files
     metrics.read_records(os.path.join(run_dir, "metrics.jsonl"), on_torn=lambda _: None)

@@ -118,6 +118,27 @@ def _saved_placements(meta: dict, current: list[Placement]) -> list[Placement] |
 _REPORTED_SKIPS = 5  # skipped steps reported one line each; later ones only counted
 
 
+class EarlySigterm:
+    """A SIGTERM recorder for the start-up before `train`'s loop (installed by
+    `record_early_sigterm`): the loop's handler takes over what it recorded, so a SIGTERM during
+    set-up or compilation stops the run at its first step boundary (under jax.distributed, every
+    process: otherwise jax's own preemption notifier would swallow it)."""
+
+    def __init__(self):
+        self.received: str | None = None
+
+    def __call__(self, signum, frame):
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            os.write(2, b"moejax: SIGTERM during start-up: stopping at the first step boundary\n")
+
+
+def record_early_sigterm() -> None:
+    """Install `EarlySigterm` for SIGTERM (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, EarlySigterm())
+
+
 class _StopSignals:
     """Records SIGTERM and a first SIGINT instead of dying (a second SIGINT raises
     KeyboardInterrupt); restores the previous handlers on exit."""
@@ -130,6 +151,9 @@ class _StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            early = self._previous[signal.SIGTERM]
+            if isinstance(early, EarlySigterm) and early.received:
+                self.received = early.received
         return self
 
     def _handle(self, signum, frame):
