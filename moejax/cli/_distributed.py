@@ -222,7 +222,6 @@ def _versions() -> dict:
         "moejax version": moejax_version,
         "jax version": jax.__version__,
         "jaxlib version": jaxlib.__version__,
-        "python version": sys.version.split()[0],
     }
 
 
@@ -239,8 +238,9 @@ def flags_record(args) -> dict:
         flag = "--" + name.replace("_", "-")
         if name == "mesh":
             try:
-                shape, axes = mesh_spec(args.mesh, args.mesh_axes)
-                value = {"shape": list(shape), "axes": axes and list(axes), "given": args.mesh}
+                shape, axes = mesh_spec(args.mesh, args.mesh_axes)  # "2,4" or "fsdp=2,expert=4"
+                named = axes and [f"{a}={n}" for a, n in zip(axes, shape, strict=True)]
+                value = ",".join(named or map(str, shape))
             except InputError:
                 pass
         if name == "mesh_axes":

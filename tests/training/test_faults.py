@@ -6,9 +6,9 @@ the micro preset.
   difference on every process, exit 2, before anything compiles (no Gloo connection);
 - SIGTERM to one process: both stop after the same step with one checkpoint, exit 0; the
   resumed run ends bit-identical to an uninterrupted one (slow);
-- kill -9 of one process (the coordinator, or the other): the survivor exits 6 within
-  --peer-timeout with one line naming the process gone and the checkpoint to resume from
-  (slow);
+- kill -9 of one process (the coordinator, or the other) or SIGSTOP of the other: the survivor
+  exits 6 within --peer-timeout with one line naming the process gone and the checkpoint to
+  resume from, and a rerun resumes from it (slow);
 
 plus the decision logic of `--distributed` with the environment mocked, the stderr filter on
 the C++ reports of jax 0.10.2 and 0.12, and the disagreement lines.
@@ -25,8 +25,8 @@ import types
 import pytest
 from _helpers import MODEL, TRAIN, assert_trees_equal, cli, finished_steps, free_port, output, popen
 
-from moejax.cli import _distributed, _guard
-from moejax.cli.train_inputs import InputError
+from moejax.cli import _distributed, _guard, train_lm
+from moejax.cli.train_inputs import InputError, configs
 from moejax.training import peers
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import read_records
@@ -109,6 +109,21 @@ def test_disagreement_lines():
         '--preset is "micro" on processes 0, 2, "tiny" on process 1, not given on process 3'
     ]
     assert peers.disagreements([{"a": [1, 2]}, {"a": [1, 2]}]) == []
+
+
+def test_the_run_record_holds_what_decides_the_run():
+    parse = train_lm.parse_args
+    one = parse(["--mesh", "data=2,expert=4", "--num-processes", "2", "--preset", "micro"])
+    other = parse(["--mesh", "2,4", "--mesh-axes", "data,expert", "--num-processes", "2",
+                   "--process-id", "1", "--no-progress", "--preset", "micro",
+                   "--batch-size", str(TRAIN.batch_size)])  # fmt: skip
+    # The same mesh written two ways, per-process flags, a flag given as the preset's value.
+    assert _distributed.flags_record(one) == _distributed.flags_record(other)
+    assert _distributed.config_record(*configs(one)) == _distributed.config_record(*configs(other))
+    record = _distributed.flags_record(one)
+    assert {"moejax version", "jax version", "jaxlib version", "--preset", "--mesh"} <= set(record)
+    assert "--process-id" not in record and "--batch-size" not in record  # compared as configs
+    assert "--batch-size" in _distributed.config_record(*configs(one))
 
 
 # --- the stderr filter --------------------------------------------------------------------------
@@ -290,9 +305,13 @@ def test_sigterm_to_one_process_stops_both_then_resumes_bit_identically(tmp_path
     )
 
 
-@pytest.mark.slow  # a two-process run to its second checkpoint (~30 s on 2 cores)
-@pytest.mark.parametrize("victim", [0, 1], ids=["coordinator", "other"])
-def test_kill_9_of_one_process_ends_the_other_in_one_line(tmp_path, victim):
+@pytest.mark.slow  # a two-process run to its second checkpoint, then a resume (~90 s on 2 cores)
+@pytest.mark.parametrize(
+    "victim, how",
+    [(0, signal.SIGKILL), (1, signal.SIGKILL), (1, signal.SIGSTOP)],
+    ids=["kill-coordinator", "kill-other", "stop-other"],
+)
+def test_a_lost_process_ends_the_other_in_one_line_then_resumes(tmp_path, victim, how):
     timeout_s = 5
     flags = ["--steps", 400, "--checkpoint-every", 2, "--peer-timeout", timeout_s]
     procs = _launch(tmp_path, flags)
@@ -300,12 +319,16 @@ def test_kill_9_of_one_process_ends_the_other_in_one_line(tmp_path, victim):
     _until(lambda: len(finished_steps(ckpts)) >= 2, procs)
     newest = finished_steps(ckpts)[-1]
     sent = time.monotonic()
-    procs[victim].kill()
+    procs[victim].send_signal(how)
     survivor = procs[1 - victim]
-    ends, logs = _wait(procs, timeout=60, since=sent)
+    try:
+        (end,), logs = _wait([survivor], timeout=60, since=sent)
+    finally:
+        procs[victim].kill()  # a stopped process too
+        procs[victim].wait()
     assert survivor.returncode == _distributed.EXIT_PEER_LOST, logs
     bound = 3 if victim == 0 else timeout_s + 3  # the coordinator's loss is seen at once
-    assert ends[1 - victim] < bound, logs
+    assert end < bound, logs
     time.sleep(1)  # the filter writes its line as the survivor ends
     errors = _errors(survivor)
     who = "process 0 (the coordinator) is gone" if victim == 0 else "process 1 is gone"
@@ -316,4 +339,14 @@ def test_kill_9_of_one_process_ends_the_other_in_one_line(tmp_path, victim):
     text = output(survivor)
     assert "Check failure" not in text and "Terminating process" not in text, logs
     assert "Traceback" not in text, logs
-    print(f"kill -9 of process {victim}: the survivor exited {ends[1 - victim]:.2f} s later")
+    name = signal.Signals(how).name
+    print(
+        f"{name} to process {victim}: the other exited {end:.2f} s later (rc {survivor.returncode})"
+    )
+
+    # As the line says: every process again, the same flags (two steps more), from that step.
+    procs = _launch(tmp_path, [*flags, "--stop-at", step + 2])
+    _, logs = _wait(procs, timeout=400)
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert f"resumed from checkpoint step {step} " in output(procs[0])
+    assert read_records(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == step + 2
