@@ -102,13 +102,6 @@ def disagreements(records: list[dict]) -> list[str]:
     return lines
 
 
-def barrier(name: str, *, timeout_s: float) -> None:
-    """Wait until every process reaches the barrier `moejax/<name>` (no-op on one process)."""
-    kv = client()
-    if kv is not None and process_info()[1] > 1:
-        kv.wait_at_barrier(f"moejax/{name}", int(timeout_s * 1000))
-
-
 _SESSIONS = itertools.count()
 
 
