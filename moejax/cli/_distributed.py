@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 
-from moejax.cli.train_inputs import InputError
+from moejax.cli._errors import InputError
 
 EXIT_PEER_LOST = 6  # SIGABRT's number: the handler is libc's _exit itself (no Python)
 # Flags that may differ between processes of one run (the rest must agree).
@@ -225,27 +225,15 @@ def _versions() -> dict:
     }
 
 
-def flags_record(args) -> dict:
-    """What every process must have been given alike, from the flags alone (cannot fail)."""
-    from moejax.cli.train_inputs import mesh_spec
-
+def flags_record(args, *, mesh: str) -> dict:
+    """What every process must have been given alike, from the flags alone (cannot fail);
+    `mesh`: `--mesh` normalised (`train_inputs.mesh_text`)."""
     record = _versions()
     for name, value in sorted(vars(args).items()):
-        if name in PER_PROCESS or name in VIA_TRAIN_CONFIG or name.startswith("_"):
+        if name in PER_PROCESS or name in VIA_TRAIN_CONFIG or name in ("mesh_axes", "upcycled"):
             continue
-        if name in ("upcycled",) or not isinstance(value, str | int | float | bool | list | None):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if name == "mesh":
-            try:
-                shape, axes = mesh_spec(args.mesh, args.mesh_axes)  # "2,4" or "fsdp=2,expert=4"
-                named = axes and [f"{a}={n}" for a, n in zip(axes, shape, strict=True)]
-                value = ",".join(named or map(str, shape))
-            except InputError:
-                pass
-        if name == "mesh_axes":
-            continue  # part of --mesh's record
-        record[flag] = value
+        if isinstance(value, str | int | float | bool | list | None):
+            record["--" + name.replace("_", "-")] = mesh if name == "mesh" else value
     try:
         record["--data"] = data_fingerprint(args)
     except OSError as err:
@@ -253,45 +241,19 @@ def flags_record(args) -> dict:
     return record
 
 
-def config_record(model_cfg, train_cfg) -> dict:
-    """The model and train configs every process derived (compared once the flags agree)."""
-    from moejax.cli.train_inputs import FLAG_OF
-    from moejax.records import record_to_json
-
-    record = {}
-    for key, value in _flatten(record_to_json(model_cfg)).items():
-        record[f"the model's {key}"] = value
-    for field in dataclasses.fields(train_cfg):
-        value = getattr(train_cfg, field.name)
-        flag = FLAG_OF.get(field.name) or {"remat": "--remat", "scan_layers": "--scan"}.get(
-            field.name, f"TrainConfig.{field.name}"
-        )
-        record[flag] = value if isinstance(value, str | int | float | bool | None) else repr(value)
-    return record
-
-
-def _flatten(tree, prefix=""):
-    out = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    out[prefix.rstrip(".")] = tree
-    return out
-
-
 _RECORD_TIMEOUT_S = 600.0  # each process reads its configs (and --upcycle-from's weights) first
 
 
-def check_same_run(args, configs=None, error: str | None = None) -> None:
-    """Every process posts its flags record (and configs, or the error it got deriving them)
-    and reads everyone's: raises InputError, one line per difference, on every process alike.
-    Nothing has compiled yet; a process that died meanwhile is caught by jax's heartbeats."""
+def check_same_run(args, *, mesh: str, configs: dict | None = None, error: str | None = None):
+    """Every process posts its flags record (and its configs' record, `train_inputs.
+    config_record`, or the error it got deriving them) and reads everyone's: raises InputError,
+    one line per difference, on every process alike. Nothing has compiled yet; a process that
+    died meanwhile is caught by jax's heartbeats."""
     from moejax.training import peers
 
-    mine = {"flags": flags_record(args), "error": error}
+    mine = {"flags": flags_record(args, mesh=mesh), "error": error}
     if configs is not None:
-        mine["configs"] = config_record(*configs)
+        mine["configs"] = configs
     try:
         everyone = peers.exchange("run-record", mine, timeout_s=_RECORD_TIMEOUT_S)
     except peers.PeerTimeout as err:

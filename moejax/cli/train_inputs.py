@@ -8,14 +8,13 @@ the devices and the files named, and writes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import math
 import os
 import sys
 
-
-class InputError(ValueError):
-    """A bad flag value (reported in one line, like the library's input errors)."""
+from moejax.cli._errors import InputError as InputError
 
 
 def check_flags(args) -> None:
@@ -102,6 +101,32 @@ def mesh_spec(text: str, axes: str | None) -> tuple[tuple[int, ...], tuple[str, 
     if not shape or min(shape) < 1:
         raise InputError(f"--mesh={text!r}: need positive sizes")
     return shape, names
+
+
+def mesh_text(args) -> str:
+    """`--mesh` (with `--mesh-axes`) as one string, the same however it was written: `2,4`
+    (axes by rank) or `fsdp=2,expert=4`; as given when it does not parse."""
+    try:
+        shape, axes = mesh_spec(args.mesh, args.mesh_axes)
+    except InputError:
+        return args.mesh
+    named = axes and [f"{a}={n}" for a, n in zip(axes, shape, strict=True)]
+    return ",".join(named or map(str, shape))
+
+
+def config_record(model_cfg, train_cfg) -> dict:
+    """The model and train configs a process derived, by the flag (or field) that sets each:
+    what processes of one run compare once their flags agree (`moejax.cli._distributed`)."""
+    from moejax.records import flatten, record_to_json
+
+    record = {f"the model's {k}": v for k, v in flatten(record_to_json(model_cfg)).items()}
+    for field in dataclasses.fields(train_cfg):
+        value = getattr(train_cfg, field.name)
+        flag = FLAG_OF.get(field.name) or {"remat": "--remat", "scan_layers": "--scan"}.get(
+            field.name, f"TrainConfig.{field.name}"
+        )
+        record[flag] = value if isinstance(value, str | int | float | bool | None) else repr(value)
+    return record
 
 
 def setup_devices(args) -> tuple[int, ...]:
@@ -243,10 +268,11 @@ def setup(args):
         model_cfg, train_cfg = configs(args)
     except ValueError as err:
         if several:  # the flags that differ, if any, say more than this process's error
-            _distributed.check_same_run(args, error=str(err))
+            _distributed.check_same_run(args, mesh=mesh_text(args), error=str(err))
         raise
     if several:
-        _distributed.check_same_run(args, (model_cfg, train_cfg))
+        record = config_record(model_cfg, train_cfg)
+        _distributed.check_same_run(args, mesh=mesh_text(args), configs=record)
     try:
         out = _setup_rest(args, shape, model_cfg, train_cfg, jax, data, parallel, checkpoint)
     except ValueError as err:

@@ -25,8 +25,8 @@ import types
 import pytest
 from _helpers import MODEL, TRAIN, assert_trees_equal, cli, finished_steps, free_port, output, popen
 
-from moejax.cli import _distributed, _guard, train_lm
-from moejax.cli.train_inputs import InputError, configs
+from moejax.cli import _distributed, _guard, train_inputs, train_lm
+from moejax.cli.train_inputs import InputError
 from moejax.training import peers
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import read_records
@@ -118,12 +118,16 @@ def test_the_run_record_holds_what_decides_the_run():
                    "--process-id", "1", "--no-progress", "--preset", "micro",
                    "--batch-size", str(TRAIN.batch_size)])  # fmt: skip
     # The same mesh written two ways, per-process flags, a flag given as the preset's value.
-    assert _distributed.flags_record(one) == _distributed.flags_record(other)
-    assert _distributed.config_record(*configs(one)) == _distributed.config_record(*configs(other))
-    record = _distributed.flags_record(one)
-    assert {"moejax version", "jax version", "jaxlib version", "--preset", "--mesh"} <= set(record)
-    assert "--process-id" not in record and "--batch-size" not in record  # compared as configs
-    assert "--batch-size" in _distributed.config_record(*configs(one))
+    flags = [_distributed.flags_record(a, mesh=train_inputs.mesh_text(a)) for a in (one, other)]
+    assert flags[0] == flags[1]
+    record = train_inputs.config_record
+    assert record(*train_inputs.configs(one)) == record(*train_inputs.configs(other))
+    assert flags[0]["--mesh"] == "data=2,expert=4"
+    assert {"moejax version", "jax version", "jaxlib version", "--preset", "--data"} <= set(
+        flags[0]
+    )
+    assert "--process-id" not in flags[0] and "--batch-size" not in flags[0]  # compared as configs
+    assert "--batch-size" in record(*train_inputs.configs(one))
 
 
 # --- the stderr filter --------------------------------------------------------------------------
