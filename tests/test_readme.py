@@ -132,6 +132,7 @@ class Plan:
     slow: bool = False
     setup: tuple = ()  # preparations of the scratch directory (`_prepare`)
     needs: str | None = None  # "jupyter" or "cuda": skipped without it
+    together: str | None = None  # "run": started at once with the group's other commands
 
 
 _INSTALL = "installs packages; the suite runs in an environment that has them"
@@ -159,6 +160,15 @@ COMMANDS: dict[str, Plan] = {
     "--process-id 0": Plan("skip", _HOSTS),
     "python experiments/train_lm.py --coordinator 10.0.0.1:1234 --num-processes 2 "
     "--process-id 1": Plan("skip", _HOSTS),
+    # Both processes at once, as the shell runs them (`&`), on a free port instead of 1234.
+    "python experiments/train_lm.py --preset micro --steps 8 --out runs/two --num-processes 2 "
+    "--process-id 0 --coordinator 127.0.0.1:1234 &": Plan(
+        "run", slow=True, together="two", extra=("--no-progress",)
+    ),
+    "python experiments/train_lm.py --preset micro --steps 8 --out runs/two --num-processes 2 "
+    "--process-id 1 --coordinator 127.0.0.1:1234": Plan(
+        "run", slow=True, together="two", extra=("--no-progress",)
+    ),
     "python experiments/train_lm.py --strategy auto --tune-budget inf": Plan(
         "flags", extra=(*_QUICK, "--tune-candidates", "dropless;allgather")
     ),
@@ -277,6 +287,9 @@ def _params(kind: str):
         plan = COMMANDS.get(c.text)
         if plan is None or (kind == "run" and plan.how == "flags" and not plan.extra):
             continue
+        if plan.together is not None and plan.together in seen:  # run with its group's first
+            continue
+        seen.add(plan.together)
         if kind == "flags" and plan.how != "flags":
             continue
         slow = plan.slow or (kind == "run" and plan.how == "flags")
@@ -376,12 +389,9 @@ def test_readme_command_runs(command, tmp_path):
         if (why := targets.missing("cuda")) is not None:
             pytest.skip(why)
     _prepare(tmp_path, plan.setup)
-    argv = shlex.split(command.text)
-    if ">" in argv:
-        argv = argv[: argv.index(">")]
-    head = {"python": sys.executable, "python3": sys.executable}
-    argv[0] = head.get(argv[0], os.path.join(bin_dir, argv[0]))
-    argv += list(plan.extra)
+    if plan.together is not None:
+        return _run_together(command, plan, tmp_path)
+    argv = _argv(command.text, plan)
     proc = subprocess.run(
         argv, cwd=tmp_path, env=_user_env(), capture_output=True, text=True, timeout=1800
     )
@@ -390,6 +400,46 @@ def test_readme_command_runs(command, tmp_path):
         f"\n--- stderr ---\n{proc.stderr[-3000:]}"
     )
     _check_outputs(command, tmp_path, proc.stdout)
+
+
+def _argv(text: str, plan: Plan) -> list[str]:
+    argv = shlex.split(text)
+    if ">" in argv:
+        argv = argv[: argv.index(">")]
+    if argv[-1] == "&":
+        argv = argv[:-1]
+    bin_dir = os.path.dirname(sys.executable)
+    head = {"python": sys.executable, "python3": sys.executable}
+    argv[0] = head.get(argv[0], os.path.join(bin_dir, argv[0]))
+    return argv + list(plan.extra)
+
+
+def _run_together(command, plan, tmp_path) -> None:
+    """The commands of `plan.together`'s group started at once (the first one's output is
+    checked), the coordinator's port 1234 replaced by a free one."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = [c for c in COMMAND_LINES if COMMANDS.get(c.text, Plan("")).together == plan.together]
+    procs, logs = [], [tmp_path / f"together{i}.log" for i in range(len(group))]
+    for c, path in zip(group, logs, strict=True):
+        argv = [a.replace("127.0.0.1:1234", f"127.0.0.1:{port}") for a in _argv(c.text, plan)]
+        with open(path, "w") as log:  # a file: a pipe left full would block the whole group
+            procs.append(subprocess.Popen(argv, cwd=tmp_path, env=_user_env(), stdout=log,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
+    try:
+        for p in procs:
+            p.wait(timeout=1800)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    outs = [path.read_text() for path in logs]
+    shown = "\n".join(f"--- {c.text}:\n{o[-3000:]}" for c, o in zip(group, outs, strict=True))
+    assert all(p.returncode == 0 for p in procs), f"{command.page} line {command.line}:{shown}"
+    _check_outputs(command, tmp_path, outs[0])
 
 
 def _check_outputs(command, tmp_path, stdout: str) -> None:

@@ -8,14 +8,13 @@ the devices and the files named, and writes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import math
 import os
 import sys
 
-
-class InputError(ValueError):
-    """A bad flag value (reported in one line, like the library's input errors)."""
+from moejax.cli._errors import InputError as InputError
 
 
 def check_flags(args) -> None:
@@ -35,6 +34,8 @@ def check_flags(args) -> None:
         )
     if args.num_processes < 1:
         raise InputError(f"--num-processes={args.num_processes}: must be >= 1")
+    if getattr(args, "peer_timeout", 1) < 1:
+        raise InputError(f"--peer-timeout={args.peer_timeout}: must be >= 1 (seconds)")
     if not 0 <= args.process_id < args.num_processes:
         raise InputError(
             f"--process-id={args.process_id}: must lie in 0..{args.num_processes - 1} "
@@ -113,6 +114,32 @@ def default_mesh(args) -> str:
     model = presets.PRESETS.get(args.preset)
     dense = model is not None and model.moe.num_experts == 1
     return DENSE_MESH if dense and not (args.init_from or args.upcycle_from) else DEFAULT_MESH
+
+
+def mesh_text(args) -> str:
+    """`--mesh` (with `--mesh-axes`) as one string, the same however it was written: `2,4`
+    (axes by rank) or `fsdp=2,expert=4`; as given when it does not parse."""
+    try:
+        shape, axes = mesh_spec(args.mesh, args.mesh_axes)
+    except InputError:
+        return args.mesh
+    named = axes and [f"{a}={n}" for a, n in zip(axes, shape, strict=True)]
+    return ",".join(named or map(str, shape))
+
+
+def config_record(model_cfg, train_cfg) -> dict:
+    """The model and train configs a process derived, by the flag (or field) that sets each:
+    what processes of one run compare once their flags agree (`moejax.cli._distributed`)."""
+    from moejax.records import flatten, record_to_json
+
+    record = {f"the model's {k}": v for k, v in flatten(record_to_json(model_cfg)).items()}
+    for field in dataclasses.fields(train_cfg):
+        value = getattr(train_cfg, field.name)
+        flag = FLAG_OF.get(field.name) or {"remat": "--remat", "scan_layers": "--scan"}.get(
+            field.name, f"TrainConfig.{field.name}"
+        )
+        record[flag] = value if isinstance(value, str | int | float | bool | None) else repr(value)
+    return record
 
 
 def setup_devices(args) -> tuple[int, ...]:
@@ -226,29 +253,56 @@ def cpu_warning(model_cfg, train_cfg, args) -> str | None:
 
 
 def setup(args):
-    """Everything that only reads the flags, the devices and the corpus (before training)."""
+    """Everything that only reads the flags, the devices and the corpus (before training).
+
+    Under jax.distributed (`moejax.cli._distributed`) every process first checks that all were
+    given the same run, then that none refused its inputs, before anything compiles."""
+    from moejax.cli import _distributed
+
     check_flags(args)
+    decision = _distributed.decide(args)
+    if decision.how is not None:
+        _distributed.initialize(args, decision)
+    several = decision.how is not None and args.num_processes > 1
     shape = setup_devices(args)
     import jax
 
-    if args.num_processes > 1 or args.coordinator:
-        if not args.coordinator:
-            raise InputError("--num-processes > 1 needs --coordinator host:port")
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
-        )
     import moejax
     from moejax import data, parallel
-    from moejax.training import checkpoint, metrics
+    from moejax.training import checkpoint, loop
 
-    if args.implementation not in moejax.IMPLEMENTATIONS:
-        raise InputError(
-            f"--implementation={args.implementation!r}: must be one of "
-            f"{', '.join(moejax.IMPLEMENTATIONS)}"
-        )
-    model_cfg, train_cfg = configs(args)
+    if several:  # after initialize, which installs jax's preemption notifier over SIGTERM
+        loop.record_early_sigterm()
+
+    try:
+        if args.implementation not in moejax.IMPLEMENTATIONS:
+            raise InputError(
+                f"--implementation={args.implementation!r}: must be one of "
+                f"{', '.join(moejax.IMPLEMENTATIONS)}"
+            )
+        model_cfg, train_cfg = configs(args)
+    except ValueError as err:
+        if several:  # the flags that differ, if any, say more than this process's error
+            _distributed.check_same_run(args, mesh=mesh_text(args), error=str(err))
+        raise
+    if several:
+        record = config_record(model_cfg, train_cfg)
+        _distributed.check_same_run(args, mesh=mesh_text(args), configs=record)
+    try:
+        out = _setup_rest(args, shape, model_cfg, train_cfg, jax, data, parallel, checkpoint)
+    except ValueError as err:
+        if several:
+            _distributed.check_ready(str(err))
+        raise
+    if several:
+        _distributed.check_ready(None)
+    return out
+
+
+def _setup_rest(args, shape, model_cfg, train_cfg, jax, data, parallel, checkpoint):
+    """`setup` after the configs: the run directory, mesh, strategy and corpus."""
+    from moejax.training import metrics
+
     run_dir = args.out or os.path.join("runs", args.preset)
     checkpoint.check_directory(os.path.join(run_dir, "checkpoints"))  # symlinks, foreign files
     metrics.read_records(os.path.join(run_dir, "metrics.jsonl"), on_torn=lambda _: None)

@@ -24,18 +24,27 @@ taken over with a message. --out must be new, empty or a run directory.
   # two processes x 4 simulated devices = one 8-device mesh:
   python experiments/train_lm.py --num-processes 2 --process-id 0 --coordinator 127.0.0.1:1234 &
   python experiments/train_lm.py --num-processes 2 --process-id 1 --coordinator 127.0.0.1:1234
+  srun --ntasks 2 python experiments/train_lm.py       # SLURM, Cloud TPU, GKE: jax detects it
+
+Several processes (jax.distributed: --coordinator, or a cluster jax detects, see --distributed)
+first check that all were given the same run (versions, flags, data, configs; one line per
+difference, exit 2, before anything compiles); SIGTERM to any one of them stops all after the
+same step with one checkpoint; a process lost (killed, its host gone) makes the others exit 6
+within --peer-timeout with one line naming it and the checkpoint to resume from
+(docs/scaling.md#faults-and-how-to-resume).
 
 `python -m moejax.cli.train_lm` is the same command (`experiments/train_lm.py` only calls `main`).
 
 Exit codes: 0 done (or stopped by SIGTERM / Ctrl-C after saving a checkpoint); 2 an input error,
-one line per mistake, before anything is written (a bad flag value, missing/empty corpus,
-unknown preset, a mesh that does not divide the batch, the experts, the heads or the widths, an
---out that is a file or not writable, in use by another run or holding files moejax did not
-write, a foreign checkpoint directory or one with symlinked steps, no intact checkpoint, a resume
-with another model, batch or seed, a checkpoint or --init-from model failing its checksums or
-holding NaN/Inf without --allow-nonfinite); 3 the run failed (more than --max-skipped-fraction
-of its steps skipped as non-finite); 130 a Ctrl-C outside a training step (a second one aborts
-the save).
+one line per mistake, before anything is written (processes given different runs, a bad flag
+value, missing/empty corpus, unknown preset, a mesh that does not divide the batch, the experts,
+the heads or the widths, an --out that is a file or not writable, in use by another run or
+holding files moejax did not write, a foreign checkpoint directory or one with symlinked steps,
+no intact checkpoint, a resume with another model, batch or seed, a checkpoint or --init-from
+model failing its checksums or holding NaN/Inf without --allow-nonfinite); 3 the run failed
+(more than --max-skipped-fraction of its steps skipped as non-finite); 6 another process of the
+run was lost (jax.distributed); 130 a Ctrl-C outside a training step (a second one aborts the
+save).
 """
 
 from __future__ import annotations
@@ -223,6 +232,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=int, default=1, help="processes in the run")
     p.add_argument("--process-id", type=int, default=0, help="this process, 0..--num-processes-1")
     p.add_argument(
+        "--distributed",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="jax.distributed: 'auto' initialises it with --coordinator/--num-processes/"
+        "--process-id when --coordinator is given, else with no arguments (jax detects the "
+        "cluster) when the environment is a multi-process SLURM step, Open MPI job, Cloud TPU "
+        "pod slice (TPU_WORKER_HOSTNAMES, MEGASCALE_*) or Kubernetes indexed job, else not at "
+        "all (one process); 'on': always (jax detects what the flags do not give); 'off': never",
+    )
+    p.add_argument(
+        "--peer-timeout",
+        type=int,
+        default=30,
+        help="under jax.distributed: seconds without a heartbeat after which a process counts "
+        "as gone; every other process then exits (code 6) naming it and the checkpoint to "
+        "resume from",
+    )
+    p.add_argument(
         "--jax-cache",
         help="persistent XLA compilation cache dir, or 'none' (default: $JAX_COMPILATION_CACHE_DIR "
         "if set, else <out>/jax_cache for single-process runs; none on CPU with jax >= 0.12, "
@@ -403,6 +430,12 @@ def main(argv=None) -> int:
                 return run(args, *inputs)
         except input_errors as err:
             return _fail(err, args)
+        except Exception:
+            if args.num_processes > 1:  # a collective that failed because a peer died?
+                from moejax.cli import _distributed
+
+                _distributed.await_peer_loss(args.peer_timeout)  # exits 6 if so
+            raise
     except KeyboardInterrupt:  # before the training loop, or a second Ctrl-C inside it
         if args.debug:
             raise
@@ -433,6 +466,8 @@ _DISK_FAILED = []  # a disk error was reported (`script` then exits without the 
 
 
 def _fail(err: ValueError, args) -> int:
+    from moejax.cli._distributed import Disagree
+
     if args.debug:
         raise err
     from moejax._disk import OutputWriteError
@@ -440,6 +475,10 @@ def _fail(err: ValueError, args) -> int:
 
     if isinstance(err, OutputWriteError | CheckpointWriteError):
         _DISK_FAILED.append(err)
+    if isinstance(err, Disagree):  # one line per difference
+        for line in err.lines:
+            print(f"error: processes disagree: {line}", file=sys.stderr)
+        return 2
     print(f"error: {_flag_prefix(err, args)}{err}{_hint(err)}", file=sys.stderr)
     return 2
 

@@ -12,8 +12,10 @@ the signal); a second Ctrl-C aborts at once (KeyboardInterrupt, nothing more sav
 with the same run directory resumes from the newest intact checkpoint
 (`Checkpointer.restore_latest`: checksummed, corrupt ones skipped), bit-identically (same mesh)
 to an uninterrupted run, and says so on stderr. The handlers are installed when `train` runs in
-the main thread; with several processes each handles its own signal, so deliver it to all of
-them.
+the main thread. Under `jax.distributed` the processes agree at every step boundary
+(`moejax.training.peers.StopAgreement`, through the coordination service): a signal to any one
+of them stops all of them after the same step, with one checkpoint (`stop_signal` names the
+process that received it, e.g. `"SIGTERM on process 1"`).
 
 Skipped steps (non-finite loss or gradient: the update is dropped) are reported on stderr as
 they happen (the first few, then a count in the progress bar) and counted in the result; once
@@ -38,7 +40,7 @@ from moejax.data import BatchIterator, Corpus, DataError
 from moejax.data._corpus import check_token_ids
 from moejax.models import LMConfig
 from moejax.placement import Placement, save_trace
-from moejax.training import placed, report, resume, rundir, tuning
+from moejax.training import peers, placed, report, resume, rundir, tuning
 from moejax.training._config import SetupError, TrainConfig, check_setup
 from moejax.training.checkpoint import Checkpointer, restore_target
 from moejax.training.metrics import (
@@ -76,7 +78,7 @@ class RunResult:
     mean_dropped: float | None
     wall_s: float
     interrupted: bool
-    stop_signal: str | None = None  # "SIGTERM" or "SIGINT" when interrupted
+    stop_signal: str | None = None  # "SIGTERM", "SIGINT" (or "SIGTERM on process 1") if stopped
     resumed_from: int | None = None  # the checkpoint step this run resumed from
     skipped_checkpoints: tuple = ()  # one line per corrupt checkpoint skipped on resume
     failure: str | None = None  # why the run failed (too many skipped steps), else None
@@ -121,6 +123,27 @@ def _saved_placements(meta: dict, current: list[Placement]) -> list[Placement] |
 _REPORTED_SKIPS = 5  # skipped steps reported one line each; later ones only counted
 
 
+class EarlySigterm:
+    """A SIGTERM recorder for the start-up before `train`'s loop (installed by
+    `record_early_sigterm`): the loop's handler takes over what it recorded, so a SIGTERM during
+    set-up or compilation stops the run at its first step boundary (under jax.distributed, every
+    process: otherwise jax's own preemption notifier would swallow it)."""
+
+    def __init__(self):
+        self.received: str | None = None
+
+    def __call__(self, signum, frame):
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            os.write(2, b"moejax: SIGTERM during start-up: stopping at the first step boundary\n")
+
+
+def record_early_sigterm() -> None:
+    """Install `EarlySigterm` for SIGTERM (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, EarlySigterm())
+
+
 class _StopSignals:
     """Records SIGTERM and a first SIGINT instead of dying (a second SIGINT raises
     KeyboardInterrupt); restores the previous handlers on exit."""
@@ -133,6 +156,9 @@ class _StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            early = self._previous[signal.SIGTERM]
+            if isinstance(early, EarlySigterm) and early.received:
+                self.received = early.received
         return self
 
     def _handle(self, signum, frame):
@@ -376,6 +402,15 @@ def _train(
         bar.set_postfix(**postfix)
         return metrics
 
+    agreement = peers.StopAgreement.current()  # None on one process
+
+    def stop_reason(boundary):
+        """Why every process stops at `boundary` (None: go on); one process decides alone."""
+        if agreement is None:
+            return stop_signals.received
+        return agreement.agree(boundary, stop_signals.received)
+
+    stopped_by = None
     with _StopSignals() as stop_signals:
         for step in range(start, stop):
             batch = global_batch(iterator.next(), mesh)
@@ -393,7 +428,7 @@ def _train(
             every = train_cfg.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < stop:
                 save()
-            if stop_signals.received:
+            if (stopped_by := stop_reason(step + 1)) is not None:
                 interrupted = True
                 break
             if skipped > skip_limit:
@@ -413,8 +448,10 @@ def _train(
             )
             _say(f"run failed: {failure}")
 
+        if stopped_by is None:  # a signal after the last step: no eval (on every process)
+            stopped_by = stop_reason("end")
         eval_loss = None
-        if not stop_signals.received:  # a signal during the loop: save and leave, no eval
+        if stopped_by is None:  # a signal during the loop: save and leave, no eval
             eval_loss = _evaluate(
                 state,
                 placing,
@@ -442,7 +479,7 @@ def _train(
             time.perf_counter() - t_start,
             interrupted,
         )
-        result.stop_signal = stop_signals.received if interrupted else None
+        result.stop_signal = stopped_by if interrupted else None
         result.resumed_from = latest
         result.skipped_checkpoints = () if restored is None else restored.skipped
         result.failure = failure
