@@ -453,7 +453,11 @@ def test_help_shows_every_default():
         if action.option_strings and action.dest != "help":
             assert "(default" in formatter._expand_help(action), action.option_strings
     text = parser.format_help()
-    assert "(default: 2,4)" in text and "(default: tiny)" in text and "(default: off)" in text
+    assert (
+        "(default: 2,4; data=8 for a dense preset" in text
+        and "(default: tiny)" in text
+        and "(default: off)" in text
+    )
 
 
 def test_small_preset_warns_of_its_cpu_run_time():
